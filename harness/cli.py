@@ -1,0 +1,74 @@
+"""The `twinpipe` command line: one entry point, one subcommand per job.
+
+Each subcommand lives in its own module, which exposes ``add_arguments(parser)``
+and ``run(args) -> int``. Modules are imported only when their subcommand runs,
+so `twinpipe --help` stays fast and a missing optional dependency of one
+subcommand never breaks the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# name -> (module, one-line help). Order is the order `--help` lists them.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "compare": ("harness.compare", "run two stacks side by side and compare them"),
+    "diff": ("harness.diff", "compare two compare/bench reports; exit 1 on a regression"),
+    "bench": ("harness.bench", "run the benchmarks and append the results to a history"),
+    "dashboard": ("harness.dashboard", "render a static HTML dashboard from a history"),
+    "estimate": ("optimized.estimator_cli", "estimate per-rank memory from the configs alone"),
+    "train": ("optimized.train", "train a model on the optimized stack"),
+    "prepare-data": ("optimized.data_cli", "turn text files into a memory-mapped token file"),
+    "export": ("optimized.export", "export a training checkpoint as a Hugging Face checkpoint"),
+    "forward": ("harness.forward", "single-process forward/backward of a model; prints the loss"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    """Subcommands whose module exists in this installation."""
+    found = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="twinpipe",
+        description="Train MoE models with DualPipeV and prove every optimization it uses.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _available().items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module)
+        # Arguments are added lazily in main() for the chosen command only.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    name = argv[0]
+    available = _available()
+    if name not in available:
+        parser.print_usage(sys.stderr)
+        valid = ", ".join(available)
+        print(f"twinpipe: error: unknown command {name!r}; valid commands: {valid}", file=sys.stderr)
+        return 2
+    module_name, help_text = available[name]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"twinpipe {name}", description=help_text)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Plain PyTorch ops: the truth the optimized kernels are held against.
+
+Nothing here is fused, padded, deferred or freed early; autograd saves what it
+saves. Read each method next to its docstring in `models.ops.Ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.ops import ExpertLayout
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` whose backward sends gradients back the way tokens came."""
+
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        ctx.group = group
+        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes, input_split_sizes, group=group
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty((sum(ctx.input_split_sizes),) + tuple(grad_out.shape[1:]))
+        dist.all_to_all_single(
+            grad_in,
+            grad_out.contiguous(),
+            ctx.input_split_sizes,
+            ctx.output_split_sizes,
+            group=ctx.group,
+        )
+        return grad_in, None, None, None
+
+
+class ReferenceOps:
+    """The plain implementation of `models.ops.Ops`."""
+
+    name = "reference"
+
+    def cross_entropy(self, logits, target, ignore_index=-100, reduction="sum"):
+        return F.cross_entropy(
+            logits.float(), target, ignore_index=ignore_index, reduction=reduction
+        )
+
+    def gather_rows(self, x, index):
+        return x.index_select(0, index)
+
+    def scatter_add_rows(self, src, index, num_rows):
+        out = src.new_zeros((num_rows,) + tuple(src.shape[1:]))
+        return out.index_add(0, index, src)
+
+    def to_expert_order(self, tokens, expert_ids, num_experts):
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=num_experts)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        positions = torch.empty_like(order)
+        positions[order] = torch.arange(order.numel(), device=order.device)
+        return tokens.index_select(0, order), ExpertLayout(offsets, positions)
+
+    def from_expert_order(self, grouped, layout):
+        return grouped.index_select(0, layout.positions)
+
+    def grouped_linear(self, x, weight, offsets, bias=None):
+        ends = offsets.tolist()
+        outputs, start = [], 0
+        for expert, end in enumerate(ends):
+            out = x[start:end] @ weight[expert]
+            if bias is not None:
+                out = out + bias[expert]
+            outputs.append(out)
+            start = end
+        if start < x.shape[0]:  # rows past the last group (padding) map to zeros
+            outputs.append(x.new_zeros((x.shape[0] - start, weight.shape[-1])))
+        return torch.cat(outputs, 0)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def clamped_swiglu(self, x, alpha, limit):
+        gate, up = x[..., ::2], x[..., 1::2]
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    def all_to_all(self, x, output_split_sizes, input_split_sizes, group):
+        if group is None or dist.get_world_size(group) == 1:
+            return x
+        return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group)
