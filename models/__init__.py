@@ -1,0 +1,19 @@
+"""Model math written once: configs, presets, layers as five stages, HF checkpoints."""
+
+from models.config import ModelConfig
+from models.decoder import DecoderLayer, ExpertParallel
+from models.model import IGNORE_INDEX, CausalLM, build_model, shift_labels
+from models.presets import PRESET_NAMES, preset, resolve_model
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PRESET_NAMES",
+    "CausalLM",
+    "DecoderLayer",
+    "ExpertParallel",
+    "ModelConfig",
+    "build_model",
+    "preset",
+    "resolve_model",
+    "shift_labels",
+]

@@ -1,0 +1,383 @@
+"""One model config for the three MoE families twinpipe trains.
+
+`ModelConfig` holds the union of the fields of DeepSeek-V2, GPT-OSS and
+Qwen3-MoE, named as in their Hugging Face `config.json` where the families
+agree, so that `from_hf` / `to_hf` are a renaming and nothing is guessed.
+Every config is validated when it is built: an impossible one raises
+`ValueError` naming the field, its value and what would be valid, long before
+any process group starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("deepseek_v2", "gpt_oss", "qwen3_moe")
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shapes and semantics of a MoE decoder-only language model."""
+
+    model_type: str
+    """Family: one of ``deepseek_v2``, ``gpt_oss``, ``qwen3_moe`` (as in HF ``model_type``)."""
+    vocab_size: int
+    """Number of token ids; rows of the embedding and of the output layer."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (GQA); must divide ``num_attention_heads``."""
+    head_dim: int
+    """Per-head width of q/k/v (GPT-OSS, Qwen3). For DeepSeek-V2 HF stores the rope head dim here."""
+    intermediate_size: int
+    """Hidden width of a dense MLP layer."""
+    moe_intermediate_size: int
+    """Hidden width of one routed (and one shared) expert."""
+    num_experts: int
+    """Routed experts per MoE layer (HF: ``n_routed_experts`` / ``num_local_experts``)."""
+    num_experts_per_tok: int
+    """Experts each token is routed to (top-k)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary scaling (``{"rope_type": "yarn", "factor": ..., ...}``) or None for plain RoPE."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the rotary tables are built for."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the embedding matrix."""
+    initializer_range: float = 0.02
+    """Std of the normal initialisation of linear and embedding weights."""
+    attention_bias: bool = False
+    """Biases on the attention projections (GPT-OSS: on q/k/v/o; DeepSeek: on the a-projections)."""
+    # Router.
+    topk_method: str = "greedy"
+    """DeepSeek-V2 routing: ``greedy`` or ``group_limited_greedy``."""
+    n_group: int | None = None
+    """DeepSeek-V2 group-limited routing: number of expert groups."""
+    topk_group: int | None = None
+    """DeepSeek-V2 group-limited routing: groups a token may use."""
+    routed_scaling_factor: float = 1.0
+    """DeepSeek-V2: routed expert weights are multiplied by this."""
+    norm_topk_prob: bool = False
+    """Qwen3-MoE: renormalise the top-k probabilities to sum to one."""
+    # Which layers are MoE.
+    n_shared_experts: int = 0
+    """DeepSeek-V2: shared experts, fused as one MLP of width ``moe_intermediate_size * n``."""
+    first_k_dense_replace: int = 0
+    """DeepSeek-V2: the first k layers are dense MLPs."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Qwen3-MoE: layers that use a dense MLP."""
+    decoder_sparse_step: int = 1
+    """Qwen3-MoE: layer i is MoE when ``(i + 1) % decoder_sparse_step == 0``."""
+    # DeepSeek-V2 multi-head latent attention.
+    q_lora_rank: int | None = None
+    """MLA: rank of the query compression; None projects queries directly."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the joint key/value compression."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without rotary."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width with rotary (one shared rotary key)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
+    # GPT-OSS.
+    sliding_window: int | None = None
+    """GPT-OSS: window of the sliding-attention layers."""
+    layer_types: list[str] | None = None
+    """GPT-OSS: ``full_attention`` or ``sliding_attention`` per layer."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS: slope inside the clamped SwiGLU's sigmoid."""
+    swiglu_limit: float = 7.0
+    """GPT-OSS: clamp of the gate (above) and up (both sides) projections."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers (counted by the estimator; twinpipe trains none)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def family(self) -> str:
+        return self.model_type
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts (else it is a dense MLP)."""
+        if self.model_type == "deepseek_v2":
+            return layer >= self.first_k_dense_replace
+        if self.model_type == "qwen3_moe":
+            return (
+                layer not in self.mlp_only_layers
+                and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0
+            )
+        return True  # GPT-OSS: every layer
+
+    def layer_type(self, layer: int) -> str:
+        if self.layer_types is None:
+            return "full_attention"
+        return self.layer_types[layer]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -------------------------------------------------------------- validation
+    def validate(self) -> None:
+        def bad(name: str, value: Any, valid: str) -> ValueError:
+            return ValueError(f"ModelConfig.{name}={value!r} is invalid: {valid}")
+
+        if self.model_type not in FAMILIES:
+            raise bad("model_type", self.model_type, f"expected one of {FAMILIES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_experts_per_tok",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise bad(name, value, "expected a positive integer")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise bad("num_experts", self.num_experts, "expected an integer >= 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        has_moe = any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        if has_moe and self.num_experts_per_tok > self.num_experts:
+            raise bad(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"top-k cannot exceed num_experts={self.num_experts}",
+            )
+        if self.topk_method not in TOPK_METHODS:
+            raise bad("topk_method", self.topk_method, f"expected one of {TOPK_METHODS}")
+        if self.topk_method == "group_limited_greedy":
+            if not self.n_group or self.num_experts % self.n_group:
+                raise bad(
+                    "n_group", self.n_group, f"must be >= 1 and divide num_experts={self.num_experts}"
+                )
+            if not self.topk_group or self.topk_group > self.n_group:
+                raise bad("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+            per_group = self.num_experts // self.n_group
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise bad(
+                    "num_experts_per_tok",
+                    self.num_experts_per_tok,
+                    f"exceeds the {self.topk_group * per_group} experts of topk_group groups",
+                )
+        if self.rms_norm_eps <= 0:
+            raise bad("rms_norm_eps", self.rms_norm_eps, "expected a positive float")
+        if self.rope_theta <= 0:
+            raise bad("rope_theta", self.rope_theta, "expected a positive float")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in ROPE_TYPES:
+                raise bad("rope_scaling.rope_type", rope_type, f"expected one of {ROPE_TYPES}")
+            if rope_type == "yarn" and not self.rope_scaling.get("factor", 0) > 0:
+                raise bad("rope_scaling.factor", self.rope_scaling.get("factor"), "yarn needs > 0")
+        if self.model_type == "deepseek_v2":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value <= 0:
+                    raise bad(name, value, "DeepSeek-V2 MLA needs a positive integer")
+            if self.qk_rope_head_dim % 2:
+                raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "rotary needs an even width")
+            if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+                raise bad("q_lora_rank", self.q_lora_rank, "expected None or a positive integer")
+            if self.first_k_dense_replace < 0:
+                raise bad("first_k_dense_replace", self.first_k_dense_replace, "expected >= 0")
+        elif self.head_dim % 2:
+            raise bad("head_dim", self.head_dim, "rotary needs an even width")
+        if self.model_type == "gpt_oss":
+            if self.layer_types is not None:
+                if len(self.layer_types) != self.num_hidden_layers:
+                    raise bad(
+                        "layer_types",
+                        self.layer_types,
+                        f"needs one entry per layer ({self.num_hidden_layers})",
+                    )
+                for kind in self.layer_types:
+                    if kind not in LAYER_TYPES:
+                        raise bad("layer_types", kind, f"entries must be one of {LAYER_TYPES}")
+                if "sliding_attention" in self.layer_types and not self.sliding_window:
+                    raise bad("sliding_window", self.sliding_window, "sliding layers need >= 1")
+            if self.swiglu_limit <= 0:
+                raise bad("swiglu_limit", self.swiglu_limit, "expected a positive float")
+        if self.model_type == "qwen3_moe":
+            if self.decoder_sparse_step < 1:
+                raise bad("decoder_sparse_step", self.decoder_sparse_step, "expected >= 1")
+            for layer in self.mlp_only_layers:
+                if not 0 <= layer < self.num_hidden_layers:
+                    raise bad(
+                        "mlp_only_layers", layer, f"layers are 0..{self.num_hidden_layers - 1}"
+                    )
+
+    # ---------------------------------------------------------------- HF I/O
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` (a path to it, its folder, or its dict)."""
+        if isinstance(path_or_dict, dict):
+            raw = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no Hugging Face config at {path}")
+            with open(path) as f:
+                raw = json.load(f)
+        model_type = raw.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"config.json model_type={model_type!r} is not supported; expected one of {FAMILIES}"
+            )
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope = dict(rope)
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        num_experts = raw.get("n_routed_experts", raw.get("num_local_experts", raw.get("num_experts")))
+        heads = raw["num_attention_heads"]
+        common = dict(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            intermediate_size=raw["intermediate_size"],
+            num_experts=num_experts or 0,
+            num_experts_per_tok=raw.get("num_experts_per_tok") or 1,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            initializer_range=raw.get("initializer_range", 0.02),
+            attention_bias=raw.get("attention_bias", model_type == "gpt_oss"),
+        )
+        if model_type == "deepseek_v2":
+            return cls(
+                **common,
+                head_dim=raw.get("qk_rope_head_dim", 64),
+                moe_intermediate_size=raw["moe_intermediate_size"],
+                topk_method=raw.get("topk_method", "greedy"),
+                n_group=raw.get("n_group"),
+                topk_group=raw.get("topk_group"),
+                routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+                norm_topk_prob=raw.get("norm_topk_prob", False),
+                n_shared_experts=raw.get("n_shared_experts") or 0,
+                first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+                q_lora_rank=raw.get("q_lora_rank"),
+                kv_lora_rank=raw["kv_lora_rank"],
+                qk_nope_head_dim=raw["qk_nope_head_dim"],
+                qk_rope_head_dim=raw["qk_rope_head_dim"],
+                v_head_dim=raw["v_head_dim"],
+            )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        if model_type == "gpt_oss":
+            return cls(
+                **common,
+                head_dim=head_dim,
+                moe_intermediate_size=raw["intermediate_size"],
+                sliding_window=raw.get("sliding_window"),
+                layer_types=list(raw["layer_types"]) if raw.get("layer_types") else None,
+                swiglu_alpha=raw.get("swiglu_alpha", 1.702),
+                swiglu_limit=raw.get("swiglu_limit", 7.0),
+            )
+        return cls(
+            **common,
+            head_dim=head_dim,
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            norm_topk_prob=raw.get("norm_topk_prob", False),
+            mlp_only_layers=list(raw.get("mlp_only_layers") or []),
+            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict of this config (transformers 5 names)."""
+        rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling)
+        out: dict[str, Any] = dict(
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            num_experts_per_tok=self.num_experts_per_tok,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope_parameters,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            attention_bias=self.attention_bias,
+            hidden_act="silu",
+        )
+        if self.model_type == "deepseek_v2":
+            out.update(
+                architectures=["DeepseekV2ForCausalLM"],
+                head_dim=self.qk_rope_head_dim,
+                moe_intermediate_size=self.moe_intermediate_size,
+                n_routed_experts=self.num_experts,
+                topk_method=self.topk_method,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor,
+                norm_topk_prob=self.norm_topk_prob,
+                n_shared_experts=self.n_shared_experts,
+                first_k_dense_replace=self.first_k_dense_replace,
+                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                v_head_dim=self.v_head_dim,
+            )
+        elif self.model_type == "gpt_oss":
+            out.update(
+                architectures=["GptOssForCausalLM"],
+                head_dim=self.head_dim,
+                num_local_experts=self.num_experts,
+                sliding_window=self.sliding_window,
+                layer_types=self.layer_types,
+                swiglu_alpha=self.swiglu_alpha,
+                swiglu_limit=self.swiglu_limit,
+            )
+        else:
+            out.update(
+                architectures=["Qwen3MoeForCausalLM"],
+                head_dim=self.head_dim,
+                moe_intermediate_size=self.moe_intermediate_size,
+                num_experts=self.num_experts,
+                norm_topk_prob=self.norm_topk_prob,
+                mlp_only_layers=list(self.mlp_only_layers),
+                decoder_sparse_step=self.decoder_sparse_step,
+            )
+        return out

@@ -1,0 +1,227 @@
+"""A MoE decoder layer as the five stages that DualPipeV overlaps.
+
+| stage | work | comm? |
+|---|---|---|
+| 1 attention | norm, attention, norm, shared experts, router, dispatch layout | no |
+| 2 dispatch | all-to-all of routed tokens to expert ranks | yes |
+| 3 experts | gather into expert order, grouped expert MLP, scatter back | no |
+| 4 combine | all-to-all of expert outputs back | yes |
+| 5 aggregate | weight by router scores, sum, residual | no |
+
+Each stage takes the previous stage's record and returns its own. The tensors
+in a record are what the next stage reads; a scheduler may detach them into
+leaves so that each stage's backward runs on its own (the optimized DualPipeV
+does; `DecoderLayer.forward` just chains the stages). A dense layer is the
+degenerate case: stage 1 does the whole layer and stages 2-5 pass it through,
+so no caller needs a second code path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
+
+
+class RoutePlan(NamedTuple):
+    """Non-differentiable bookkeeping of one layer's dispatch (lives from stage 1 to 5)."""
+
+    token_index: torch.Tensor
+    """``[N]`` long: source token (row of the flattened batch) of each sorted routed copy."""
+    send_counts: torch.Tensor
+    """``[EP * E_local]`` long: routed copies this rank sends to each global expert."""
+    num_tokens: int
+    """Tokens in the micro-batch (rows of the flattened batch)."""
+    hidden_shape: torch.Size
+    """Shape of the layer's input hidden states, ``[B, S, H]``."""
+
+
+class AttentionOut(NamedTuple):
+    """Stage 1: everything up to the router."""
+
+    residual: torch.Tensor
+    """``[B, S, H]`` hidden after attention's residual, plus shared experts (or the dense MLP)."""
+    sorted_tokens: torch.Tensor
+    """``[N, H]`` routed copies of the normed tokens, ordered by global expert id."""
+    sorted_weights: torch.Tensor
+    """``[N]`` router weights of the sorted copies."""
+    plan: RoutePlan | None
+    """None for a dense layer."""
+
+
+class DispatchOut(NamedTuple):
+    """Stage 2: the routed tokens on their expert ranks."""
+
+    tokens: torch.Tensor
+    """``[R, H]`` tokens received from every EP rank, each source's rows in expert order."""
+    recv_counts: torch.Tensor
+    """``[EP, E_local]`` long: rows received from each source rank for each local expert."""
+
+
+class ExpertsOut(NamedTuple):
+    """Stage 3: expert outputs, rows in the order they were received."""
+
+    tokens: torch.Tensor
+
+
+class CombineOut(NamedTuple):
+    """Stage 4: expert outputs back on the rank of their token, in sorted order."""
+
+    tokens: torch.Tensor
+
+
+class ExpertParallel(NamedTuple):
+    """Where this rank sits in the expert-parallel group."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+
+SINGLE = ExpertParallel(None, 0, 1)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: attention, then a dense MLP or routed + shared experts."""
+
+    def __init__(self, config: ModelConfig, layer: int, ep: ExpertParallel = SINGLE) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.is_moe = config.is_moe_layer(layer)
+        self.ep = ep
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = build_attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not self.is_moe:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp = MoE(config, ep)
+
+    # ------------------------------------------------------------------ stages
+    def attention(self, hidden: torch.Tensor, ops) -> AttentionOut:
+        """Stage 1: norm, attention, residual, norm, shared experts or dense MLP, router."""
+        h = hidden + self.self_attn(self.input_layernorm(hidden))
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            empty = x.new_empty((0, x.shape[-1]))
+            return AttentionOut(h + self.mlp(x), empty, empty.new_empty(0), None)
+        return self.mlp.route(h, x, ops)
+
+    def dispatch(self, a: AttentionOut, ops) -> DispatchOut:
+        """Stage 2: send each routed copy to the EP rank that holds its expert."""
+        if a.plan is None:
+            return DispatchOut(a.sorted_tokens, a.plan)
+        return self.mlp.dispatch(a, ops)
+
+    def experts(self, d: DispatchOut, ops) -> ExpertsOut:
+        """Stage 3: group received rows by local expert, run the experts, restore the order."""
+        if d.recv_counts is None:
+            return ExpertsOut(d.tokens)
+        return ExpertsOut(self.mlp.run_experts(d, ops))
+
+    def combine(self, a: AttentionOut, e: ExpertsOut, d: DispatchOut, ops) -> CombineOut:
+        """Stage 4: send expert outputs back to the ranks of their tokens."""
+        if a.plan is None:
+            return CombineOut(e.tokens)
+        return CombineOut(self.mlp.combine(e.tokens, d.recv_counts, a.plan, ops))
+
+    def aggregate(self, a: AttentionOut, c: CombineOut, ops) -> torch.Tensor:
+        """Stage 5: weight expert outputs by the router, sum per token, add the residual."""
+        if a.plan is None:
+            return a.residual
+        weighted = c.tokens * a.sorted_weights.unsqueeze(-1).to(c.tokens.dtype)
+        routed = ops.scatter_add_rows(weighted, a.plan.token_index, a.plan.num_tokens)
+        return a.residual + routed.view(a.plan.hidden_shape)
+
+    def forward(self, hidden: torch.Tensor, ops) -> torch.Tensor:
+        a = self.attention(hidden, ops)
+        d = self.dispatch(a, ops)
+        e = self.experts(d, ops)
+        c = self.combine(a, e, d, ops)
+        return self.aggregate(a, c, ops)
+
+
+class MoE(nn.Module):
+    """Router, routed experts (this rank's shard) and optional shared experts."""
+
+    def __init__(self, config: ModelConfig, ep: ExpertParallel) -> None:
+        super().__init__()
+        if config.num_experts % ep.size:
+            raise ValueError(
+                f"expert parallelism {ep.size} must divide num_experts={config.num_experts}"
+            )
+        self.ep = ep
+        self.num_experts = config.num_experts
+        self.num_local = config.num_experts // ep.size
+        self.family = config.model_type
+        router = Router(config)
+        if self.family == "gpt_oss":
+            self.router = router
+        else:
+            self.gate = router
+        self.experts = Experts(config, ep.rank * self.num_local, self.num_local)
+        if config.n_shared_experts:
+            self.shared_experts = DenseMLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+            )
+        else:
+            self.shared_experts = None
+
+    @property
+    def router_module(self) -> Router:
+        return self.router if self.family == "gpt_oss" else self.gate
+
+    def route(self, h: torch.Tensor, x: torch.Tensor, ops) -> AttentionOut:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router_module(tokens)
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        top_k = experts.shape[1]
+        token_index = order // top_k
+        send_counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        sorted_tokens = ops.gather_rows(tokens, token_index)
+        sorted_weights = weights.reshape(-1)[order]
+        residual = h if self.shared_experts is None else h + self.shared_experts(x)
+        plan = RoutePlan(token_index, send_counts, tokens.shape[0], x.shape)
+        return AttentionOut(residual, sorted_tokens, sorted_weights, plan)
+
+    def _split_sizes(self, counts: torch.Tensor) -> list[int]:
+        return counts.view(self.ep.size, self.num_local).sum(dim=1).tolist()
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """``[EP, E_local]`` rows this rank will receive per (source rank, local expert)."""
+        if self.ep.size == 1:
+            return send_counts.view(1, self.num_local)
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.ep.group)
+        return recv.view(self.ep.size, self.num_local)
+
+    def dispatch(self, a: AttentionOut, ops) -> DispatchOut:
+        recv_counts = self.exchange_counts(a.plan.send_counts)
+        received = ops.all_to_all(
+            a.sorted_tokens,
+            recv_counts.sum(dim=1).tolist(),
+            self._split_sizes(a.plan.send_counts),
+            self.ep.group,
+        )
+        return DispatchOut(received, recv_counts)
+
+    def run_experts(self, d: DispatchOut, ops) -> torch.Tensor:
+        local_ids = torch.arange(self.num_local, device=d.tokens.device).repeat(self.ep.size)
+        expert_ids = torch.repeat_interleave(local_ids, d.recv_counts.reshape(-1))
+        grouped, layout = ops.to_expert_order(d.tokens, expert_ids, self.num_local)
+        out = self.experts(grouped, layout.offsets, ops)
+        return ops.from_expert_order(out, layout)
+
+    def combine(self, tokens: torch.Tensor, recv_counts, plan: RoutePlan, ops) -> torch.Tensor:
+        return ops.all_to_all(
+            tokens,
+            self._split_sizes(plan.send_counts),
+            recv_counts.sum(dim=1).tolist(),
+            self.ep.group,
+        )

@@ -1,0 +1,197 @@
+"""Named model shapes: the published checkpoints and tiny ones of the same families.
+
+The published shapes are those of the public ``config.json`` files; tiny
+presets keep every feature of their family (MLA, a first dense layer, shared
+experts, group-limited routing, YaRN, sinks, sliding windows, biases, q/k
+norm, normalised top-k) at a size where a forward and backward of 2 x 64
+tokens takes a fraction of a second on one CPU core.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+_PRESETS: dict[str, dict] = {
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        max_position_embeddings=163840,
+    ),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        moe_intermediate_size=2880,
+        num_experts=32,
+        num_experts_per_tok=4,
+        attention_bias=True,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+        max_position_embeddings=131072,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+    "tiny-deepseek-v2": dict(
+        model_type="deepseek_v2",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        max_position_embeddings=256,
+    ),
+    "tiny-gpt-oss": dict(
+        model_type="gpt_oss",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        attention_bias=True,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+        max_position_embeddings=256,
+    ),
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=256,
+    ),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The named config, with optional field overrides (e.g. ``num_hidden_layers=8``)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {PRESET_NAMES}")
+    fields = dict(_PRESETS[name])
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def resolve_model(name_or_path: str) -> ModelConfig:
+    """A preset name, a Hugging Face ``config.json``, or a checkpoint folder holding one."""
+    if name_or_path in _PRESETS:
+        return preset(name_or_path)
+    import os  # noqa: PLC0415
+
+    if os.path.exists(name_or_path):
+        return ModelConfig.from_hf(name_or_path)
+    raise ValueError(
+        f"model {name_or_path!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
+        "nor a path to a Hugging Face config.json"
+    )
