@@ -227,12 +227,13 @@ class _Progress:
         self.total_files, self.total_bytes = total_files, total_bytes
         self.enabled, self.stream = enabled, stream
         self.start = self.last = time.monotonic()
+        self.printed = False
 
     def update(self, files: int, bytes_read: int, tokens: int, final: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not final and now - self.last < 1.0):
+        if not self.enabled or now - self.last < 1.0 and not (final and self.printed):
             return
-        self.last = now
+        self.last, self.printed = now, True
         self.stream.write(
             f"prepare-data: {files}/{self.total_files} files, "
             f"{bytes_read / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB, "
