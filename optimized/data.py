@@ -115,7 +115,10 @@ class HFTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(self.path)!r} does not exist")
-        self._tokenizer = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tokenizer = _HFTokenizer.from_file(str(self.path))
+        except Exception as error:  # the package raises plain Exception on a bad file
+            raise ValueError(f"cannot read tokenizer {str(self.path)!r}: {error}") from error
         self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
         names = [eod_token] if eod_token is not None else list(EOD_CANDIDATES)
         found = [(name, self._tokenizer.token_to_id(name)) for name in names]

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--eod-token", args.eod_token, "applies only to a tokenizer.json")
     try:
         tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
-    except Exception as error:  # the tokenizers package raises plain Exception on bad JSON
+    except (OSError, ValueError, ImportError) as error:
         return _bad("--tokenizer", args.tokenizer, str(error))
     summary = prepare_data(files, tokenizer, out, progress=not args.quiet)
     print(
