@@ -2,7 +2,14 @@
 
 from models.config import ModelConfig
 from models.decoder import DecoderLayer, ExpertParallel
-from models.model import IGNORE_INDEX, CausalLM, build_model, shift_labels
+from models.model import (
+    IGNORE_INDEX,
+    CausalLM,
+    build_model,
+    build_part,
+    is_expert_parameter,
+    shift_labels,
+)
 from models.presets import PRESET_NAMES, preset, resolve_model
 
 __all__ = [
@@ -13,6 +20,8 @@ __all__ = [
     "ExpertParallel",
     "ModelConfig",
     "build_model",
+    "build_part",
+    "is_expert_parameter",
     "preset",
     "resolve_model",
     "shift_labels",

@@ -27,20 +27,24 @@ def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
 class Backbone(nn.Module):
     """``model.*`` of the HF checkpoint: embedding, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, ep: ExpertParallel, layers: range) -> None:
+    def __init__(
+        self, config: ModelConfig, ep: ExpertParallel, layers, embedding: bool, head: bool
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, i, ep) for i in layers}
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if embedding:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, ep) for i in layers})
+        if head:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """A MoE causal LM of any of the three families, run with an `Ops` object.
 
-    The whole model lives on one process unless ``ep`` shards the routed experts;
-    pipeline stages take slices of ``layers`` (see `decoder_layers`).
+    The whole model lives on one process unless ``ep`` shards the routed experts.
+    A pipeline rank builds a *part*: only some ``layers``, and the embedding and
+    the head (final norm, output layer) only where its stages need them. Parameter
+    names stay those of the whole model, so parts and the whole compare by name.
     """
 
     def __init__(
@@ -48,7 +52,9 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         ops=None,
         ep: ExpertParallel = SINGLE,
-        layers: range | None = None,
+        layers=None,
+        embedding: bool = True,
+        head: bool = True,
     ) -> None:
         super().__init__()
         if ops is None:
@@ -58,15 +64,23 @@ class CausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.ep = ep
-        self.model = Backbone(config, ep, layers or range(config.num_hidden_layers))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_weights(torch.Generator().manual_seed(0))
+        self.has_embedding, self.has_head = embedding, head
+        if layers is None:
+            layers = range(config.num_hidden_layers)
+        self.model = Backbone(config, ep, layers, embedding, head)
+        if head:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings and embedding:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        if embedding and head and len(layers) == config.num_hidden_layers:
+            self.init_weights(torch.Generator().manual_seed(0))
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers.values())
+
+    def layer(self, index: int) -> DecoderLayer:
+        return self.model.layers[str(index)]
 
     # -------------------------------------------------------------- init
     @torch.no_grad()
@@ -162,3 +176,32 @@ def build_model(
     model = CausalLM(config, ops, ep)
     model.init_weights(torch.Generator().manual_seed(seed))
     return model.to(dtype)
+
+
+def build_part(
+    config: ModelConfig,
+    full_state: dict[str, torch.Tensor],
+    layers,
+    embedding: bool,
+    head: bool,
+    ops=None,
+    ep: ExpertParallel = SINGLE,
+    dtype: torch.dtype = torch.float32,
+) -> CausalLM:
+    """The part of the model one pipeline rank holds, with weights taken from ``full_state``
+    (the whole model's state dict; routed experts are sliced to this EP rank's shard)."""
+    part = CausalLM(config, ops, ep, layers, embedding, head).to(dtype)
+    state = {}
+    for name, tensor in part.state_dict().items():
+        source = full_state[name]
+        if ".mlp.experts." in name and source.shape[0] == config.num_experts:
+            per_rank = config.num_experts // ep.size
+            source = source[ep.rank * per_rank : (ep.rank + 1) * per_rank]
+        state[name] = source
+    part.load_state_dict(state, strict=True)
+    return part
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Routed-expert parameters: sharded over EP, gradients reduced over expert replicas."""
+    return ".mlp.experts." in name
