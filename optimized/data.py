@@ -10,7 +10,7 @@ integers, so a restart resumes at the exact sample.
 Layout of a prepared folder (written by `prepare_data`):
 
 - ``tokens.bin``: the token ids, native little-endian, ``uint16`` when the vocabulary
-  has fewer than 65536 ids, else ``uint32``.
+  has at most 65536 ids (every id fits), else ``uint32``.
 - ``index.json``: dtype, number of tokens, document offsets (``document_offsets[i]`` is
   where document ``i`` starts; its end-of-document token sits at
   ``document_offsets[i + 1] - 1``), the tokenizer's description, and every source file

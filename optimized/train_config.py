@@ -293,7 +293,10 @@ def parse_text(key: str, text: str, tp: Any) -> Any:
     if inner is not None:
         if stripped.lower() in ("auto", "none", "") and not (inner is str and stripped):
             return None
-        return parse_text(key, text, inner)
+        try:
+            return parse_text(key, text, inner)
+        except ValueError:
+            raise _invalid(key, text, tp) from None
     try:
         if tp is bool:
             if stripped.lower() in _TRUE + _FALSE:
