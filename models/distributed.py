@@ -1,0 +1,238 @@
+"""The parallel layout (PP x DP with EP inside DP), its process groups, and the launcher.
+
+Both stacks and the harness run on this: it is plain `torch.distributed` (gloo on
+CPU, NCCL on GPU), started either by `torchrun` (env:// rendezvous) or by
+`launch`, which spawns N local processes for tests, the harness and the CLI.
+
+Rank numbering: ``rank = pp_rank * DP + dp_rank``. The EP group of a rank is the
+block of EP consecutive dp-ranks that holds it; expert replicas are the dp-ranks
+with the same ep-rank (size DP / EP). Non-expert gradients reduce over DP,
+expert gradients over the expert replicas.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models.config import ModelConfig
+from models.decoder import ExpertParallel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """How a training step is laid out over ranks and cut into micro-batches."""
+
+    pp: int = 1
+    """Pipeline-parallel ranks; each holds two DualPipeV stages (2 * pp stages)."""
+    dp: int = 1
+    """Data-parallel ranks per pipeline rank."""
+    ep: int = 1
+    """Expert-parallel ranks inside each data-parallel group; divides dp and the expert count."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    micro_batches: int = 2
+    """Micro-batches per step on each data-parallel rank (M); DualPipeV needs M >= 2 * pp."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32 or bfloat16."""
+    seed: int = 0
+    """Seed of the weights and of the synthetic data."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all data-parallel ranks."""
+        return self.dp * self.micro_batches * self.micro_batch_size
+
+    def validate(self, model: ModelConfig | None = None) -> None:
+        """Raise ValueError naming the field and value of any impossible layout."""
+
+        def bad(name: str, value: Any, valid: str) -> ValueError:
+            return ValueError(f"ParallelConfig.{name}={value!r} is invalid: {valid}")
+
+        for name in ("pp", "dp", "ep", "micro_batch_size", "micro_batches", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, value, "expected a positive integer")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, f"expected one of {tuple(DTYPES)}")
+        if self.micro_batches < 2 * self.pp:
+            raise bad(
+                "micro_batches",
+                self.micro_batches,
+                f"DualPipeV needs at least 2 * pp = {2 * self.pp} micro-batches",
+            )
+        if self.dp % self.ep:
+            raise bad("ep", self.ep, f"must divide dp={self.dp}")
+        if model is not None:
+            if model.num_hidden_layers < 2 * self.pp:
+                raise bad(
+                    "pp",
+                    self.pp,
+                    f"{model.num_hidden_layers} layers cannot fill 2 * pp = {2 * self.pp} stages",
+                )
+            if model.num_experts and model.num_experts % self.ep:
+                raise bad("ep", self.ep, f"must divide num_experts={model.num_experts}")
+            if self.seq_len > model.max_position_embeddings:
+                raise bad(
+                    "seq_len",
+                    self.seq_len,
+                    f"exceeds max_position_embeddings={model.max_position_embeddings}",
+                )
+
+
+class Layout(NamedTuple):
+    """This rank's place in the layout and its process groups."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    pp: int
+    dp: int
+    ep: int
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    ep_group: dist.ProcessGroup | None
+    expert_replica_group: dist.ProcessGroup | None
+
+    @property
+    def expert_parallel(self) -> ExpertParallel:
+        return ExpertParallel(self.ep_group if self.ep > 1 else None, self.ep_rank, self.ep)
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        return pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)
+
+
+def make_layout(parallel: ParallelConfig) -> Layout:
+    """Create every process group (all ranks must call this, in the same order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != parallel.world_size:
+        raise ValueError(
+            f"world size {world} does not match pp * dp = {parallel.pp} * {parallel.dp}"
+        )
+    pp, dp, ep = parallel.pp, parallel.dp, parallel.ep
+    pp_rank, dp_rank = divmod(rank, dp)
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    for d in range(dp):
+        group = dist.new_group([p * dp + d for p in range(pp)])
+        if d == dp_rank:
+            mine["pp"] = group
+    for p in range(pp):
+        group = dist.new_group([p * dp + d for d in range(dp)])
+        if p == pp_rank:
+            mine["dp"] = group
+        for block in range(dp // ep):
+            ranks = [p * dp + block * ep + e for e in range(ep)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine["ep"] = group
+        for e in range(ep):
+            ranks = [p * dp + d for d in range(e, dp, ep)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine["replica"] = group
+    return Layout(
+        rank, pp_rank, dp_rank, dp_rank % ep, pp, dp, ep,
+        mine["pp"], mine["dp"], mine["ep"], mine["replica"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- launch
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the job from the environment (torchrun or `launch`): NCCL on GPU, gloo on CPU."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    local_rank: int,
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    port: int,
+    result_dir: str,
+    timeout_s: float,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    init_process_group(timeout_s)
+    # An exception here propagates to the launcher, which terminates every other
+    # rank and re-raises it with this rank's traceback.
+    result = fn(*args)
+    torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
+    dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """A rank of a launched job raised; the message holds its traceback."""
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` local processes; return each rank's result.
+
+    A rank that raises ends every rank: the others are terminated and a
+    `RankFailed` carrying the failing rank's traceback is raised here. A rank
+    stuck in a collective times out after ``timeout_s``.
+    """
+    with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
+        try:
+            mp.start_processes(
+                _worker,
+                args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException as error:
+            raise RankFailed(str(error)) from None
+        except mp.ProcessExitedException as error:
+            raise RankFailed(f"rank {error.error_index} exited with code {error.exit_code}; "
+                             "its error is printed above") from None
+        return [
+            torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

@@ -1,0 +1,111 @@
+"""What every stack's training step shares: data, stage partition, gradient reduction, AdamW.
+
+These are not optimizations, only the rules that make two stacks comparable:
+the same global batch cut the same way, the loss as the mean over every
+labelled token of the global batch, the same gradient reductions and the same
+optimizer, whatever PP, DP, EP or M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from models.distributed import Layout, ParallelConfig
+from models.model import IGNORE_INDEX, is_expert_parameter, shift_labels
+
+
+@dataclass(slots=True)
+class OptimizerConfig:
+    """AdamW settings shared by every stack in a comparison."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam moment decay rates."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    def build(self, parameters) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            parameters, lr=self.lr, betas=self.betas, eps=self.eps,
+            weight_decay=self.weight_decay, foreach=False,
+        )  # fmt: skip
+
+
+def synthetic_batch(
+    model: ModelConfig, parallel: ParallelConfig, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: random token ids from the seed, labels shifted as HF does.
+
+    ``[DP * M * micro_batch_size, seq_len]`` ids and labels; every stack draws the same.
+    """
+    generator = torch.Generator().manual_seed(parallel.seed * 100_003 + step + 1)
+    ids = torch.randint(
+        0, model.vocab_size, (parallel.global_batch, parallel.seq_len), generator=generator
+    )
+    return ids, shift_labels(ids)
+
+
+def token_count(labels: torch.Tensor) -> int:
+    """Labelled tokens of a global batch: the denominator of the mean loss."""
+    return max(int((labels != IGNORE_INDEX).sum()), 1)
+
+
+def micro_batches_of(
+    ids: torch.Tensor, labels: torch.Tensor, parallel: ParallelConfig, dp_rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's M micro-batches of a global batch."""
+    size = parallel.micro_batch_size
+    first = dp_rank * parallel.micro_batches * size
+    return [
+        (ids[first + j * size : first + (j + 1) * size], labels[first + j * size : first + (j + 1) * size])
+        for j in range(parallel.micro_batches)
+    ]
+
+
+def even_partition(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges for each stage; the first ``num_layers % num_stages`` get one more."""
+    base, extra = divmod(num_layers, num_stages)
+    stages, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        stages.append(list(range(start, start + size)))
+        start += size
+    return stages
+
+
+def rank_chunks(stages: list[list[int]], pp_rank: int) -> tuple[list[int], list[int]]:
+    """The V placement: pp-rank r holds stage r (chunk 0) and stage 2 * PP - 1 - r (chunk 1)."""
+    return stages[pp_rank], stages[len(stages) - 1 - pp_rank]
+
+
+def reduce_gradients(part: torch.nn.Module, layout: Layout) -> None:
+    """Sum gradients over data-parallel ranks: non-expert over DP, experts over their replicas.
+
+    Every parameter gets a gradient (zeros where none flowed) so that all ranks
+    take part in the same collectives.
+    """
+    for name, param in part.named_parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if is_expert_parameter(name):
+            if layout.dp // layout.ep > 1:
+                dist.all_reduce(param.grad, group=layout.expert_replica_group)
+        elif layout.dp > 1:
+            dist.all_reduce(param.grad, group=layout.dp_group)
+
+
+def share_loss(loss: torch.Tensor, layout: Layout) -> float:
+    """The global mean loss on every rank, from the per-rank shares on pp-rank 0."""
+    loss = loss.detach().float().clone()
+    if layout.dp > 1:
+        dist.all_reduce(loss, group=layout.dp_group)
+    if layout.pp > 1:
+        dist.broadcast(loss, src=layout.global_rank(0), group=layout.pp_group)
+    return float(loss)

@@ -1,0 +1,194 @@
+"""DualPipeV, written to be read next to the figure.
+
+PP ranks hold 2 * PP stages in a V: rank r holds stage r (chunk 0) and stage
+2 * PP - 1 - r (chunk 1). Stage 0 (with the embedding) and stage 2 * PP - 1
+(with the final norm, output layer and loss) both live on rank 0; on the last
+rank chunk 0 hands its output straight to chunk 1.
+
+`step` runs the eight phases of the schedule for this rank. This is the
+reference: an overlapped pair ``F&B`` runs as F, then B; a backward computes
+weight gradients at once, so the W steps have nothing left to do. The step
+structure stays the paper's so that a reader can check it line by line.
+
+Communication: activations and gradients travel point to point, one tagged
+stream per direction and chunk. Sends are posted as soon as a tensor exists and
+waited at the end of the step; receives are posted when the data is needed.
+Because the schedule is a valid DualPipeV order, this never deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from models.distributed import Layout
+
+# One tag per stream: (direction, chunk).
+TAG_FORWARD = (0, 1)
+TAG_BACKWARD = (2, 3)
+
+
+class ReferenceDualPipeV:
+    """Runs one training or evaluation step of DualPipeV on this pipeline rank."""
+
+    def __init__(self, part, chunks: tuple[list[int], list[int]], layout: Layout, ops) -> None:
+        self.part = part
+        self.chunks = chunks
+        self.layout = layout
+        self.ops = ops
+        self.rank, self.num_ranks = layout.pp_rank, layout.pp
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.num_ranks - 1
+
+    # ------------------------------------------------------------------ step
+    def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
+        """Run all micro-batches; return this rank's share of the mean loss (0 off rank 0).
+
+        ``micro_batches`` is a list of ``(input_ids, labels)``; ``token_count``
+        is the number of labelled tokens in the whole global batch, so that the
+        loss is the global mean whatever the layout.
+        """
+        self._begin(micro_batches, token_count)
+        if forward_only:
+            with torch.no_grad():
+                for _ in range(self.num_micro_batches):
+                    self.F(0)
+                for _ in range(self.num_micro_batches):
+                    self.F(1)
+            return self._end()
+
+        r, pp, m = self.rank, self.num_ranks, self.num_micro_batches
+        # Phase 1, nF0: fill the V's left arm.
+        for _ in range(2 * (pp - r - 1)):
+            self.F(0)
+        # Phase 2, nF0F1.
+        for _ in range(r + 1):
+            self.F(0)
+            self.F(1)
+        # Phase 3, nB1W1F1: zero-bubble backward of chunk 1.
+        for _ in range(pp - r - 1):
+            self.B(1)
+            self.W()
+            self.F(1)
+        # Phase 4, nF0B1F1B0: the main loop, two overlapped pairs F0&B1 and F1&B0.
+        for _ in range(m - 2 * pp + r + 1):
+            self.F(0)
+            self.B(1)
+            self.F(1)
+            self.B(0)
+        # Phase 5, nB1F1B0.
+        for _ in range(pp - r - 1):
+            self.B(1)
+            self.F(1)
+            self.B(0)
+        # Phase 6, nB1B0.
+        for _ in range(r + 1):
+            self.B(1)
+            self.B(0)
+        # Phase 7, nWB0.
+        for _ in range(pp - r - 1):
+            self.W()
+            self.B(0)
+        # Phase 8, nW: drain.
+        for _ in range(r + 1):
+            self.W()
+        return self._end()
+
+    # ------------------------------------------------------- the four actions
+    def F(self, chunk: int) -> None:
+        """Forward of the next micro-batch through this rank's stage ``chunk``."""
+        j = self.forwarded[chunk]
+        self.forwarded[chunk] += 1
+        input_ids, labels = self.micro_batches[j]
+        if chunk == 0 and self.is_first:
+            leaf, hidden = None, self.part.embed(input_ids)
+        else:
+            leaf = self._receive_activation(chunk)
+            if torch.is_grad_enabled():
+                leaf.requires_grad_()
+            hidden = leaf
+        for index in self.chunks[chunk]:
+            hidden = self.part.layer(index)(hidden, self.ops)
+        if chunk == 1 and self.is_first:
+            loss = self.part.loss_sum(hidden, labels) / self.token_count
+            self.loss = self.loss + loss.detach()
+            output = loss
+        else:
+            self._send_activation(chunk, hidden.detach())
+            output = hidden
+        if torch.is_grad_enabled():
+            self.saved[chunk].append((leaf, output))
+
+    def B(self, chunk: int) -> None:
+        """Backward of the oldest forwarded micro-batch of stage ``chunk`` (weights at once)."""
+        leaf, output = self.saved[chunk].popleft()
+        if chunk == 1 and self.is_first:
+            output.backward()
+        else:
+            torch.autograd.backward(output, self._receive_gradient(chunk))
+        if leaf is not None:
+            self._send_gradient(chunk, leaf.grad)
+
+    def W(self) -> None:
+        """Deferred weight gradients: none in the reference, which computes them in B."""
+
+    # -------------------------------------------------------- communication
+    def _receive_activation(self, chunk: int) -> torch.Tensor:
+        if chunk == 1 and self.is_last:
+            return self.local_activations.popleft()
+        src = self.rank - 1 if chunk == 0 else self.rank + 1
+        return self._recv(src, TAG_FORWARD[chunk])
+
+    def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
+        if chunk == 0 and self.is_last:
+            self.local_activations.append(tensor)
+            return
+        dst = self.rank + 1 if chunk == 0 else self.rank - 1
+        self._send(tensor, dst, TAG_FORWARD[chunk])
+
+    def _receive_gradient(self, chunk: int) -> torch.Tensor:
+        if chunk == 0 and self.is_last:
+            return self.local_gradients.popleft()
+        src = self.rank + 1 if chunk == 0 else self.rank - 1
+        return self._recv(src, TAG_BACKWARD[chunk])
+
+    def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
+        if chunk == 1 and self.is_last:
+            self.local_gradients.append(tensor)
+            return
+        dst = self.rank - 1 if chunk == 0 else self.rank + 1
+        self._send(tensor, dst, TAG_BACKWARD[chunk])
+
+    def _send(self, tensor: torch.Tensor, pp_rank: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
+        self.pending_sends.append((handle, tensor))
+
+    def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
+        tensor = torch.empty(self.activation_shape, dtype=self.dtype)
+        dist.irecv(tensor, self.layout.global_rank(pp_rank), tag=tag).wait()
+        return tensor
+
+    # ------------------------------------------------------------ bookkeeping
+    def _begin(self, micro_batches, token_count: int) -> None:
+        self.micro_batches = micro_batches
+        self.num_micro_batches = len(micro_batches)
+        self.token_count = token_count
+        batch, seq = micro_batches[0][0].shape
+        self.activation_shape = (batch, seq, self.part.config.hidden_size)
+        self.dtype = next(self.part.parameters()).dtype
+        self.forwarded = [0, 0]
+        self.saved = (deque(), deque())
+        self.local_activations: deque = deque()
+        self.local_gradients: deque = deque()
+        self.pending_sends: list = []
+        self.loss = torch.zeros((), dtype=torch.float32)
+
+    def _end(self) -> torch.Tensor:
+        for handle, _ in self.pending_sends:
+            handle.wait()
+        assert not self.saved[0] and not self.saved[1], "a forward was never backwarded"
+        assert self.forwarded == [self.num_micro_batches] * 2
+        self.pending_sends = []
+        return self.loss

@@ -1,0 +1,49 @@
+"""The oracle: the whole model on one process, the whole global batch at once, AdamW."""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.model import CausalLM
+from models.training import OptimizerConfig
+from reference.ops import ReferenceOps
+
+
+class Oracle:
+    """Single-process training step that every pipeline is held against."""
+
+    name = "oracle"
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        full_state: dict[str, torch.Tensor],
+        optimizer: OptimizerConfig,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = CausalLM(model, ReferenceOps()).to(dtype)
+        self.model.load_state_dict(full_state)
+        self.part = self.model
+        self.optimizer = optimizer.build(self.model.parameters())
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model.loss(ids, labels)
+        loss.backward()
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return float(loss.detach())
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = self.forward_backward(ids, labels)
+        self.optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        return float(self.model.loss(ids, labels))

@@ -1,0 +1,70 @@
+"""The reference stack's training step on one rank: DualPipeV + EP + DP, plain ops, AdamW."""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.distributed import Layout, ParallelConfig
+from models.model import build_part
+from models.training import (
+    OptimizerConfig,
+    even_partition,
+    micro_batches_of,
+    rank_chunks,
+    reduce_gradients,
+    share_loss,
+    token_count,
+)
+from reference.dualpipev import ReferenceDualPipeV
+from reference.ops import ReferenceOps
+
+
+class ReferencePipeline:
+    """This rank's part of the model, its DualPipeV schedule and its optimizer."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        layout: Layout,
+        full_state: dict[str, torch.Tensor],
+        optimizer: OptimizerConfig,
+        stages: list[list[int]] | None = None,
+    ) -> None:
+        self.model_config, self.parallel, self.layout = model, parallel, layout
+        self.ops = ReferenceOps()
+        self.stages = stages or even_partition(model.num_hidden_layers, 2 * parallel.pp)
+        chunks = rank_chunks(self.stages, layout.pp_rank)
+        first_rank = layout.pp_rank == 0
+        self.part = build_part(
+            model, full_state, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
+            ops=self.ops, ep=layout.expert_parallel, dtype=parallel.torch_dtype,
+        )  # fmt: skip
+        self.schedule = ReferenceDualPipeV(self.part, chunks, layout, self.ops)
+        self.optimizer = optimizer.build(self.part.parameters())
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward and backward of one global batch; gradients reduced, not yet applied."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels))
+        reduce_gradients(self.part, self.layout)
+        return share_loss(loss, self.layout)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = self.forward_backward(ids, labels)
+        self.optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward-only loss of a global batch: no graphs are built."""
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels), forward_only=True)
+        return share_loss(loss, self.layout)
