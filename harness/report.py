@@ -1,0 +1,438 @@
+"""Compare reports: the JSON a compare run leaves, its Markdown twin, its plots, its table.
+
+A compare report is one JSON object. Only ``passed`` is required; every other
+section is optional (an oracle side has no memory figures, a run may skip
+timing) and every reader here copes with its absence.
+
+.. code-block:: text
+
+    {
+      "passed": true,                       # every check within tolerance, nothing NaN
+      "config": {...},                      # model preset, pp, dp, ep, micro-batches, dtype, steps...
+      "baseline": "reference",              # name of the stack compared against
+      "candidate": "optimized",             # name of the stack under test
+      "loss": {
+        "baseline":  [float, ...],          # loss per step
+        "candidate": [float, ...],
+        "rel_error": [float, ...]           # |candidate - baseline| / |baseline| per step
+      },
+      "grads": {
+        "max_rel_error":     [float, ...],  # per step, worst parameter's ||dg|| / ||g||
+        "max_one_minus_cos": [float, ...],  # per step, worst parameter's 1 - cos(g_c, g_b)
+        "worst": [[name, rel, one_minus_cos], ...]   # worst parameters over the run
+      },
+      "params": {"max_rel_error": [float, ...]},      # after each optimizer step
+      "memory": {
+        "ranks": [
+          {
+            "rank": 0,
+            "baseline":  {"parameters": int, "gradients": int, "optimizer_state": int,
+                          "activations": int, "total": int,            # bytes at the peak
+                          "peak_moment": {"phase": str, "micro_batch": int | null}},
+            "candidate": {...same keys...},
+            "ratio": float,                 # candidate total / baseline total
+            "activation_ratio": float       # candidate activations / baseline activations
+          }, ...
+        ]
+      },
+      "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
+      "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, ...},
+      "git_commit": str,
+      "machine": str
+    }
+
+Files written by :func:`write_report`: ``report.json``, ``report.md``,
+``loss.png`` (when losses are present) and ``memory.png`` (when memory is).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+CATEGORY_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer",
+    "activations": "activations",
+}
+CATEGORY_COLORS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#c44e52",
+}
+
+
+class ReportError(ValueError):
+    """A file or object is not a compare report."""
+
+
+# ---------------------------------------------------------------------- formatting helpers
+
+
+def format_bytes(nbytes: float | None) -> str:
+    """``1536 -> '1.5 KiB'``; binary units, three significant digits."""
+    if nbytes is None or (isinstance(nbytes, float) and math.isnan(nbytes)):
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"  # pragma: no cover
+
+
+def format_number(value: Any, digits: int = 3) -> str:
+    """A float in a table: scientific for errors, plain for losses; '-' when missing."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if value == 0:
+            return "0"
+        if abs(value) < 1e-3 or abs(value) >= 1e5:
+            return f"{value:.{digits}e}"
+        return f"{value:.{digits + 3}g}"
+    return str(value)
+
+
+def format_moment(moment: dict[str, Any] | None) -> str:
+    if not moment:
+        return "-"
+    phase = moment.get("phase")
+    micro_batch = moment.get("micro_batch")
+    return f"{phase} mb{micro_batch}" if micro_batch is not None else str(phase)
+
+
+def _pick(sequence: Sequence[Any] | None, index: int) -> Any:
+    if not sequence or index >= len(sequence):
+        return None
+    return sequence[index]
+
+
+def _names(report: dict[str, Any]) -> tuple[str, str]:
+    return str(report.get("baseline", "baseline")), str(report.get("candidate", "candidate"))
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a compare report, with an error that names the file when it is not one."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ReportError(f"{path}: cannot read: {error.strerror or error}") from error
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ReportError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
+    if not is_compare_report(report):
+        raise ReportError(f"{path}: not a compare report (an object with a boolean 'passed')")
+    return report
+
+
+def is_compare_report(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("passed"), bool)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> list[str]:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return lines
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return lines
+
+
+# ---------------------------------------------------------------------- tables
+
+
+def _step_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    base, cand = _names(report)
+    loss = report.get("loss") or {}
+    grads = report.get("grads") or {}
+    params = report.get("params") or {}
+    timing = report.get("time") or {}
+    columns: list[tuple[str, Sequence[Any] | None]] = [
+        (f"loss {base}", loss.get("baseline")),
+        (f"loss {cand}", loss.get("candidate")),
+        ("loss rel err", loss.get("rel_error")),
+        ("grad max rel err", grads.get("max_rel_error")),
+        ("grad max 1-cos", grads.get("max_one_minus_cos")),
+        ("param max rel err", params.get("max_rel_error")),
+        (f"s/step {base}", timing.get("baseline")),
+        (f"s/step {cand}", timing.get("candidate")),
+    ]
+    columns = [(name, values) for name, values in columns if values]
+    steps = max((len(values) for _, values in columns), default=0)
+    header = ["step"] + [name for name, _ in columns]
+    digits = [5 if name.startswith("loss ") and "err" not in name else 3 for name, _ in columns]
+    rows = [
+        [str(step)]
+        + [format_number(_pick(values, step), d) for (_, values), d in zip(columns, digits)]
+        for step in range(steps)
+    ]
+    return header, rows
+
+
+def _memory_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    base, cand = _names(report)
+    header = ["rank", "stack", *(CATEGORY_LABELS[c] for c in CATEGORIES), "peak", "at", "ratio"]
+    rows = []
+    for entry in (report.get("memory") or {}).get("ranks") or []:
+        for side, name in (("baseline", base), ("candidate", cand)):
+            figures = entry.get(side)
+            if not figures:
+                continue
+            ratio = ""
+            if side == "candidate" and entry.get("ratio") is not None:
+                ratio = f"{entry['ratio']:.3f}"
+                if entry.get("activation_ratio") is not None:
+                    ratio += f" (act {entry['activation_ratio']:.3f})"
+            rows.append(
+                [
+                    str(entry.get("rank", "?")),
+                    name,
+                    *(format_bytes(figures.get(category)) for category in CATEGORIES),
+                    format_bytes(figures.get("total")),
+                    format_moment(figures.get("peak_moment")),
+                    ratio,
+                ]
+            )
+    return header, rows
+
+
+def _worst_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    worst = (report.get("grads") or {}).get("worst") or []
+    rows = [[str(w[0]), format_number(_pick(w, 1)), format_number(_pick(w, 2))] for w in worst]
+    return ["parameter", "rel err", "1-cos"], rows
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    base, cand = _names(report)
+    word = "PASSED" if report.get("passed") else "FAILED"
+    return f"{word}: {cand} vs {base}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The side-by-side table a compare run prints in the terminal."""
+    lines = [_verdict(report)]
+    header, rows = _step_rows(report)
+    if rows:
+        lines += ["", *_table(header, rows, markdown=False)]
+    header, rows = _memory_rows(report)
+    if rows:
+        lines += ["", "peak memory per rank", *_table(header, rows, markdown=False)]
+    header, rows = _worst_rows(report)
+    if rows:
+        lines += ["", "worst gradients", *_table(header, rows, markdown=False)]
+    tolerance = report.get("tolerance")
+    if tolerance:
+        lines += ["", "tolerance: " + ", ".join(f"{k}={v}" for k, v in tolerance.items())]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
+    """``report.md``: the verdict, configuration, per-step and per-rank tables, the plots."""
+    lines = [f"# twinpipe compare: {_verdict(report)}", ""]
+    facts = [("commit", report.get("git_commit")), ("machine", report.get("machine"))]
+    lines += [f"- {key}: `{value}`" for key, value in facts if value]
+    if report.get("config"):
+        config = report["config"]
+        lines += ["", "## Configuration", ""]
+        lines += _table(["field", "value"], [[str(k), f"`{v}`"] for k, v in config.items()], True)
+    if report.get("tolerance"):
+        lines += ["", "## Tolerance", ""]
+        rows = [[str(k), str(v)] for k, v in report["tolerance"].items()]
+        lines += _table(["check", "limit"], rows, True)
+    header, rows = _step_rows(report)
+    if rows:
+        lines += ["", "## Per step", "", *_table(header, rows, True)]
+    header, rows = _memory_rows(report)
+    if rows:
+        lines += ["", "## Peak memory per rank", "", *_table(header, rows, True)]
+    header, rows = _worst_rows(report)
+    if rows:
+        lines += ["", "## Worst gradients", "", *_table(header, rows, True)]
+    if images:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{Path(image).stem}]({image})" for image in images]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """Loss per step for both stacks, and their relative error below; False if no losses."""
+    loss = report.get("loss") or {}
+    if not loss.get("baseline") and not loss.get("candidate"):
+        return False
+    plt = _pyplot()
+    base, cand = _names(report)
+    has_error = bool(loss.get("rel_error"))
+    figure, axes = plt.subplots(
+        2 if has_error else 1,
+        1,
+        figsize=(7, 5.5 if has_error else 3.5),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [2, 1]} if has_error else None,
+    )
+    top = axes[0][0]
+    for values, name, style in (
+        (loss.get("baseline"), base, {"color": "#4c72b0", "linewidth": 3, "alpha": 0.5}),
+        (loss.get("candidate"), cand, {"color": "#c44e52", "linewidth": 1.2, "marker": "."}),
+    ):
+        if values:
+            top.plot(range(len(values)), _floats(values), label=name, **style)
+    top.set_ylabel("loss")
+    top.set_title(f"loss per step: {cand} vs {base}")
+    top.legend()
+    top.grid(alpha=0.3)
+    if has_error:
+        bottom = axes[1][0]
+        errors = [max(v, 1e-300) if v is not None else math.nan for v in _floats(loss["rel_error"])]
+        bottom.semilogy(range(len(errors)), errors, color="#55a868", marker=".")
+        limit = (report.get("tolerance") or {}).get("loss_rel")
+        if isinstance(limit, (int, float)) and limit > 0:
+            bottom.axhline(limit, color="#c44e52", linestyle="--", label=f"limit {limit:g}")
+            bottom.legend()
+        bottom.set_ylabel("relative error")
+        bottom.grid(alpha=0.3, which="both")
+    axes[-1][0].set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def plot_memory(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """Peak memory per rank, stacked by category, baseline and candidate side by side."""
+    ranks = [r for r in (report.get("memory") or {}).get("ranks") or [] if isinstance(r, dict)]
+    if not ranks:
+        return False
+    plt = _pyplot()
+    base, cand = _names(report)
+    largest = max(
+        (r.get(s) or {}).get("total") or 0 for r in ranks for s in ("baseline", "candidate")
+    )
+    scale, unit = _byte_scale(largest)
+    figure, axis = plt.subplots(figsize=(max(5.5, 2.2 * len(ranks) + 2.5), 4.8))
+    width = 0.4
+    ticks, tick_labels = [], []
+    for index, entry in enumerate(ranks):
+        for offset, side, name in ((-width / 2, "baseline", base), (width / 2, "candidate", cand)):
+            figures = entry.get(side) or {}
+            if not figures:
+                continue
+            x = index + offset
+            ticks.append(x)
+            tick_labels.append(name)
+            bottom = 0.0
+            for category in CATEGORIES:
+                height = (figures.get(category) or 0) / scale
+                axis.bar(
+                    x,
+                    height,
+                    width * 0.92,
+                    bottom=bottom,
+                    color=CATEGORY_COLORS[category],
+                    edgecolor="white",
+                    label=CATEGORY_LABELS[category] if not ticks[:-1] else None,
+                )
+                bottom += height
+            total = (figures.get("total") or 0) / scale
+            axis.text(x, total, f"{total:.3g}", ha="center", va="bottom", fontsize=9)
+        label = f"rank {entry.get('rank', index)}"
+        if entry.get("ratio") is not None:
+            label += f"\npeak x{entry['ratio']:.2f}"
+        if entry.get("activation_ratio") is not None:
+            label += f", activations x{entry['activation_ratio']:.2f}"
+        axis.text(
+            index,
+            -0.13,
+            label,
+            ha="center",
+            va="top",
+            fontsize=9,
+            transform=axis.get_xaxis_transform(),
+        )
+    axis.set_xticks(ticks)
+    axis.set_xticklabels(tick_labels, fontsize=8)
+    axis.set_ylabel(f"peak memory ({unit})")
+    axis.set_title(f"Peak memory per rank: {cand} vs {base}")
+    axis.margins(y=0.1)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    axis.grid(axis="y", alpha=0.3)
+    axis.set_axisbelow(True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return True
+
+
+def _byte_scale(largest: float) -> tuple[float, str]:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if largest >= scale:
+            return float(scale), unit
+    return 1.0, "B"
+
+
+def _floats(values: Sequence[Any]) -> list[float]:
+    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write report.json, report.md and the plots into ``out_dir``; returns name -> path."""
+    if not is_compare_report(report):
+        raise ReportError("write_report: the report needs a boolean 'passed'")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    json_path = out / "report.json"
+    json_path.write_text(json.dumps(report, indent=2, sort_keys=False, default=_json_default))
+    written["report.json"] = json_path
+    images = []
+    for name, plot in (("loss.png", plot_loss), ("memory.png", plot_memory)):
+        if plot(report, out / name):
+            written[name] = out / name
+            images.append(name)
+    markdown_path = out / "report.md"
+    markdown_path.write_text(render_markdown(report, images))
+    written["report.md"] = markdown_path
+    return written
+
+
+def _json_default(value: Any) -> Any:
+    """Tensors, numpy scalars and paths become plain JSON."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
