@@ -359,6 +359,12 @@ def config_from_dict(data: dict, base: TrainConfig | None = None) -> TrainConfig
     """``base`` (default: the defaults) updated by a nested dict as TOML gives it."""
     cfg = copy_config(base) if base is not None else TrainConfig()
     for name, value in data.items():
+        if isinstance(value, dict) and name not in SECTIONS:
+            hint = difflib.get_close_matches(name, list(SECTIONS), n=1)
+            raise ValueError(
+                f"unknown config section [{name}]; valid sections: {', '.join(SECTIONS)}"
+                + (f"; did you mean [{hint[0]}]?" if hint else "")
+            )
         if name in SECTIONS:
             if not isinstance(value, dict):
                 valid = [f.name for f in FIELDS if f.section == name]
