@@ -1,5 +1,6 @@
 """Model math written once: configs, presets, layers as five stages, HF checkpoints."""
 
+from models.checkpoint import from_pretrained, save_pretrained
 from models.config import ModelConfig
 from models.decoder import DecoderLayer, ExpertParallel
 from models.model import (
@@ -21,8 +22,10 @@ __all__ = [
     "ModelConfig",
     "build_model",
     "build_part",
+    "from_pretrained",
     "is_expert_parameter",
     "preset",
     "resolve_model",
+    "save_pretrained",
     "shift_labels",
 ]
