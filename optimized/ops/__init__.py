@@ -1,0 +1,36 @@
+"""Optimized ops: each a unit of kernel, autograd Function and public function.
+
+`_triton` is imported first so that, without CUDA, the Triton interpreter is
+switched on before any kernel module imports `triton`.
+"""
+
+from optimized.ops import _triton  # noqa: F401  (must precede every kernel import)
+from optimized.ops.activations import clamped_swiglu, silu_and_mul
+from optimized.ops.all_to_all import all_to_all
+from optimized.ops.cross_entropy import cross_entropy
+from optimized.ops.expert_order import (
+    GROUPED_GEMM_ROW_ALIGNMENT,
+    gather_from_grouped,
+    scatter_for_grouped_gemm,
+)
+from optimized.ops.gather import GATHER_ROW_ALIGNMENT, padded_index_gather, scatter_add_rows
+from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
+from optimized.ops.linear_cross_entropy import linear_cross_entropy
+from optimized.ops.optimized_ops import OptimizedOps
+
+__all__ = [
+    "GATHER_ROW_ALIGNMENT",
+    "GROUPED_GEMM_ROW_ALIGNMENT",
+    "OptimizedOps",
+    "WeightGradStore",
+    "all_to_all",
+    "clamped_swiglu",
+    "cross_entropy",
+    "gather_from_grouped",
+    "grouped_linear",
+    "linear_cross_entropy",
+    "padded_index_gather",
+    "scatter_add_rows",
+    "scatter_for_grouped_gemm",
+    "silu_and_mul",
+]

@@ -1,0 +1,101 @@
+"""Token rows grouped by expert, each group padded for the grouped GEMM.
+
+A grouped GEMM runs fastest, and on some backends only works, when every
+expert's group starts on an aligned row. `scatter_for_grouped_gemm` sorts the
+routed token rows by expert (stable within an expert) into a zeroed buffer in
+which each expert's group is padded up to a multiple of
+`GROUPED_GEMM_ROW_ALIGNMENT` rows (an expert with no tokens gets no rows). The
+buffer's row stride is also padded to 16 bytes, which `F.grouped_mm` requires
+of its operands, so an odd hidden size costs no copy later.
+
+The returned `ExpertLayout` holds the int32 cumulative group ends, padding
+included (``offsets[-1]`` is the buffer's row count), and ``positions[i]``, the
+buffer row of input row ``i``: all the reverse step `gather_from_grouped` needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.ops import ExpertLayout
+from optimized.ops.gather import padded_index_gather, round_up
+
+GROUPED_GEMM_ROW_ALIGNMENT = 128
+"""Each expert's group of rows is padded to a multiple of this."""
+
+GROUPED_GEMM_STRIDE_BYTES = 16
+"""`F.grouped_mm` needs every non-unit stride to be a multiple of this many bytes."""
+
+
+def aligned_empty(rows: int, cols: int, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+    """A ``[rows, cols]`` tensor whose row stride is a multiple of 16 bytes."""
+    per_row = max(1, GROUPED_GEMM_STRIDE_BYTES // like.element_size())
+    make = torch.zeros if zero else torch.empty
+    buffer = make((rows, round_up(cols, per_row)), dtype=like.dtype, device=like.device)
+    return buffer[:, :cols]
+
+
+def expert_layout(
+    expert_ids: torch.Tensor, num_experts: int, alignment: int = GROUPED_GEMM_ROW_ALIGNMENT
+) -> ExpertLayout:
+    """Padded group ends and the padded-buffer row of every routed row."""
+    counts = torch.bincount(expert_ids, minlength=num_experts)
+    padded_counts = (counts + alignment - 1) // alignment * alignment
+    offsets = torch.cumsum(padded_counts, 0)
+    order = torch.argsort(expert_ids, stable=True)
+    sorted_ids = expert_ids[order]
+    # Row j of the sorted order is the (j - first_row_of_its_expert)-th of its group.
+    first_sorted_row = torch.cumsum(counts, 0) - counts
+    rank_in_group = torch.arange(order.numel(), device=order.device) - first_sorted_row[sorted_ids]
+    positions = torch.empty_like(order)
+    positions[order] = (offsets - padded_counts)[sorted_ids] + rank_in_group
+    return ExpertLayout(offsets.to(torch.int32), positions)
+
+
+class _ScatterToGroups(torch.autograd.Function):
+    """Rows of ``tokens`` copied to ``positions`` of a zeroed aligned buffer."""
+
+    @staticmethod
+    def forward(ctx, tokens, positions, total_rows):
+        ctx.save_for_backward(positions)
+        grouped = aligned_empty(total_rows, tokens.shape[1], tokens, zero=True)
+        return grouped.index_copy_(0, positions, tokens)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_grouped):
+        (positions,) = ctx.saved_tensors
+        return grad_grouped.index_select(0, positions), None, None
+
+
+def scatter_for_grouped_gemm(
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int = GROUPED_GEMM_ROW_ALIGNMENT,
+) -> tuple[torch.Tensor, ExpertLayout]:
+    """Rows of ``tokens [N, H]`` grouped by ``expert_ids [N]`` with padded groups.
+
+    Returns the ``[offsets[-1], H]`` buffer (padding rows zero) and its
+    `ExpertLayout`. Differentiable in ``tokens``; saves only the positions.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [rows, hidden]; got shape {tuple(tokens.shape)}")
+    if expert_ids.dim() != 1 or expert_ids.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"expert_ids must be [{tokens.shape[0]}] (one per token row); "
+            f"got {tuple(expert_ids.shape)}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1; got {num_experts}")
+    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
+        raise ValueError(f"expert_ids must lie in [0, {num_experts})")
+    layout = expert_layout(expert_ids.long(), num_experts, alignment)
+    total_rows = int(layout.offsets[-1])
+    grouped = _ScatterToGroups.apply(tokens, layout.positions, total_rows)
+    return grouped, layout
+
+
+def gather_from_grouped(grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """The reverse step: row ``i`` of the result is ``grouped[layout.positions[i]]``."""
+    return padded_index_gather(grouped, layout.positions)

@@ -1,0 +1,270 @@
+"""Grouped expert linear over `F.grouped_mm`, with deferrable weight gradients.
+
+Forward and the input gradient are one grouped GEMM each. The weight gradient
+is the one a zero-bubble schedule (DualPipeV's W steps) wants to run later: when
+a `WeightGradStore` is given and enabled, backward puts a closure computing it
+into the store instead, returns no weight gradient, and the closure adds the
+gradient into the parameter's ``.grad`` when the store pops its group. Expert
+biases (GPT-OSS) always get their gradient at once: it is a cheap column sum.
+
+`F.grouped_mm` wants int32 offsets, float32/bfloat16/float16 operands whose
+non-unit strides are multiples of 16 bytes, and leaves the rows past
+``offsets[-1]`` unwritten. Operands that break the stride rule (odd sizes) are
+copied into padded buffers, other dtypes fall back to a loop of matmuls, and
+the tail rows are zeroed, so every shape gives the plain per-group result.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from optimized.ops.expert_order import GROUPED_GEMM_STRIDE_BYTES
+from optimized.ops.gather import round_up
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class WeightGradStore:
+    """Weight-gradient work deferred from backward, run group by group.
+
+    Owned by whoever runs the schedule and passed to the ops that use it (no
+    global state). While ``enabled``, grouped linears `put` their weight-gradient
+    closures here; `flush` closes the current group (one deferred backward);
+    `pop` runs the oldest closed group (one W step); `assert_empty` at the end
+    of a step raises if any work is left, which would otherwise be lost.
+    """
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self._open_group: list[Callable[[], None]] = []
+        self._closed_groups: deque[list[Callable[[], None]]] = deque()
+
+    def put(self, work: Callable[[], None]) -> None:
+        """Add one weight-gradient closure to the open group."""
+        self._open_group.append(work)
+
+    def flush(self) -> None:
+        """Close the open group (even an empty one: one group per deferred backward)."""
+        self._closed_groups.append(self._open_group)
+        self._open_group = []
+
+    def pop(self) -> None:
+        """Run the oldest closed group."""
+        if not self._closed_groups:
+            raise RuntimeError(
+                "WeightGradStore.pop: no closed group to run "
+                f"({len(self._open_group)} closure(s) are in the open group; flush first)"
+            )
+        for work in self._closed_groups.popleft():
+            work()
+
+    def __len__(self) -> int:
+        """The number of closed groups waiting to be popped."""
+        return len(self._closed_groups)
+
+    def assert_empty(self) -> None:
+        """Raise RuntimeError if any weight-gradient work is still waiting."""
+        if self._closed_groups or self._open_group:
+            pending = sum(len(group) for group in self._closed_groups) + len(self._open_group)
+            raise RuntimeError(
+                f"WeightGradStore is not empty at the end of the step: {len(self._closed_groups)} "
+                f"closed group(s) not popped and {len(self._open_group)} closure(s) not flushed "
+                f"({pending} weight gradient(s) would be lost)"
+            )
+
+    @contextmanager
+    def deferring(self) -> Iterator[WeightGradStore]:
+        """Enable deferral for one backward, then close its group."""
+        previous, self.enabled = self.enabled, True
+        try:
+            yield self
+        finally:
+            self.enabled = previous
+        self.flush()
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if `F.grouped_mm` accepts its layout, else a padded copy."""
+    size = tensor.element_size()
+    strides_ok = all(
+        stride == 1 or (stride * size) % GROUPED_GEMM_STRIDE_BYTES == 0
+        for stride in tensor.stride()
+    )
+    if (
+        strides_ok
+        and 1 in tensor.stride()[-2:]
+        and tensor.data_ptr() % GROUPED_GEMM_STRIDE_BYTES == 0
+    ):
+        return tensor
+    cols = tensor.shape[-1]
+    per_row = max(1, GROUPED_GEMM_STRIDE_BYTES // size)
+    buffer = tensor.new_empty(tuple(tensor.shape[:-1]) + (round_up(cols, per_row),))
+    buffer[..., :cols].copy_(tensor)
+    return buffer[..., :cols]
+
+
+def _row_groups(rows: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The group of every row; rows past ``offsets[-1]`` get ``len(offsets)``."""
+    row_index = torch.arange(rows, device=offsets.device)
+    return torch.bucketize(row_index, offsets.long(), right=True)
+
+
+def _zero_tail_rows(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Zero the rows past ``offsets[-1]`` (no host sync)."""
+    if out.shape[0] and offsets.numel():
+        rows = torch.arange(out.shape[0], device=out.device)
+        out.masked_fill_((rows >= offsets[-1]).unsqueeze(1), 0)
+    return out
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group g] = a[rows of group g] @ b[g]``; rows past the groups are zero."""
+    if a.shape[0] == 0:
+        return a.new_zeros((0, b.shape[-1]))
+    if a.dtype not in GROUPED_MM_DTYPES:
+        out = a.new_zeros((a.shape[0], b.shape[-1]))
+        for group, (start, end) in enumerate(_group_bounds(offsets)):
+            out[start:end] = a[start:end] @ b[group]
+        return out
+    out = F.grouped_mm(_aligned(a), _aligned(b), offs=offsets)
+    return _zero_tail_rows(out, offsets)
+
+
+def grouped_weight_grad(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor):
+    """``grad_weight[g] = x[rows of g].T @ grad_out[rows of g]``, shape ``[E, in, out]``."""
+    num_groups = offsets.shape[0]
+    if x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
+        grad = x.new_zeros((num_groups, x.shape[1], grad_out.shape[1]))
+        for group, (start, end) in enumerate(_group_bounds(offsets)):
+            grad[group] = x[start:end].t() @ grad_out[start:end]
+        return grad
+    return F.grouped_mm(_aligned(x).t(), _aligned(grad_out), offs=offsets)
+
+
+def _group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offsets.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+class _GradDestination(NamedTuple):
+    """Where a deferred weight gradient lands: a leaf, and the view of it used."""
+
+    leaf: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+def _grad_destination(weight: torch.Tensor) -> _GradDestination:
+    """The parameter behind ``weight`` (itself, or the base of a view of it)."""
+    leaf = weight if weight.is_leaf else weight._base
+    if leaf is None or not leaf.is_leaf or not leaf.requires_grad:
+        raise ValueError(
+            "grouped_linear with an enabled WeightGradStore needs weight to be a parameter "
+            "or a view of one (e.g. param.transpose(1, 2)); got a tensor computed by "
+            f"{type(weight.grad_fn).__name__}"
+        )
+    return _GradDestination(
+        leaf,
+        tuple(weight.shape),
+        tuple(weight.stride()),
+        weight.storage_offset() - leaf.storage_offset(),
+    )
+
+
+def _accumulate_into(destination: _GradDestination, grad_view: torch.Tensor) -> None:
+    """Add ``grad_view`` (laid out like the weight view) into ``leaf.grad``."""
+    leaf = destination.leaf
+    if leaf.is_contiguous() and destination.size == tuple(leaf.shape) and (
+        destination.stride == tuple(leaf.stride())
+    ):
+        grad = grad_view.to(leaf.dtype)
+    else:
+        grad = torch.zeros_like(leaf, memory_format=torch.contiguous_format)
+        grad.as_strided(destination.size, destination.stride, destination.storage_offset).copy_(
+            grad_view
+        )
+    if leaf.grad is None:
+        leaf.grad = grad
+    else:
+        leaf.grad.add_(grad)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``x_g @ weight[g] (+ bias[g])`` per group; the weight gradient may be deferred."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, bias, store):
+        out = grouped_mm(x, weight, offsets)
+        row_groups = None
+        if bias is not None:
+            row_groups = _row_groups(x.shape[0], offsets)
+            padded_bias = torch.cat([bias, bias.new_zeros((1, bias.shape[1]))])
+            out = out + padded_bias.index_select(0, row_groups)
+        ctx.save_for_backward(x, weight, offsets, row_groups)
+        ctx.defer = store is not None and store.enabled and ctx.needs_input_grad[1]
+        if ctx.defer:
+            ctx.store = store
+            ctx.destination = _grad_destination(weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, offsets, row_groups = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_mm(grad_out, weight.transpose(1, 2), offsets)
+        if ctx.needs_input_grad[3]:
+            num_groups = offsets.shape[0]
+            accumulate = torch.promote_types(grad_out.dtype, torch.float32)
+            sums = grad_out.new_zeros((num_groups + 1, grad_out.shape[1]), dtype=accumulate)
+            sums.index_add_(0, row_groups, grad_out.to(accumulate))
+            grad_bias = sums[:num_groups].to(grad_out.dtype)
+        if ctx.defer:
+            destination = ctx.destination
+            del ctx.destination
+
+            def weight_grad_work() -> None:
+                _accumulate_into(destination, grouped_weight_grad(x, grad_out, offsets))
+
+            ctx.store.put(weight_grad_work)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = grouped_weight_grad(x, grad_out, offsets)
+        return grad_x, grad_weight, None, grad_bias, None
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_grad_store: WeightGradStore | None = None,
+) -> torch.Tensor:
+    """Per-group ``x_g @ weight[g] (+ bias[g])``, ``weight [E, in, out]``, int32 ``offsets``.
+
+    ``offsets[g]`` is the exclusive end row of group ``g``; rows past
+    ``offsets[-1]`` give zeros. With an enabled ``weight_grad_store`` the weight
+    gradient is deferred to the store (see `WeightGradStore`).
+    """
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be [rows, in] and weight [experts, in, out]; got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"offsets must be [{weight.shape[0]}] (one end per expert); "
+            f"got {tuple(offsets.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[2]):
+        raise ValueError(
+            f"bias must be [{weight.shape[0]}, {weight.shape[2]}]; got {tuple(bias.shape)}"
+        )
+    return GroupedLinear.apply(x, weight, offsets.to(torch.int32), bias, weight_grad_store)

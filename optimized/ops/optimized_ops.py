@@ -1,0 +1,78 @@
+"""`OptimizedOps`: the optimized stack's implementation of `models.ops.Ops`."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.ops import ExpertLayout
+from optimized.ops.activations import clamped_swiglu, silu_and_mul
+from optimized.ops.all_to_all import all_to_all
+from optimized.ops.cross_entropy import cross_entropy
+from optimized.ops.expert_order import gather_from_grouped, scatter_for_grouped_gemm
+from optimized.ops.gather import padded_index_gather, scatter_add_rows
+from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
+
+
+class OptimizedOps:
+    """Fused, padded and deferrable versions of every op in `models.ops.Ops`.
+
+    ``weight_grad_store``, when given, receives the expert weight gradients of
+    `grouped_linear` while it is enabled (see `WeightGradStore`).
+    """
+
+    name = "optimized"
+
+    def __init__(self, weight_grad_store: WeightGradStore | None = None) -> None:
+        self.weight_grad_store = weight_grad_store
+
+    def cross_entropy(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int = -100,
+        reduction: str = "sum",
+    ) -> torch.Tensor:
+        """The fused Triton loss; the logits buffer is consumed (holds the gradient)."""
+        return cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    def gather_rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return padded_index_gather(x, index)
+
+    def scatter_add_rows(
+        self, src: torch.Tensor, index: torch.Tensor, num_rows: int
+    ) -> torch.Tensor:
+        return scatter_add_rows(src, index, num_rows)
+
+    def to_expert_order(
+        self, tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, ExpertLayout]:
+        """Groups padded to 128-row multiples: ``offsets[-1]`` is the padded row count."""
+        return scatter_for_grouped_gemm(tokens, expert_ids, num_experts)
+
+    def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        return gather_from_grouped(grouped, layout)
+
+    def grouped_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        offsets: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return grouped_linear(x, weight, offsets, bias, self.weight_grad_store)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+    def clamped_swiglu(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return clamped_swiglu(x, alpha, limit)
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        return all_to_all(x, output_split_sizes, input_split_sizes, group)
