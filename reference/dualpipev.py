@@ -40,6 +40,8 @@ class ReferenceDualPipeV:
         self.ops = ops
         self.rank, self.num_ranks = layout.pp_rank, layout.pp
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_ranks - 1
+        self.observer = None
+        """Optional ``observer(moment, micro_batch)`` called at each action (memory tracking)."""
 
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
@@ -51,6 +53,7 @@ class ReferenceDualPipeV:
         """
         self._begin(micro_batches, token_count)
         if forward_only:
+            self.phase = "forward-only"
             with torch.no_grad():
                 for _ in range(self.num_micro_batches):
                     self.F(0)
@@ -60,37 +63,45 @@ class ReferenceDualPipeV:
 
         r, pp, m = self.rank, self.num_ranks, self.num_micro_batches
         # Phase 1, nF0: fill the V's left arm.
+        self.phase = "nF0"
         for _ in range(2 * (pp - r - 1)):
             self.F(0)
         # Phase 2, nF0F1.
+        self.phase = "nF0F1"
         for _ in range(r + 1):
             self.F(0)
             self.F(1)
         # Phase 3, nB1W1F1: zero-bubble backward of chunk 1.
+        self.phase = "nB1W1F1"
         for _ in range(pp - r - 1):
             self.B(1)
             self.W()
             self.F(1)
         # Phase 4, nF0B1F1B0: the main loop, two overlapped pairs F0&B1 and F1&B0.
+        self.phase = "nF0B1F1B0"
         for _ in range(m - 2 * pp + r + 1):
             self.F(0)
             self.B(1)
             self.F(1)
             self.B(0)
         # Phase 5, nB1F1B0.
+        self.phase = "nB1F1B0"
         for _ in range(pp - r - 1):
             self.B(1)
             self.F(1)
             self.B(0)
         # Phase 6, nB1B0.
+        self.phase = "nB1B0"
         for _ in range(r + 1):
             self.B(1)
             self.B(0)
         # Phase 7, nWB0.
+        self.phase = "nWB0"
         for _ in range(pp - r - 1):
             self.W()
             self.B(0)
         # Phase 8, nW: drain.
+        self.phase = "nW"
         for _ in range(r + 1):
             self.W()
         return self._end()
@@ -100,6 +111,7 @@ class ReferenceDualPipeV:
         """Forward of the next micro-batch through this rank's stage ``chunk``."""
         j = self.forwarded[chunk]
         self.forwarded[chunk] += 1
+        self._observe(f"F{chunk}", j)
         input_ids, labels = self.micro_batches[j]
         if chunk == 0 and self.is_first:
             leaf, hidden = None, self.part.embed(input_ids)
@@ -123,6 +135,8 @@ class ReferenceDualPipeV:
     def B(self, chunk: int) -> None:
         """Backward of the oldest forwarded micro-batch of stage ``chunk`` (weights at once)."""
         leaf, output = self.saved[chunk].popleft()
+        self._observe(f"B{chunk}", self.backwarded[chunk])
+        self.backwarded[chunk] += 1
         if chunk == 1 and self.is_first:
             output.backward()
         else:
@@ -132,6 +146,10 @@ class ReferenceDualPipeV:
 
     def W(self) -> None:
         """Deferred weight gradients: none in the reference, which computes them in B."""
+
+    def _observe(self, action: str, micro_batch: int) -> None:
+        if self.observer is not None:
+            self.observer(f"{self.phase}:{action}", micro_batch)
 
     # -------------------------------------------------------- communication
     def _receive_activation(self, chunk: int) -> torch.Tensor:
@@ -179,6 +197,7 @@ class ReferenceDualPipeV:
         self.activation_shape = (batch, seq, self.part.config.hidden_size)
         self.dtype = next(self.part.parameters()).dtype
         self.forwarded = [0, 0]
+        self.backwarded = [0, 0]
         self.saved = (deque(), deque())
         self.local_activations: deque = deque()
         self.local_gradients: deque = deque()

@@ -68,3 +68,12 @@ class ReferencePipeline:
         batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
         loss = self.schedule.step(batches, token_count(labels), forward_only=True)
         return share_loss(loss, self.layout)
+
+    @property
+    def observer(self):
+        """``observer(moment, micro_batch)`` called at every schedule action (memory tracking)."""
+        return self.schedule.observer
+
+    @observer.setter
+    def observer(self, callback) -> None:
+        self.schedule.observer = callback

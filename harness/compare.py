@@ -1,0 +1,378 @@
+"""`twinpipe compare`: run two stacks side by side on the same weights and data.
+
+Sides are ``oracle`` (the whole model on one process, the whole global batch),
+``reference`` (plain DualPipeV) and ``optimized`` (the production stack). Both
+pipeline sides run inside one launched world, one after the other, on the same
+ranks; the oracle runs in this process. Per step the harness compares the loss,
+every parameter's gradient (gathered across expert shards), the parameters after
+AdamW, and, per rank, the peak memory broken down by category.
+
+With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2,
+DP=2, EP=2 on CPU, reference against optimized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from models import build_model, resolve_model
+from models.distributed import ParallelConfig, RankFailed, launch, make_layout
+from models.model import is_expert_parameter
+from models.training import OptimizerConfig, synthetic_batch
+
+STACKS = {
+    "reference": "reference.pipeline:ReferencePipeline",
+    "optimized": "optimized.pipeline:OptimizedPipeline",
+}
+SIDES = ("oracle",) + tuple(STACKS)
+
+# DESIGN.md's numerics policy: (loss relative error, gradient 1 - cos).
+TOLERANCES = {
+    ("oracle", "float32"): (1e-6, 1e-10),
+    ("pipeline", "float32"): (1e-5, 1e-8),
+    ("oracle", "bfloat16"): (1e-2, 1e-2),
+    ("pipeline", "bfloat16"): (1e-2, 1e-2),
+}
+
+
+def tolerance(baseline: str, candidate: str, dtype: str) -> dict[str, float]:
+    kind = "oracle" if "oracle" in (baseline, candidate) else "pipeline"
+    loss_rel, grad_cos = TOLERANCES[(kind, dtype)]
+    return {"loss_rel": loss_rel, "grad_one_minus_cos": grad_cos}
+
+
+def _stack_class(name: str):
+    module, cls = STACKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+# -------------------------------------------------------------- on each rank
+def _rank_main(model, parallel, full_state, stacks, steps, optimizer, track_memory, progress):
+    """One rank of the launched world: run each pipeline stack for ``steps`` steps."""
+    layout = make_layout(parallel)
+    results: dict[str, Any] = {}
+    results["coords"] = (layout.pp_rank, layout.dp_rank, layout.ep_rank)
+    for stack in stacks:
+        torch.manual_seed(parallel.seed)
+        pipeline = _stack_class(stack)(model, parallel, layout, full_state, optimizer)
+        record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+        tracker = None
+        if track_memory:
+            from harness.memory import MemoryTracker  # noqa: PLC0415
+
+            tracker = MemoryTracker("cuda" if torch.cuda.is_available() else "cpu")
+            tracker.register(parameters=pipeline.part, optimizer_state=pipeline.optimizer)
+            pipeline.observer = tracker.mark
+        for step in range(steps):
+            ids, labels = synthetic_batch(model, parallel, step)
+            start = time.perf_counter()
+            if tracker is not None:
+                with tracker.step():
+                    loss = pipeline.forward_backward(ids, labels)
+                    pipeline.optimizer_step()
+                summary = dict(tracker.breakdown())
+                summary["total"] = tracker.peak_bytes
+                summary["peak_moment"] = tracker.peak_moment
+                record["memory"].append(summary)
+            else:
+                loss = pipeline.forward_backward(ids, labels)
+                pipeline.optimizer_step()
+            record["time"].append(time.perf_counter() - start)
+            record["loss"].append(loss)
+            record["grads"].append(_named(pipeline.part, grads=True))
+            record["params"].append(_named(pipeline.part, grads=False))
+            if progress and layout.rank == 0:
+                print(f"  [{stack}] step {step + 1}/{steps}  loss {loss:.6f}", file=sys.stderr)
+        pipeline.observer = None
+        ids, labels = synthetic_batch(model, parallel, steps)
+        record["eval"] = pipeline.evaluate(ids, labels)
+        results[stack] = record
+        del pipeline
+    return results
+
+
+def _named(part: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in part.named_parameters():
+        tensor = param.grad if grads else param.detach()
+        out[name] = tensor.detach().float().clone()
+    return out
+
+
+def _assemble(per_rank: list[dict], stack: str, key: str, step: int, ep: int) -> dict:
+    """Whole-model tensors from rank shards: experts from dp-block 0 by ep-rank, the rest
+    from dp-rank 0."""
+    full: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for result in per_rank:
+        _, dp_rank, ep_rank = result["coords"]
+        for name, tensor in result[stack][key][step].items():
+            if is_expert_parameter(name):
+                if dp_rank < ep:
+                    shards.setdefault(name, {})[ep_rank] = tensor
+            elif dp_rank == 0:
+                full[name] = tensor
+    for name, parts in shards.items():
+        full[name] = torch.cat([parts[r] for r in sorted(parts)], dim=0)
+    return full
+
+
+# ---------------------------------------------------------------- the oracle
+def _run_oracle(model, parallel, full_state, steps, optimizer) -> dict:
+    from reference.oracle import Oracle  # noqa: PLC0415
+
+    oracle = Oracle(model, full_state, optimizer, parallel.torch_dtype)
+    record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+    for step in range(steps):
+        ids, labels = synthetic_batch(model, parallel, step)
+        start = time.perf_counter()
+        loss = oracle.forward_backward(ids, labels)
+        oracle.optimizer_step()
+        record["time"].append(time.perf_counter() - start)
+        record["loss"].append(loss)
+        record["grads"].append(_named(oracle.model, grads=True))
+        record["params"].append(_named(oracle.model, grads=False))
+    record["eval"] = oracle.evaluate(*synthetic_batch(model, parallel, steps))
+    return record
+
+
+# ------------------------------------------------------------- comparisons
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    if denom == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / denom
+
+
+def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    na, nb = a.norm().item(), b.norm().item()
+    if na == 0 and nb == 0:
+        return 0.0
+    if na == 0 or nb == 0:
+        return 1.0
+    return max(0.0, 1.0 - (a @ b).item() / (na * nb))
+
+
+def compare_tensors(base: dict, cand: dict) -> list[tuple[str, float, float]]:
+    """Per parameter: (name, relative L2 error, 1 - cos), worst first by 1 - cos."""
+    missing = sorted(set(base) ^ set(cand))
+    if missing:
+        raise RuntimeError(f"the two stacks hold different parameters: {missing[:5]}")
+    rows = []
+    for name in base:
+        a, b = cand[name], base[name]
+        if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            rows.append((name, math.inf, math.inf))
+            continue
+        rows.append((name, _rel(a, b), _one_minus_cos(a, b)))
+    return sorted(rows, key=lambda row: (row[2], row[1]), reverse=True)
+
+
+def build_report(args, model, parallel, records: dict[str, dict], memory_ranks) -> dict:
+    base, cand = records[args.baseline], records[args.candidate]
+    tol = tolerance(args.baseline, args.candidate, parallel.dtype)
+    loss_rel = [
+        abs(c - b) / abs(b) if b != 0 else abs(c) for b, c in zip(base["loss"], cand["loss"])
+    ]
+    grad_rel, grad_cos, param_rel, worst = [], [], [], {}
+    for step in range(args.steps):
+        rows = compare_tensors(base["grads"][step], cand["grads"][step])
+        grad_rel.append(max(r[1] for r in rows))
+        grad_cos.append(max(r[2] for r in rows))
+        for name, rel, cos in rows[:5]:
+            if name not in worst or cos > worst[name][2]:
+                worst[name] = (name, rel, cos)
+        prow = compare_tensors(base["params"][step], cand["params"][step])
+        param_rel.append(max(r[1] for r in prow))
+    eval_rel = abs(cand["eval"] - base["eval"]) / abs(base["eval"])
+    finite = all(math.isfinite(x) for x in base["loss"] + cand["loss"] + grad_cos + grad_rel)
+    passed = (
+        finite
+        and max(loss_rel) <= tol["loss_rel"]
+        and max(grad_cos) <= tol["grad_one_minus_cos"]
+        and eval_rel <= tol["loss_rel"]
+    )
+    report = {
+        "passed": bool(passed),
+        "config": {
+            "model": args.model,
+            "pp": parallel.pp,
+            "dp": parallel.dp,
+            "ep": parallel.ep,
+            "micro_batches": parallel.micro_batches,
+            "micro_batch_size": parallel.micro_batch_size,
+            "seq_len": parallel.seq_len,
+            "dtype": parallel.dtype,
+            "steps": args.steps,
+            "seed": parallel.seed,
+            "lr": args.lr,
+        },
+        "baseline": args.baseline,
+        "candidate": args.candidate,
+        "loss": {"baseline": base["loss"], "candidate": cand["loss"], "rel_error": loss_rel},
+        "eval_loss": {"baseline": base["eval"], "candidate": cand["eval"], "rel_error": eval_rel},
+        "grads": {
+            "max_rel_error": grad_rel,
+            "max_one_minus_cos": grad_cos,
+            "worst": [list(w) for w in sorted(worst.values(), key=lambda w: -w[2])[:8]],
+        },
+        "params": {"max_rel_error": param_rel},
+        "time": {"baseline": base["time"], "candidate": cand["time"]},
+        "tolerance": tol,
+        "git_commit": _git_commit(),
+        "machine": f"{platform.node()} {platform.machine()} torch {torch.__version__}",
+    }
+    if memory_ranks:
+        report["memory"] = {"ranks": memory_ranks}
+    return report
+
+
+def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[dict]:
+    ranks = []
+    for rank, result in enumerate(per_rank):
+        if baseline not in result or candidate not in result:
+            return []
+        b = max(result[baseline]["memory"], key=lambda m: m["total"], default=None)
+        c = max(result[candidate]["memory"], key=lambda m: m["total"], default=None)
+        if b is None or c is None:
+            return []
+        ranks.append(
+            {
+                "rank": rank,
+                "baseline": b,
+                "candidate": c,
+                "ratio": c["total"] / b["total"] if b["total"] else None,
+                "activation_ratio": c["activations"] / b["activations"]
+                if b["activations"]
+                else None,
+            }
+        )
+    return ranks
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-deepseek-v2", help="preset or config.json path")
+    parser.add_argument("--checkpoint", help="Hugging Face checkpoint folder for the weights")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel ranks")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (divides dp)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=2, help="training steps")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--baseline", default="reference", help=f"one of {SIDES}")
+    parser.add_argument("--candidate", default="optimized", help=f"one of {SIDES}")
+    parser.add_argument("--json", help="write the report JSON here")
+    parser.add_argument("--out", help="write report.json, report.md and plots to this folder")
+    parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
+    parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
+
+
+def _bad(message: str) -> int:
+    print(f"twinpipe compare: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    for side in ("baseline", "candidate"):
+        if getattr(args, side) not in SIDES:
+            return _bad(f"--{side}={getattr(args, side)!r} is not one of {SIDES}")
+    if args.baseline == args.candidate:
+        return _bad(f"--baseline and --candidate are both {args.baseline!r}; pick two stacks")
+    if args.steps < 1:
+        return _bad(f"--steps={args.steps} must be at least 1")
+    parallel = ParallelConfig(
+        pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
+        micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
+    )  # fmt: skip
+    try:
+        model = resolve_model(args.checkpoint or args.model)
+        parallel.validate(model)
+    except (ValueError, FileNotFoundError) as error:
+        return _bad(str(error))
+    optimizer = OptimizerConfig(lr=args.lr)
+    if args.checkpoint:
+        from models import from_pretrained  # noqa: PLC0415
+
+        full_state = from_pretrained(args.checkpoint).state_dict()
+    else:
+        full_state = build_model(model, seed=args.seed).state_dict()
+    full_state = {k: v.to(parallel.torch_dtype) for k, v in full_state.items()}
+
+    stacks = [s for s in (args.baseline, args.candidate) if s != "oracle"]
+    print(
+        f"twinpipe compare: {args.model} PP={parallel.pp} DP={parallel.dp} EP={parallel.ep} "
+        f"M={parallel.micro_batches} mbs={parallel.micro_batch_size} seq={parallel.seq_len} "
+        f"{parallel.dtype}, {args.steps} steps: {args.baseline} vs {args.candidate}",
+        file=sys.stderr,
+    )
+    records: dict[str, dict] = {}
+    memory_ranks: list[dict] = []
+    if "oracle" in (args.baseline, args.candidate):
+        print("  [oracle] running on one process", file=sys.stderr)
+        records["oracle"] = _run_oracle(model, parallel, full_state, args.steps, optimizer)
+    if stacks:
+        print(f"  launching {parallel.world_size} ranks for {', '.join(stacks)}", file=sys.stderr)
+        try:
+            per_rank = launch(
+                _rank_main,
+                parallel.world_size,
+                (model, parallel, full_state, stacks, args.steps, optimizer,
+                 not args.no_memory, True),
+                timeout_s=args.timeout,
+            )  # fmt: skip
+        except RankFailed as error:
+            print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
+            return 1
+        for stack in stacks:
+            records[stack] = {
+                "loss": per_rank[0][stack]["loss"],
+                "eval": per_rank[0][stack]["eval"],
+                "time": [max(r[stack]["time"][s] for r in per_rank) for s in range(args.steps)],
+                "grads": [
+                    _assemble(per_rank, stack, "grads", s, parallel.ep) for s in range(args.steps)
+                ],
+                "params": [
+                    _assemble(per_rank, stack, "params", s, parallel.ep) for s in range(args.steps)
+                ],
+            }
+        if len(stacks) == 2 and not args.no_memory:
+            memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
+    report = build_report(args, model, parallel, records, memory_ranks)
+    from harness.report import format_table, write_report  # noqa: PLC0415
+
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    if args.out:
+        written = write_report(report, args.out)
+        print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    return 0 if report["passed"] else 1

@@ -1,0 +1,132 @@
+"""Reference DualPipeV + EP + DP against the single-process oracle (issue: reference pipeline)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from harness.compare import _assemble, _rank_main, _run_oracle, compare_tensors
+from models import build_model, preset
+from models.distributed import ParallelConfig, RankFailed, launch, make_layout
+from models.training import OptimizerConfig, synthetic_batch
+from reference.pipeline import ReferencePipeline
+
+PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+LOSS_REL, GRAD_COS = 1e-6, 1e-10  # DESIGN.md: reference DualPipeV vs single-process model
+
+
+def _layout_worker(configs, parallel, states, steps, optimizer):
+    return [
+        _rank_main(cfg, parallel, state, ["reference"], steps, optimizer, False, False)
+        for cfg, state in zip(configs, states)
+    ]
+
+
+def _check_against_oracle(configs, parallel, steps=1):
+    optimizer = OptimizerConfig()
+    states = [build_model(cfg, seed=7).state_dict() for cfg in configs]
+    per_rank = launch(_layout_worker, parallel.world_size, (configs, parallel, states, steps,
+                                                            optimizer))
+    for index, cfg in enumerate(configs):
+        ranks = [r[index] for r in per_rank]
+        oracle = _run_oracle(cfg, parallel, states[index], steps, optimizer)
+        ref = ranks[0]["reference"]
+        for step in range(steps):
+            rel = abs(ref["loss"][step] - oracle["loss"][step]) / oracle["loss"][step]
+            assert rel <= LOSS_REL, (cfg.model_type, step, rel)
+            grads = _assemble(ranks, "reference", "grads", step, parallel.ep)
+            worst = compare_tensors(oracle["grads"][step], grads)[0]
+            assert worst[2] <= GRAD_COS, (cfg.model_type, step, worst)
+            assert all(torch.isfinite(g).all() for g in grads.values())
+        eval_rel = abs(ref["eval"] - oracle["eval"]) / oracle["eval"]
+        assert eval_rel <= LOSS_REL, (cfg.model_type, "forward-only", eval_rel)
+        # every rank reports the same global loss
+        assert len({r["reference"]["loss"][0] for r in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp,dp,ep", [(2, 1, 1), (1, 2, 2), (2, 2, 2)])
+def test_reference_matches_oracle(pp, dp, ep):
+    parallel = ParallelConfig(pp=pp, dp=dp, ep=ep, micro_batch_size=1,
+                              micro_batches=2 * pp, seq_len=32, seed=3)
+    _check_against_oracle([preset(name) for name in PRESETS], parallel)
+
+
+@pytest.mark.multiprocess
+def test_reference_pp4_matches_oracle():
+    parallel = ParallelConfig(pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8,
+                              seq_len=16, seed=5)
+    eight = {"tiny-gpt-oss": dict(layer_types=["sliding_attention", "full_attention"] * 4)}
+    configs = [preset(name, num_hidden_layers=8, **eight.get(name, {})) for name in PRESETS]
+    _check_against_oracle(configs, parallel)
+
+
+def _trajectory_worker(cfg, parallel, state, steps):
+    return _rank_main(cfg, parallel, state, ["reference"], steps, OptimizerConfig(), False,
+                      False)["reference"]["loss"]
+
+
+@pytest.mark.multiprocess
+def test_layout_does_not_change_the_loss_trajectory():
+    cfg = preset("tiny-qwen3-moe")
+    state = build_model(cfg, seed=11).state_dict()
+    common = dict(micro_batch_size=1, seq_len=32, seed=2)
+    pipeline = ParallelConfig(pp=2, dp=1, ep=1, micro_batches=4, **common)
+    data = ParallelConfig(pp=1, dp=2, ep=1, micro_batches=2, **common)
+    assert pipeline.global_batch == data.global_batch
+    a = launch(_trajectory_worker, 2, (cfg, pipeline, state, 3))[0]
+    b = launch(_trajectory_worker, 2, (cfg, data, state, 3))[0]
+    assert len(a) == 3
+    for x, y in zip(a, b):
+        assert abs(x - y) / abs(x) <= 1e-6, (a, b)
+    assert a[0] != a[2]  # the optimizer moved the weights
+
+
+def _planted_failure_worker(cfg, parallel, state):
+    layout = make_layout(parallel)
+    pipeline = ReferencePipeline(cfg, parallel, layout, state, OptimizerConfig())
+    if layout.rank == 1:
+        raise RuntimeError("planted failure on rank 1")
+    ids, labels = synthetic_batch(cfg, parallel, 0)
+    pipeline.train_step(ids, labels)  # rank 0 would wait for rank 1 forever
+    return None
+
+
+@pytest.mark.multiprocess
+def test_planted_exception_ends_every_rank():
+    cfg = preset("tiny-qwen3-moe")
+    parallel = ParallelConfig(pp=2, dp=1, micro_batches=4, seq_len=16)
+    state = build_model(cfg).state_dict()
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="planted failure on rank 1"):
+        launch(_planted_failure_worker, 2, (cfg, parallel, state), timeout_s=300)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        (dict(pp=2, micro_batches=3), "micro_batches"),
+        (dict(pp=3, micro_batches=6), "pp"),  # 4 layers cannot fill 6 stages
+        (dict(dp=2, ep=3), "ep"),  # ep must divide dp
+        (dict(dp=3, ep=3), "ep"),  # ep must divide the 8 experts
+        (dict(pp=0), "pp"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(seq_len=100_000), "seq_len"),
+    ],
+)
+def test_invalid_parallel_config_names_the_field(fields, field):
+    parallel = ParallelConfig(**fields)
+    with pytest.raises(ValueError, match=rf"ParallelConfig\.{field}="):
+        parallel.validate(preset("tiny-deepseek-v2"))
+
+
+def test_compare_cli_rejects_bad_layout_before_spawning(capsys):
+    from harness.cli import main
+
+    code = main(["compare", "--pp", "2", "--micro-batches", "2", "--baseline", "oracle",
+                 "--candidate", "reference"])
+    assert code == 2
+    assert "micro_batches=2" in capsys.readouterr().err
