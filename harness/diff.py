@@ -1,0 +1,471 @@
+"""`twinpipe diff OLD.json NEW.json`: did this change make anything worse?
+
+What a kernel author runs before merging: a compare report (or a benchmark run)
+from main against one from the branch. Inputs may be compare reports,
+history entries written by `twinpipe bench`, or pytest-benchmark JSON; both
+files must be of the same kind.
+
+A regression is:
+
+- ``passed`` turning false;
+- a loss, gradient or parameter error (largest over steps) growing by more than
+  ``--error-tolerance`` (relative; 0 by default: errors may not grow at all),
+  or becoming NaN;
+- a tolerance being loosened (the numerics policy never loosens one to pass);
+- a rank's peak memory, on either stack, growing by more than
+  ``--memory-tolerance`` (1% by default); in benchmarks, any ``extra_info``
+  figure whose name says bytes or memory;
+- time per step (median over steps) or a benchmark's median time growing by
+  more than ``--time-tolerance`` (10% by default, the noise margin).
+
+Everything else that changed (configuration, machine, benchmarks added or
+removed, improvements) is reported as information. Exit status: 1 on a
+regression, 0 otherwise, 2 when an input is missing or not a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepdiff import DeepDiff
+
+from harness.report import format_bytes, is_compare_report
+
+EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
+
+# (section, field, words) of the error series checked in a compare report.
+ERROR_SERIES = (
+    ("loss", "rel_error", "loss relative error"),
+    ("grads", "max_rel_error", "gradient max relative error"),
+    ("grads", "max_one_minus_cos", "gradient max 1-cos"),
+    ("params", "max_rel_error", "parameter max relative error"),
+)
+# Sections whose numbers are judged by rules here, not listed as plain changes.
+JUDGED_SECTIONS = ("passed", "loss", "grads", "params", "memory", "time", "tolerance")
+IGNORED_FIELDS = ("git_commit", "date", "datetime")
+
+
+class InputError(ValueError):
+    """An input file is missing, not JSON, or not something `diff` understands."""
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Relative growth allowed before a change counts as a regression."""
+
+    memory: float = 0.01
+    time: float = 0.10
+    error: float = 0.0
+
+
+@dataclass
+class DiffResult:
+    """What changed between two documents, in words."""
+
+    kind: str
+    regressions: list[str] = field(default_factory=list)
+    improvements: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.regressions
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def load_document(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """Read ``path`` as ``("compare", report)`` or ``("bench", pytest-benchmark JSON)``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise InputError(f"{path}: cannot read ({error.strerror or error})") from error
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
+    kind, payload = classify(document)
+    if kind is None:
+        raise InputError(
+            f"{path}: not a compare report (an object with a boolean 'passed'), "
+            "a `twinpipe bench` history entry, or pytest-benchmark JSON (with 'benchmarks')"
+        )
+    return kind, payload
+
+
+def classify(document: Any) -> tuple[str | None, dict[str, Any]]:
+    """The kind of a parsed document and the part of it that is compared."""
+    if not isinstance(document, dict):
+        return None, {}
+    if document.get("kind") == "compare" and is_compare_report(document.get("report")):
+        return "compare", document["report"]
+    if document.get("kind") == "bench" and _is_benchmark_json(document.get("benchmark")):
+        return "bench", document["benchmark"]
+    if is_compare_report(document):
+        return "compare", document
+    if _is_benchmark_json(document):
+        return "bench", document
+    return None, {}
+
+
+def _is_benchmark_json(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("benchmarks"), list)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _series_max(values: Any) -> float | None:
+    """Largest value of a per-step series; NaN if any step is NaN; None if absent."""
+    if not isinstance(values, list):
+        return _number(values)
+    numbers = [_number(v) for v in values]
+    numbers = [v for v in numbers if v is not None]
+    if not numbers:
+        return None
+    if any(math.isnan(v) for v in numbers):
+        return math.nan
+    return max(numbers)
+
+
+def _percent(old: float, new: float) -> str:
+    if old == 0:
+        return "from zero"
+    return f"{abs(new - old) / abs(old) * 100:.1f}%"
+
+
+def _judge(
+    result: DiffResult,
+    what: str,
+    old: float | None,
+    new: float | None,
+    limit: float,
+    show: Any = None,
+    verb: tuple[str, str] = ("grew", "shrank"),
+) -> None:
+    """Growth beyond ``limit`` (relative) is a regression; a drop is an improvement."""
+    if old is None or new is None:
+        if old is not None or new is not None:
+            result.changes.append(f"{what}: {_show(old, show)} -> {_show(new, show)}")
+        return
+    if math.isnan(new) and not math.isnan(old):
+        result.regressions.append(f"{what} became NaN (was {_show(old, show)})")
+        return
+    if math.isnan(old):
+        if not math.isnan(new):
+            result.improvements.append(f"{what} is no longer NaN ({_show(new, show)})")
+        return
+    values = f"({_show(old, show)} -> {_show(new, show)})"
+    if new > old * (1 + limit) and new > old:
+        result.regressions.append(
+            f"{what} {verb[0]} {_percent(old, new)} {values}, limit {limit * 100:g}%"
+        )
+    elif new < old:
+        result.improvements.append(f"{what} {verb[1]} {_percent(old, new)} {values}")
+    elif new > old:
+        result.changes.append(
+            f"{what} {verb[0]} {_percent(old, new)} {values}, within {limit * 100:g}%"
+        )
+
+
+def _show(value: float | None, show: Any) -> str:
+    if value is None:
+        return "absent"
+    if show is not None:
+        return show(value)
+    return f"{value:.4g}"
+
+
+def _seconds(value: float) -> str:
+    if value < 1e-3:
+        return f"{value * 1e6:.3g} us"
+    if value < 1:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value:.3g} s"
+
+
+def _deepdiff_lines(old: Any, new: Any, prefix: str) -> list[str]:
+    """Structural and value changes, in words, with ``root`` replaced by ``prefix``."""
+    diff = DeepDiff(old, new, ignore_order=False, verbose_level=2)
+    lines = []
+
+    def name(path: str) -> str:
+        return prefix + path[len("root") :]
+
+    for path, change in diff.get("values_changed", {}).items():
+        lines.append(f"{name(path)}: {change['old_value']!r} -> {change['new_value']!r}")
+    for path, change in diff.get("type_changes", {}).items():
+        lines.append(f"{name(path)}: {change['old_value']!r} -> {change['new_value']!r}")
+    for key in ("dictionary_item_added", "iterable_item_added"):
+        for path, value in _items(diff.get(key)):
+            lines.append(f"{name(path)} added: {value!r}")
+    for key in ("dictionary_item_removed", "iterable_item_removed"):
+        for path, value in _items(diff.get(key)):
+            lines.append(f"{name(path)} removed (was {value!r})")
+    return sorted(lines)
+
+
+def _items(entries: Any) -> list[tuple[str, Any]]:
+    if not entries:
+        return []
+    if isinstance(entries, dict):
+        return list(entries.items())
+    return [(path, "") for path in entries]
+
+
+# ---------------------------------------------------------------------- compare reports
+
+
+def diff_reports(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -> DiffResult:
+    """Judge two compare reports."""
+    result = DiffResult("compare")
+    if old.get("passed") and not new.get("passed"):
+        result.regressions.append("passed turned false: the new report fails its own checks")
+    elif not old.get("passed") and new.get("passed"):
+        result.improvements.append("passed turned true")
+
+    for section, name, words in ERROR_SERIES:
+        old_max = _series_max((old.get(section) or {}).get(name))
+        new_max = _series_max((new.get(section) or {}).get(name))
+        _judge(result, f"{words} (max over steps)", old_max, new_max, tol.error)
+
+    _judge_tolerances(result, old.get("tolerance") or {}, new.get("tolerance") or {})
+    _judge_memory(result, old, new, tol)
+    _judge_time(result, old, new, tol)
+
+    rest_old = {k: v for k, v in old.items() if k not in JUDGED_SECTIONS + IGNORED_FIELDS}
+    rest_new = {k: v for k, v in new.items() if k not in JUDGED_SECTIONS + IGNORED_FIELDS}
+    result.changes += _deepdiff_lines(rest_old, rest_new, "report")
+    return result
+
+
+def _judge_tolerances(result: DiffResult, old: dict[str, Any], new: dict[str, Any]) -> None:
+    for key in sorted(set(old) | set(new)):
+        old_value, new_value = _number(old.get(key)), _number(new.get(key))
+        if old_value is None or new_value is None:
+            if old.get(key) != new.get(key):
+                result.changes.append(f"tolerance {key}: {old.get(key)!r} -> {new.get(key)!r}")
+        elif new_value > old_value:
+            result.regressions.append(
+                f"tolerance {key} loosened from {old_value:g} to {new_value:g}"
+            )
+        elif new_value < old_value:
+            result.improvements.append(
+                f"tolerance {key} tightened from {old_value:g} to {new_value:g}"
+            )
+
+
+def _memory_by_rank(report: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+    ranks = (report.get("memory") or {}).get("ranks") or []
+    return {entry.get("rank", i): entry for i, entry in enumerate(ranks) if isinstance(entry, dict)}
+
+
+def _judge_memory(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> None:
+    old_ranks, new_ranks = _memory_by_rank(old), _memory_by_rank(new)
+    names = {"baseline": new.get("baseline", "baseline"), "candidate": new.get("candidate")}
+    for rank in sorted(set(old_ranks) | set(new_ranks), key=str):
+        if rank not in new_ranks:
+            result.changes.append(f"rank {rank}: memory figures removed")
+            continue
+        if rank not in old_ranks:
+            result.changes.append(f"rank {rank}: memory figures added")
+            continue
+        for side in ("baseline", "candidate"):
+            old_total = _number((old_ranks[rank].get(side) or {}).get("total"))
+            new_total = _number((new_ranks[rank].get(side) or {}).get("total"))
+            label = side if names[side] in (None, side) else f"{side} ({names[side]})"
+            _judge(
+                result,
+                f"rank {rank} {label} peak memory",
+                old_total,
+                new_total,
+                tol.memory,
+                show=format_bytes,
+            )
+
+
+def _judge_time(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> None:
+    old_time, new_time = old.get("time") or {}, new.get("time") or {}
+    for side in ("baseline", "candidate"):
+        old_median, new_median = _median(old_time.get(side)), _median(new_time.get(side))
+        _judge(
+            result,
+            f"{side} time per step (median)",
+            old_median,
+            new_median,
+            tol.time,
+            show=_seconds,
+            verb=("slowed", "sped up"),
+        )
+
+
+def _median(values: Any) -> float | None:
+    if not isinstance(values, list):
+        return None
+    numbers = [v for v in (_number(x) for x in values) if v is not None and not math.isnan(v)]
+    return statistics.median(numbers) if numbers else None
+
+
+# ---------------------------------------------------------------------- benchmarks
+
+
+def _benchmarks_by_name(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found = {}
+    for bench in document.get("benchmarks") or []:
+        if isinstance(bench, dict):
+            found[str(bench.get("fullname") or bench.get("name"))] = bench
+    return found
+
+
+def _is_memory_key(key: str) -> bool:
+    key = key.lower()
+    return "bytes" in key or "memory" in key or key.endswith("_mem")
+
+
+def _is_error_key(key: str) -> bool:
+    key = key.lower()
+    return "error" in key or "one_minus_cos" in key
+
+
+def diff_benchmarks(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -> DiffResult:
+    """Judge two pytest-benchmark runs: median time, memory and errors in ``extra_info``."""
+    result = DiffResult("bench")
+    old_benches, new_benches = _benchmarks_by_name(old), _benchmarks_by_name(new)
+    for name in sorted(set(old_benches) - set(new_benches)):
+        result.changes.append(f"benchmark {name} removed")
+    for name in sorted(set(new_benches) - set(old_benches)):
+        result.changes.append(f"benchmark {name} added")
+    for name in sorted(set(old_benches) & set(new_benches)):
+        old_bench, new_bench = old_benches[name], new_benches[name]
+        _judge(
+            result,
+            f"{name} median time",
+            _number((old_bench.get("stats") or {}).get("median")),
+            _number((new_bench.get("stats") or {}).get("median")),
+            tol.time,
+            show=_seconds,
+            verb=("slowed", "sped up"),
+        )
+        old_extra, new_extra = old_bench.get("extra_info") or {}, new_bench.get("extra_info") or {}
+        for key in sorted(set(old_extra) | set(new_extra)):
+            old_value, new_value = _number(old_extra.get(key)), _number(new_extra.get(key))
+            if _is_memory_key(key):
+                _judge(result, f"{name} {key}", old_value, new_value, tol.memory, format_bytes)
+            elif _is_error_key(key):
+                _judge(result, f"{name} {key}", old_value, new_value, tol.error)
+            elif old_extra.get(key) != new_extra.get(key):
+                result.changes.append(
+                    f"{name} {key}: {old_extra.get(key)!r} -> {new_extra.get(key)!r}"
+                )
+    if old.get("machine_info") != new.get("machine_info"):
+        result.changes += _deepdiff_lines(
+            old.get("machine_info") or {}, new.get("machine_info") or {}, "machine_info"
+        )
+    return result
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def diff_files(old_path: str | Path, new_path: str | Path, tol: Tolerances) -> DiffResult:
+    """Load and judge two files; raises InputError on bad input or mismatched kinds."""
+    old_kind, old = load_document(old_path)
+    new_kind, new = load_document(new_path)
+    if old_kind != new_kind:
+        raise InputError(
+            f"{old_path} is a {old_kind} document but {new_path} is a {new_kind} document; "
+            "diff compares like with like"
+        )
+    if old_kind == "compare":
+        return diff_reports(old, new, tol)
+    return diff_benchmarks(old, new, tol)
+
+
+def format_result(result: DiffResult, old_path: Any = "OLD", new_path: Any = "NEW") -> str:
+    count = len(result.regressions)
+    verdict = f"{count} regression{'s' if count != 1 else ''}" if count else "no regression"
+    lines = [f"twinpipe diff ({result.kind}): {old_path} -> {new_path}: {verdict}"]
+    lines += [f"  regression: {line}" for line in result.regressions]
+    lines += [f"  improvement: {line}" for line in result.improvements]
+    lines += [f"  change: {line}" for line in result.changes]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("old", help="report or benchmark JSON from before the change (e.g. main)")
+    parser.add_argument("new", help="report or benchmark JSON from after the change")
+    parser.add_argument(
+        "--memory-tolerance",
+        type=_fraction("--memory-tolerance"),
+        default=0.01,
+        help="relative growth of peak memory allowed (default 0.01 = 1%%)",
+    )
+    parser.add_argument(
+        "--time-tolerance",
+        type=_fraction("--time-tolerance"),
+        default=0.10,
+        help="relative growth of time allowed, the noise margin (default 0.10 = 10%%)",
+    )
+    parser.add_argument(
+        "--error-tolerance",
+        type=_fraction("--error-tolerance"),
+        default=0.0,
+        help="relative growth of loss/gradient errors allowed (default 0: may not grow)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _fraction(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r} is not a number") from None
+        if not value >= 0 or math.isinf(value):
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r}: must be a finite fraction >= 0, e.g. 0.01 for 1%"
+            )
+        return value
+
+    return parse
+
+
+def run(args: argparse.Namespace) -> int:
+    tol = Tolerances(
+        memory=args.memory_tolerance, time=args.time_tolerance, error=args.error_tolerance
+    )
+    try:
+        result = diff_files(args.old, args.new, tol)
+    except InputError as error:
+        print(f"twinpipe diff: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(format_result(result, args.old, args.new))
+    return EXIT_OK if result.passed else EXIT_REGRESSION
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - convenience
+    parser = argparse.ArgumentParser(prog="twinpipe diff")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
