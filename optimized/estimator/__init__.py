@@ -1,0 +1,187 @@
+"""The MoE-aware memory estimator: per-rank memory of a DualPipeV step from the configs alone.
+
+Parameters (total, active, per sharding bucket), weight / gradient / optimizer
+bytes for the run's precision (optimizer state optionally sharded over DP, the
+routed experts over their expert-DP group), and activations: the bytes each
+stack keeps per layer and micro-batch, times the micro-batches each chunk
+holds at each action of the DualPipeV walk, with the phase where each rank
+peaks. Beside it, what Megatron's published formulas would say.
+
+The API keeps the names of Megatron's ``theoretical_memory_utils``:
+`compute_weight_and_optimizer_memory`, `compute_activation_memory`,
+`report_theoretical_memory`; ``config`` is an `EstimateConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ModelConfig
+from optimized.estimator.config import EstimateConfig
+from optimized.estimator.megatron import (
+    megatron_activation_bytes,
+    megatron_weight_and_optimizer_bytes,
+)
+from optimized.estimator.memory import RankEstimate, estimate_ranks
+from optimized.estimator.params import BUCKETS, active_params, model_params
+
+NUM_BYTES_IN_MEGABYTE = 1024 * 1024
+
+__all__ = [
+    "EstimateConfig",
+    "compute_weight_and_optimizer_memory",
+    "compute_activation_memory",
+    "report_theoretical_memory",
+    "estimate",
+    "estimate_for_compare",
+]
+
+
+def _partition(config: EstimateConfig):
+    from optimized.partition import stage_layers  # noqa: PLC0415 - partition imports us
+
+    return stage_layers(config)
+
+
+def _print_params(config: EstimateConfig) -> None:
+    total = model_params(config)
+    print(f"Total parameters: {total.total:,}  active: {active_params(config, total):,}")
+    for bucket in BUCKETS:
+        print(f"  {bucket}: {total.numel[bucket]:,}")
+
+
+def compute_weight_and_optimizer_memory(config: EstimateConfig, verbose: bool = False) -> float:
+    """Bytes of weights, gradients and optimizer state on the most loaded rank."""
+    if verbose:
+        _print_params(config)
+    ranks = estimate_ranks(config, _partition(config))
+    return float(max(rank.static_bytes for rank in ranks))
+
+
+def compute_activation_memory(
+    config: EstimateConfig, num_microbatches: int | None, verbose: bool = False
+) -> float:
+    """Peak activation bytes on the most loaded rank over the DualPipeV walk."""
+    if num_microbatches is not None:
+        config = config.replace(num_microbatches=num_microbatches)
+    ranks = estimate_ranks(config, _partition(config))
+    if verbose:
+        for rank in ranks:
+            print(
+                f"rank {rank.rank}: activations {rank.activation_bytes / NUM_BYTES_IN_MEGABYTE:.2f}"
+                f" MB at {rank.peak_phase} {rank.peak_action}, in flight {rank.in_flight_at_peak}"
+            )
+    return float(max(rank.activation_bytes for rank in ranks))
+
+
+def report_theoretical_memory(
+    config: EstimateConfig, num_microbatches: int | None = None, verbose: bool = False
+) -> None:
+    """Print weights+optimizer, activations and the peak (MB), ours and Megatron's."""
+    if num_microbatches is not None:
+        config = config.replace(num_microbatches=num_microbatches)
+    if verbose:
+        _print_params(config)
+    report = estimate(config)
+    mb = NUM_BYTES_IN_MEGABYTE
+    for rank in report["ranks"]:
+        static = rank["weights_bytes"] + rank["gradients_bytes"] + rank["optimizer_bytes"]
+        print(
+            f"Theoretical memory footprints (rank {rank['rank']}): weight and optimizer="
+            f"{static / mb:.2f} MB, activation={rank['activation_bytes'] / mb:.2f} MB, "
+            f"total={rank['peak_bytes'] / mb:.2f} MB"
+        )
+    meg = report["megatron"]
+    print(
+        f"Megatron's formulas: weight and optimizer={meg['weight_and_optimizer_bytes'] / mb:.2f}"
+        f" MB, activation={meg['activation_bytes'] / mb:.2f} MB, total={meg['total_bytes'] / mb:.2f}"
+        " MB"
+    )
+
+
+def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str, Any]:
+    """The full report as a JSON-able dict (``params``, ``ranks``, ``megatron``, ...)."""
+    partition = _partition(config)
+    total = model_params(config)
+    ranks: list[RankEstimate] = estimate_ranks(config, partition)
+    megatron_static = megatron_weight_and_optimizer_bytes(config)
+    megatron_act = megatron_activation_bytes(config, config.num_microbatches)
+    report: dict[str, Any] = {
+        "model": config.model.model_type,
+        "layout": {
+            "pp": config.pp,
+            "dp": config.dp,
+            "ep": config.ep,
+            "tp": config.tp,
+            "etp": config.etp,
+            "expert_dp": config.expert_dp,
+            "micro_batch_size": config.micro_batch_size,
+            "seq_len": config.seq_len,
+            "num_microbatches": config.num_microbatches,
+        },
+        "precision": {
+            "dtype": config.dtype,
+            "grad_bytes": config.grad_bytes,
+            "optimizer_bytes_per_param": config.optimizer_bytes_per_param,
+            "shard_optimizer": config.shard_optimizer,
+        },
+        "stack": config.stack,
+        "params": {
+            "total": total.total,
+            "active": active_params(config, total),
+            "buckets": dict(total.numel),
+        },
+        "partition": [len(stage) for stage in partition],
+        "ranks": [rank.as_dict() for rank in ranks],
+        "megatron": {
+            "weight_and_optimizer_bytes": megatron_static,
+            "activation_bytes": megatron_act,
+            "total_bytes": megatron_static + megatron_act,
+        },
+    }
+    if with_partitions:
+        from optimized.partition import partition_report  # noqa: PLC0415
+
+        report["partitions"] = partition_report(config)
+    return report
+
+
+def estimate_for_compare(
+    model_config: ModelConfig,
+    parallel_layout: Any,
+    stack: str,
+    measured_peaks: list[int] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The estimate `twinpipe compare` puts beside its measured peaks.
+
+    ``parallel_layout`` is any object (or dict) with ``pp``, ``dp``, ``ep`` and optionally
+    ``micro_batch_size``, ``seq_len``, ``num_microbatches``, ``dtype``, ``layers_per_stage``
+    attributes; ``overrides`` set any other `EstimateConfig` field. compare runs unsharded
+    AdamW, so ``shard_optimizer`` defaults to False. With ``measured_peaks`` (bytes per
+    pp-rank) each rank gets ``measured_bytes`` and ``error`` (estimate / measured - 1) for
+    our figure and for Megatron's.
+    """
+    fields = {}
+    names = (
+        "pp", "dp", "ep", "tp", "etp", "micro_batch_size", "seq_len", "num_microbatches",
+        "dtype", "layers_per_stage",
+    )  # fmt: skip
+    for name in names:
+        if isinstance(parallel_layout, dict):
+            value = parallel_layout.get(name)
+        else:
+            value = getattr(parallel_layout, name, None)
+        if value is not None:
+            fields[name] = list(value) if name == "layers_per_stage" else value
+    fields.setdefault("shard_optimizer", False)
+    fields.update(overrides)
+    config = EstimateConfig(model_config, stack=stack, **fields)
+    report = estimate(config)
+    if measured_peaks is not None:
+        megatron_total = report["megatron"]["total_bytes"]
+        for rank, measured in zip(report["ranks"], measured_peaks):
+            rank["measured_bytes"] = measured
+            rank["error"] = rank["peak_bytes"] / measured - 1
+            rank["megatron_error"] = megatron_total / measured - 1
+    return report

@@ -1,0 +1,247 @@
+"""Bytes autograd keeps for backward, per layer and micro-batch, read off twinpipe's model code.
+
+Each entry below names the op in `models.layers` / `models.decoder` whose
+``ctx`` holds the tensor (``nn.Linear`` saves its input, ``RMSNorm`` its
+float32 input, the rsqrt and the normalised value, softmax its result,
+``index_select`` only its index, ...). Tensors are counted once per storage:
+a norm's output that the next linear saves is one entry. Parameters (and views
+of them) are not activations. ``tests/test_estimator_activations.py`` holds
+these sums against `torch.autograd.graph.saved_tensors_hooks` on real forwards.
+
+Routed rows use their balanced expectation: ``N = tokens * top_k`` copies leave
+a rank and, with EP ranks sharing the load evenly, ``N`` arrive (real routing
+varies a few percent around it).
+
+``stack="optimized"`` differs where `optimized.ops` and the overlapped
+pipeline differ: the padded gather rounds the expert rows up to a multiple of
+``GATHER_ALIGNMENT``, the fused cross-entropy keeps one logits-sized buffer
+instead of a float32 log-softmax, and the stage records keep each MoE
+layer's attention-stage residual (the stage boundary) while the sorted,
+received and expert-output buffers are freed right after their all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimized.estimator.config import EstimateConfig
+
+F32, I64, COMPLEX64 = 4, 8, 8
+GATHER_ALIGNMENT = 1024
+"""Rows of the optimized stack's padded expert-order buffer are a multiple of this."""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One tensor kept for backward."""
+
+    name: str
+    nbytes: int
+    weight_input: bool = False
+    """Needed only by a weight gradient (kept until W when weight gradients are deferred)."""
+
+
+def _norm(name: str, rows: int, width: int, b: int, consumer_saves_output: bool) -> list[Saved]:
+    """RMSNorm: float32 input (a copy when the run dtype is 16-bit), rsqrt, the normalised
+    value in the run dtype (saved by ``weight * x``), and its output if a linear reads it."""
+    out = [
+        Saved(f"{name}.float_input", rows * width * F32),
+        Saved(f"{name}.rsqrt", rows * F32),
+        Saved(f"{name}.normalized", rows * width * b),
+    ]
+    if consumer_saves_output:
+        out.append(Saved(f"{name}.output", rows * width * b, weight_input=True))
+    return out
+
+
+def attention_saved(config: EstimateConfig, layer: int) -> list[Saved]:
+    """Input norm and attention of one layer (the layer's input is the norm's float input)."""
+    m, b = config.model, config.param_bytes
+    batch, seq, tokens = config.micro_batch_size, config.seq_len, config.tokens
+    heads = m.num_attention_heads // config.tp
+    hidden = m.hidden_size
+    saved = _norm("input_layernorm", tokens, hidden, b, True)
+    if m.model_type == "deepseek_v2":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is not None:
+            saved += _norm("q_a_layernorm", tokens, m.q_lora_rank, b, True)
+        # kv_a output: in float32 the norm's input is a slice of it, so the whole
+        # [T, kv_lora_rank + rope] storage stays; in 16-bit the float copy is of the slice.
+        kv_width = m.kv_lora_rank + (m.qk_rope_head_dim if b == F32 else 0)
+        saved += [
+            Saved("kv_a_layernorm.float_input", tokens * kv_width * F32),
+            Saved("kv_a_layernorm.rsqrt", tokens * F32),
+            Saved("kv_a_layernorm.normalized", tokens * m.kv_lora_rank * b),
+            Saved("kv_a_layernorm.output", tokens * m.kv_lora_rank * b, weight_input=True),
+            Saved("rotary.rotation", 2 * seq * (m.qk_rope_head_dim // 2) * COMPLEX64),
+            Saved("attention.q", tokens * heads * qk * b),
+            Saved("attention.k", tokens * heads * qk * b),
+        ]
+        v_dim = m.v_head_dim
+        # With one sequence v stays a view of kv_b's output (whose storage holds k_nope
+        # too); with more, matmul saves a contiguous copy of v.
+        v_saved = v_dim + (m.qk_nope_head_dim if batch == 1 else 0)
+    else:
+        dim, kv_heads = m.head_dim, m.num_key_value_heads // config.tp
+        if m.model_type == "qwen3_moe":
+            for name, width in (("q_norm", heads), ("k_norm", kv_heads)):
+                saved += [
+                    Saved(f"{name}.float_input", tokens * width * dim * F32),
+                    Saved(f"{name}.rsqrt", tokens * width * F32),
+                    Saved(f"{name}.normalized", tokens * width * dim * b),
+                ]
+        # cos/sin cast to the run dtype per call: shared by q and k only in float32.
+        tables = 2 if b == F32 else 4
+        saved += [
+            Saved("rotary.cos_sin", tables * seq * (dim // 2) * b),
+            Saved("attention.q", tokens * heads * dim * b),
+            Saved("attention.k", tokens * heads * dim * b),
+        ]
+        v_dim = v_saved = dim
+    if m.model_type == "gpt_oss":
+        # Sinks: max for stability (indices), softmax in the run dtype over S + 1 columns.
+        saved += [
+            Saved("attention.max_indices", batch * heads * seq * I64),
+            Saved("attention.probs", batch * heads * seq * (seq + 1) * b),
+        ]
+    else:
+        saved.append(Saved("attention.softmax", batch * heads * seq * seq * F32))
+        if b != F32:
+            saved.append(Saved("attention.probs", batch * heads * seq * seq * b))
+    saved += [
+        Saved("attention.v", tokens * heads * v_saved * b),
+        Saved("o_proj.input", tokens * heads * v_dim * b, weight_input=True),
+    ]
+    return saved
+
+
+def dense_mlp_saved(tokens: int, inner: int, b: int, name: str = "mlp") -> list[Saved]:
+    """SwiGLU MLP: gate and up outputs, silu(gate), and the product read by down_proj."""
+    return [
+        Saved(f"{name}.gate", tokens * inner * b),
+        Saved(f"{name}.silu", tokens * inner * b),
+        Saved(f"{name}.up", tokens * inner * b),
+        Saved(f"{name}.down_input", tokens * inner * b, weight_input=True),
+    ]
+
+
+def routed_rows(config: EstimateConfig) -> tuple[int, int]:
+    """(copies sent, rows grouped by expert on the receiving rank) per micro-batch."""
+    sent = config.tokens * config.model.num_experts_per_tok
+    if config.stack == "optimized":
+        return sent, -(-sent // GATHER_ALIGNMENT) * GATHER_ALIGNMENT
+    return sent, sent
+
+
+def moe_saved(config: EstimateConfig) -> list[Saved]:
+    """Router, dispatch bookkeeping, routed experts, shared experts, aggregation."""
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    hidden, inner, experts, top_k = (
+        m.hidden_size,
+        m.moe_intermediate_size // config.etp,
+        m.num_experts,
+        m.num_experts_per_tok,
+    )
+    sent, grouped = routed_rows(config)
+    saved: list[Saved] = []
+    if m.model_type == "gpt_oss":
+        saved += [
+            Saved("router.topk_indices", tokens * top_k * I64),
+            Saved("router.softmax", tokens * top_k * b),
+        ]
+    else:
+        if b != F32:  # linear(x.float(), weight.float()): both copies are saved
+            saved += [
+                Saved("router.float_input", tokens * hidden * F32, weight_input=True),
+                Saved("router.float_weight", experts * hidden * F32),
+            ]
+        saved += [
+            Saved("router.softmax", tokens * experts * F32),
+            Saved("router.topk_indices", tokens * top_k * I64),
+        ]
+        if m.model_type == "deepseek_v2" and m.topk_method == "group_limited_greedy":
+            saved.append(Saved("router.group_mask", tokens * experts))
+        if m.model_type == "qwen3_moe" and m.norm_topk_prob:
+            saved += [
+                Saved("router.topk_weights", tokens * top_k * F32),
+                Saved("router.topk_sum", tokens * F32),
+            ]
+    saved += [
+        Saved("dispatch.token_index", sent * I64),
+        Saved("dispatch.weight_order", sent * I64),
+    ]
+    if m.n_shared_experts:
+        shared = m.moe_intermediate_size * m.n_shared_experts // config.tp
+        saved += dense_mlp_saved(tokens, shared, b, "shared_experts")
+    # Routed experts on the received rows (grouped by local expert).
+    if config.stack == "reference":
+        saved.append(Saved("experts.order", grouped * I64))
+    else:
+        saved.append(Saved("experts.gather_index", sent * I64))
+    saved.append(Saved("experts.grouped_input", grouped * hidden * b, weight_input=True))
+    saved.append(Saved("experts.gate_up", grouped * 2 * inner * b))
+    if m.model_type == "gpt_oss":
+        for name in ("up_plus_one", "gate_clamped", "sigmoid", "gated"):
+            saved.append(Saved(f"experts.{name}", grouped * inner * b))
+    else:
+        saved.append(Saved("experts.silu", grouped * inner * b))
+    saved.append(Saved("experts.down_input", grouped * inner * b, weight_input=True))
+    saved.append(Saved("experts.positions", sent * I64))
+    saved += [
+        Saved("aggregate.expert_output", sent * hidden * b),
+        Saved("aggregate.weights", sent * b),
+        Saved("aggregate.weighted", sent * hidden * b),
+    ]
+    if config.stack == "optimized":
+        saved.append(Saved("record.residual", tokens * hidden * b))
+    return saved
+
+
+def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) -> list[Saved]:
+    """Everything one decoder layer keeps for backward, for one micro-batch."""
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    if is_moe is None:
+        is_moe = config.moe_layers()[layer]
+    saved = attention_saved(config, layer)
+    # The post-attention norm's output is saved by the dense MLP, the shared experts or
+    # GPT-OSS's router; a float32-only router saves its own float copy in 16-bit runs.
+    output_saved = (
+        b == F32 or not is_moe or m.model_type == "gpt_oss" or bool(m.n_shared_experts)
+    )
+    saved += _norm("post_attention_layernorm", tokens, m.hidden_size, b, output_saved)
+    if is_moe:
+        saved += moe_saved(config)
+    else:
+        saved += dense_mlp_saved(tokens, m.intermediate_size // config.tp, b)
+    return saved
+
+
+def layer_bytes(config: EstimateConfig, layer: int, is_moe: bool | None = None) -> int:
+    return sum(item.nbytes for item in layer_saved(config, layer, is_moe))
+
+
+def embedding_saved(config: EstimateConfig) -> list[Saved]:
+    """The embedding keeps its indices (the input ids)."""
+    return [Saved("embedding.indices", config.tokens * I64)]
+
+
+def head_saved(config: EstimateConfig) -> list[Saved]:
+    """Final norm, output layer input and the loss's saved state."""
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    vocab = m.vocab_size // config.tp
+    saved = _norm("norm", tokens, m.hidden_size, b, True)
+    if config.stack == "reference":
+        # F.cross_entropy(logits.float()): log_softmax keeps its float32 result.
+        saved.append(Saved("loss.log_softmax", tokens * vocab * F32))
+    else:
+        # Fused cross-entropy: the gradient is written over the logits; that one buffer stays.
+        saved.append(Saved("loss.logits_grad", tokens * vocab * b))
+    saved.append(Saved("loss.target", tokens * I64))
+    return saved
+
+
+def chunk_boundary_bytes(config: EstimateConfig) -> int:
+    """The stage's input a pipeline holds beyond what autograd saves: in float32 the first
+    norm saves the input itself; in 16-bit it saves a float copy, so the input is extra."""
+    b = config.param_bytes
+    return 0 if b == F32 else config.tokens * config.model.hidden_size * b

@@ -1,0 +1,205 @@
+"""What the estimator is asked about: a model, a parallel layout, a precision, a stack.
+
+`EstimateConfig` bundles the `ModelConfig` with everything else a per-rank
+memory figure depends on, and checks the combination before anything is
+counted: an impossible layout raises `ValueError` naming the field, its value
+and what would be valid (the CLI turns that into exit status 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from models.config import ModelConfig
+
+STACKS = ("reference", "optimized")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATE_DTYPES = ("param", "float32")
+
+
+def _bad(name: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"EstimateConfig.{name}={value!r} is invalid: {valid}")
+
+
+@dataclass(slots=True)
+class EstimateConfig:
+    """A model, a layout and a precision: everything a per-rank memory estimate needs."""
+
+    model: ModelConfig
+    """The network's shapes."""
+    pp: int = 1
+    """Pipeline ranks; DualPipeV gives each two stages, so ``2 * pp`` stages."""
+    dp: int = 1
+    """Data-parallel ranks per pipeline rank (world = tp * pp * dp)."""
+    ep: int = 1
+    """Expert-parallel ranks (inside the DP group: must divide ``dp`` and ``num_experts``)."""
+    tp: int = 1
+    """Tensor-parallel ranks (twinpipe runs 1; accepted for planning)."""
+    etp: int = 1
+    """Expert tensor-parallel ranks (twinpipe runs 1; accepted for planning)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    num_microbatches: int = 8
+    """Micro-batches per step (DualPipeV needs at least ``2 * pp``)."""
+    dtype: str = "float32"
+    """Run dtype of parameters and activations: ``float32`` or ``bfloat16``."""
+    grad_dtype: str | None = None
+    """Gradient dtype; None means the parameters' dtype (what autograd produces)."""
+    optimizer_state_dtype: str = "param"
+    """AdamW's ``exp_avg``/``exp_avg_sq`` dtype: ``param`` (what `torch.optim.AdamW` creates:
+    ``zeros_like(param)``) or ``float32``."""
+    master_weights: bool = False
+    """Keep a float32 master copy of 16-bit parameters in the optimizer (twinpipe does not)."""
+    shard_optimizer: bool = False
+    """Shard optimizer state over the DP group (experts over the expert-DP group), as FSDP2
+    / a distributed optimizer does; `twinpipe compare` runs unsharded AdamW."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate (``hidden_size`` weights) on the shared experts (Megatron's
+    ``moe_shared_expert_gate``; none of twinpipe's families has one)."""
+    moe_layer_pattern: int | list[int] | None = None
+    """Which layers are MoE, Megatron style: an int ``n`` (every n-th layer from layer 0) or
+    a list of 0/1 per layer; None follows the model's own rule (`ModelConfig.is_moe_layer`)."""
+    num_mtp_layers: int | None = None
+    """Multi-token-prediction layers on the last stage; None takes the model's field."""
+    stack: str = "optimized"
+    """Which stack's activations: ``reference`` or ``optimized``."""
+    layers_per_stage: list[int] | None = None
+    """Layers of each of the ``2 * pp`` stages; None lets the stack choose (see `stage_layers`)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def num_stages(self) -> int:
+        return 2 * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same expert shard: ``world / (etp * ep * pp)``."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.grad_dtype or self.dtype]
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Bytes of AdamW state per parameter (two moments, plus a float32 master if asked)."""
+        moment = self.param_bytes if self.optimizer_state_dtype == "param" else 4
+        return 2 * moment + (4 if self.master_weights and self.param_bytes != 4 else 0)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch."""
+        return self.micro_batch_size * self.seq_len
+
+    def moe_layers(self) -> list[bool]:
+        """Per decoder layer, whether it is MoE (see ``moe_layer_pattern``)."""
+        layers = self.model.num_hidden_layers
+        pattern = self.moe_layer_pattern
+        if pattern is None:
+            return [self.model.is_moe_layer(i) for i in range(layers)]
+        if isinstance(pattern, bool) or not isinstance(pattern, (int, list)):
+            raise TypeError(
+                f"EstimateConfig.moe_layer_pattern must be an int or a list of 0/1, "
+                f"got {type(pattern).__name__}"
+            )
+        if isinstance(pattern, int):
+            return [i % pattern == 0 for i in range(layers)]
+        return [bool(flag) for flag in pattern]
+
+    @property
+    def mtp_layers(self) -> int:
+        return self.model.num_mtp_layers if self.num_mtp_layers is None else self.num_mtp_layers
+
+    def replace(self, **changes: Any) -> EstimateConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -------------------------------------------------------------- validation
+    def validate(self) -> None:
+        positive = ("pp", "dp", "ep", "tp", "etp", "micro_batch_size", "seq_len")
+        for name in positive + ("num_microbatches",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _bad(name, value, "expected a positive integer")
+        model = self.model
+        if self.dtype not in ("float32", "bfloat16"):
+            raise _bad("dtype", self.dtype, "expected 'float32' or 'bfloat16'")
+        if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
+            raise _bad("grad_dtype", self.grad_dtype, f"expected None or one of {list(DTYPE_BYTES)}")
+        if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
+            raise _bad(
+                "optimizer_state_dtype", self.optimizer_state_dtype, f"one of {OPTIMIZER_STATE_DTYPES}"
+            )
+        if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
+            raise _bad("num_mtp_layers", self.num_mtp_layers, "expected None or >= 0")
+        if self.stack not in STACKS:
+            raise _bad("stack", self.stack, f"expected one of {STACKS}")
+        if self.num_microbatches < 2 * self.pp:
+            raise _bad(
+                "num_microbatches",
+                self.num_microbatches,
+                f"DualPipeV needs at least 2 * pp = {2 * self.pp} micro-batches",
+            )
+        if model.num_hidden_layers < self.num_stages:
+            raise _bad(
+                "pp",
+                self.pp,
+                f"{model.num_hidden_layers} layers cannot fill 2 * pp = {self.num_stages} stages",
+            )
+        if self.dp % self.ep:
+            raise _bad("ep", self.ep, f"expert parallelism must divide dp={self.dp}")
+        pattern = self.moe_layer_pattern
+        if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern < 1:
+            raise _bad("moe_layer_pattern", pattern, "an int frequency must be >= 1")
+        if isinstance(pattern, list):
+            if len(pattern) != model.num_hidden_layers or any(f not in (0, 1) for f in pattern):
+                raise _bad(
+                    "moe_layer_pattern",
+                    pattern,
+                    f"a list needs one 0/1 entry per layer ({model.num_hidden_layers})",
+                )
+        has_moe = any(self.moe_layers())
+        if has_moe and model.num_experts < 1:
+            raise _bad("moe_layer_pattern", pattern, "MoE layers need num_experts >= 1")
+        if has_moe and model.num_experts % (self.ep * self.etp):
+            raise _bad(
+                "ep",
+                self.ep,
+                f"ep * etp = {self.ep * self.etp} must divide num_experts={model.num_experts}",
+            )
+        if self.world_size % (self.etp * self.ep * self.pp):
+            raise _bad("etp", self.etp, f"etp * ep * pp must divide world={self.world_size}")
+        if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
+            raise _bad(
+                "tp", self.tp, "must divide num_attention_heads and num_key_value_heads"
+            )
+        if self.layers_per_stage is not None:
+            counts = list(self.layers_per_stage)
+            if len(counts) != self.num_stages or any(
+                not isinstance(c, int) or c < 1 for c in counts
+            ):
+                raise _bad(
+                    "layers_per_stage",
+                    self.layers_per_stage,
+                    f"expected {self.num_stages} positive integers (one per stage)",
+                )
+            if sum(counts) != model.num_hidden_layers:
+                raise _bad(
+                    "layers_per_stage",
+                    self.layers_per_stage,
+                    f"must sum to num_hidden_layers={model.num_hidden_layers}",
+                )

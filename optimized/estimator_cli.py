@@ -1,0 +1,115 @@
+"""`twinpipe estimate`: per-rank memory of a DualPipeV layout from the configs alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from optimized.estimator import EstimateConfig, estimate
+
+GIB = 1024**3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="preset name or a HF config.json / folder")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 * pp stages)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (planning only)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel (planning only)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batches", type=int, default=None, help="default: 2 * pp")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--stack", choices=("reference", "optimized"), default="optimized")
+    parser.add_argument(
+        "--shard-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shard optimizer state over DP (default: on when dp > 1, as the trainer's FSDP2)",
+    )
+    parser.add_argument(
+        "--layers-per-stage",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=None,
+        help="comma-separated layers of each of the 2 * pp stages (overrides the partition)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _config(args: argparse.Namespace) -> EstimateConfig:
+    from models.presets import resolve_model  # noqa: PLC0415
+
+    shard = args.shard_optimizer if args.shard_optimizer is not None else args.dp > 1
+    return EstimateConfig(
+        resolve_model(args.model),
+        pp=args.pp,
+        dp=args.dp,
+        ep=args.ep,
+        tp=args.tp,
+        etp=args.etp,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        num_microbatches=args.micro_batches if args.micro_batches is not None else 2 * args.pp,
+        dtype=args.dtype,
+        stack=args.stack,
+        shard_optimizer=shard,
+        layers_per_stage=args.layers_per_stage,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _config(args)
+        report = estimate(config, with_partitions=True)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"twinpipe estimate: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(format_report(report))
+    return 0
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:9.3f} GiB"
+
+
+def format_report(report: dict) -> str:
+    params, layout = report["params"], report["layout"]
+    lines = [
+        f"model {report['model']}  stack {report['stack']}  PP={layout['pp']} DP={layout['dp']} "
+        f"EP={layout['ep']} TP={layout['tp']} ETP={layout['etp']} expert-DP={layout['expert_dp']}"
+        f"  mbs={layout['micro_batch_size']} seq={layout['seq_len']} "
+        f"M={layout['num_microbatches']}  {report['precision']['dtype']}",
+        f"parameters: total {params['total']:,}  active {params['active']:,}",
+    ]
+    for bucket, value in params["buckets"].items():
+        lines.append(f"  {bucket:<15} {value:,}")
+    lines.append(f"partition (layers per stage): {report['partition']}")
+    lines.append(
+        "rank  stages  weights        gradients      optimizer      activations    peak"
+        "           peak at"
+    )
+    for rank in report["ranks"]:
+        lines.append(
+            f"{rank['rank']:>4}  {rank['stages'][0]},{rank['stages'][1]:<5} "
+            f"{_gib(rank['weights_bytes'])} {_gib(rank['gradients_bytes'])} "
+            f"{_gib(rank['optimizer_bytes'])} {_gib(rank['activation_bytes'])} "
+            f"{_gib(rank['peak_bytes'])}  {rank['peak_phase']} {rank['peak_action']} "
+            f"in flight {rank['in_flight_at_peak']}"
+        )
+    meg = report["megatron"]
+    lines.append(
+        f"Megatron's formulas (1F1B, selective recompute): weights+optimizer "
+        f"{_gib(meg['weight_and_optimizer_bytes'])}, activations {_gib(meg['activation_bytes'])},"
+        f" total {_gib(meg['total_bytes'])}"
+    )
+    for row in report.get("partitions", []):
+        lines.append(
+            f"partition {row['name']:<9} {row['layers_per_stage']}  largest per-rank peak "
+            f"{_gib(row['largest_peak_bytes'])}"
+        )
+    return "\n".join(lines)
