@@ -1,0 +1,173 @@
+"""Grouped linear over F.grouped_mm, and the weight-gradient store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimized.ops import WeightGradStore, grouped_linear
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all()
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def plain_grouped_linear(x, weight, offsets, bias=None):
+    """A loop of per-group matmuls; rows past the last group give zeros."""
+    outputs, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        out = x[start:end] @ weight[expert]
+        outputs.append(out if bias is None else out + bias[expert])
+        start = end
+    outputs.append(x.new_zeros((x.shape[0] - start, weight.shape[-1])))
+    return torch.cat(outputs, 0)
+
+
+def make_case(rows, fan_in, fan_out, ends, dtype, seed, transposed=True):
+    """Inputs, a parameter [E, out, in] used through its transpose (or [E, in, out]), bias."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, fan_in, generator=generator).to(dtype)
+    shape = (len(ends), fan_out, fan_in) if transposed else (len(ends), fan_in, fan_out)
+    parameter = (torch.randn(shape, generator=generator) * 0.5).to(dtype)
+    bias = torch.randn(len(ends), fan_out, generator=generator).to(dtype)
+    grad_out = torch.randn(rows, fan_out, generator=generator).to(dtype)
+    return x, parameter, bias, torch.tensor(ends, dtype=torch.int32), grad_out
+
+
+def run(fn, x, parameter, bias, offsets, grad_out, transposed, dtype=None, use_bias=True):
+    cast = (lambda t: t.to(dtype)) if dtype else (lambda t: t.clone())
+    leaves = [cast(t).requires_grad_() for t in (x, parameter, bias)]
+    weight = leaves[1].transpose(1, 2) if transposed else leaves[1]
+    out = fn(leaves[0], weight, offsets, leaves[2] if use_bias else None)
+    out.backward(cast(grad_out))
+    return [out] + [leaf.grad for leaf in leaves]
+
+
+CASES = [
+    # rows, in, out, group ends
+    (40, 16, 24, [10, 10, 33, 40]),  # an empty group
+    (37, 5, 7, [3, 20, 37]),  # odd sizes: strides not 16-byte multiples
+    (20, 8, 12, [6, 6, 15]),  # rows past the last group give zeros
+    (0, 8, 4, [0, 0]),  # zero rows
+    (256, 32, 16, [128, 256]),  # aligned groups as scatter_for_grouped_gemm makes them
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_matches_plain_and_float64(dtype, case, transposed, use_bias):
+    rows, fan_in, fan_out, ends = case
+    inputs = make_case(rows, fan_in, fan_out, ends, dtype, seed=rows + fan_in, transposed=transposed)
+    got = run(grouped_linear, *inputs, transposed, use_bias=use_bias)
+    expected = run(plain_grouped_linear, *inputs, transposed, torch.float64, use_bias)
+    plain = run(plain_grouped_linear, *inputs, transposed, use_bias=use_bias)
+    names = ["output", "grad x", "grad weight", "grad bias"]
+    for name, actual, ref, same_dtype in zip(names, got, expected, plain):
+        if actual is None or ref is None:
+            assert actual is None and ref is None, name
+            continue
+        assert actual.shape == ref.shape, name
+        if ref.numel() == 0 or ref.norm() == 0:
+            assert torch.equal(actual, torch.zeros_like(actual)), name
+            continue
+        assert rel_error(actual, ref) <= TOLERANCE[dtype], name
+        assert rel_error(actual, same_dtype) <= TOLERANCE[dtype], name
+
+
+def deferred_backward(store, transposed=True):
+    x, parameter, bias, offsets, grad_out = make_case(
+        30, 8, 12, [7, 7, 30], torch.float32, seed=50, transposed=transposed
+    )
+    x = x.requires_grad_()
+    parameter = parameter.requires_grad_()
+    bias = bias.requires_grad_()
+    weight = parameter.transpose(1, 2) if transposed else parameter
+    with store.deferring():
+        grouped_linear(x, weight, offsets, bias, store).backward(grad_out)
+    ref = run(plain_grouped_linear, x.detach(), parameter.detach(), bias.detach(), offsets,
+              grad_out, transposed, torch.float64)
+    return x, parameter, bias, ref
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_store_defers_the_weight_gradient_until_pop(transposed):
+    store = WeightGradStore()
+    x, parameter, bias, ref = deferred_backward(store, transposed)
+    assert parameter.grad is None  # absent after backward
+    assert rel_error(x.grad, ref[1]) <= 1e-5  # the input gradient came at once
+    assert rel_error(bias.grad, ref[3]) <= 1e-5  # and so did the bias gradient
+    assert len(store) == 1
+    store.pop()
+    assert rel_error(parameter.grad, ref[2]) <= 1e-5  # exact after pop
+    store.assert_empty()
+
+
+def test_deferred_gradient_accumulates_into_an_existing_grad():
+    store = WeightGradStore()
+    _, parameter, _, ref = deferred_backward(store)
+    parameter.grad = torch.ones_like(parameter)
+    store.pop()
+    assert rel_error(parameter.grad - 1, ref[2]) <= 1e-5
+
+
+def test_disabled_store_computes_at_once():
+    store = WeightGradStore(enabled=False)
+    x, parameter, _, offsets, grad_out = make_case(20, 8, 4, [5, 20], torch.float32, seed=51)
+    parameter.requires_grad_()
+    grouped_linear(x, parameter.transpose(1, 2), offsets, None, store).backward(grad_out)
+    assert parameter.grad is not None
+    store.assert_empty()
+
+
+def test_unpopped_store_is_an_error_at_step_end():
+    store = WeightGradStore()
+    deferred_backward(store)
+    deferred_backward(store)
+    store.pop()
+    with pytest.raises(RuntimeError, match="1 closed group"):
+        store.assert_empty()
+    store.pop()
+    store.put(lambda: None)  # put but never flushed
+    with pytest.raises(RuntimeError, match="1 closure"):
+        store.assert_empty()
+
+
+def test_pop_without_a_group_is_an_error():
+    with pytest.raises(RuntimeError, match="no closed group"):
+        WeightGradStore().pop()
+
+
+def test_groups_pop_oldest_first_and_empty_groups_count():
+    store = WeightGradStore()
+    order = []
+    store.put(lambda: order.append("first"))
+    store.flush()
+    store.flush()  # a deferred backward with no grouped linear still makes a group
+    store.put(lambda: order.append("third"))
+    store.flush()
+    assert len(store) == 3
+    for _ in range(3):
+        store.pop()
+    assert order == ["first", "third"]
+    store.assert_empty()
+
+
+def test_store_needs_a_parameter_behind_the_weight():
+    store = WeightGradStore(enabled=True)
+    parameter = torch.randn(2, 4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="parameter or a view of one"):
+        grouped_linear(torch.randn(8, 4), parameter * 2, torch.tensor([4, 8]), None, store)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="offsets must be"):
+        grouped_linear(torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([8]))
+    with pytest.raises(ValueError, match="bias must be"):
+        grouped_linear(torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([4, 8]),
+                       torch.randn(2, 3))

@@ -1,0 +1,79 @@
+"""Peak memory of the loss path, measured byte-exactly on CPU.
+
+The path is the LM head and its loss: ``logits = hidden @ W.T``, the loss,
+backward, in bfloat16 at 256 tokens x 32000 vocabulary. The figure is the peak
+of live storage beyond ``hidden``, ``W`` and their gradients, in units of one
+logits buffer. ``logits`` stays referenced through backward, as in a training
+step that wrote ``logits = head(h); loss = ce(logits, y); loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimized.ops import cross_entropy, linear_cross_entropy
+from tests._memtrack import StorageTracker
+
+TOKENS, VOCAB, HIDDEN = 256, 32000, 64
+
+
+@pytest.fixture(scope="module")
+def loss_path_inputs():
+    generator = torch.Generator().manual_seed(20)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.1).to(torch.bfloat16)
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
+    target[::9] = -100
+    return hidden, weight, target
+
+
+def peak_in_logits_buffers(inputs, loss_fn) -> tuple[float, torch.Tensor]:
+    hidden, weight, target = inputs
+    hidden = hidden.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    with StorageTracker() as tracker:
+        loss, logits = loss_fn(hidden, weight, target)
+        loss.backward()
+        del logits
+    beyond = tracker.peak - hidden.grad.nbytes - weight.grad.nbytes
+    return beyond / (TOKENS * VOCAB * torch.bfloat16.itemsize), loss.detach()
+
+
+def fused_path(hidden, weight, target):
+    logits = hidden @ weight.t()
+    return cross_entropy(logits, target), logits
+
+
+def plain_path(hidden, weight, target):
+    logits = hidden @ weight.t()
+    return F.cross_entropy(logits, target), logits
+
+
+def plain_float32_path(hidden, weight, target):
+    logits = hidden @ weight.t()
+    return F.cross_entropy(logits.float(), target), logits
+
+
+def chunked_path(hidden, weight, target):
+    return linear_cross_entropy(hidden, weight, target), None
+
+
+@pytest.mark.slow
+def test_loss_path_peak_memory(loss_path_inputs):
+    plain, plain_loss = peak_in_logits_buffers(loss_path_inputs, plain_path)
+    plain_float32, _ = peak_in_logits_buffers(loss_path_inputs, plain_float32_path)
+    fused, fused_loss = peak_in_logits_buffers(loss_path_inputs, fused_path)
+    chunked, chunked_loss = peak_in_logits_buffers(loss_path_inputs, chunked_path)
+    print(
+        f"peak beyond hidden, W and grads, in logits buffers: F.cross_entropy {plain:.3f}, "
+        f"with float32 upcast {plain_float32:.3f}, fused {fused:.3f}, linear {chunked:.3f}"
+    )
+    # The tracker sees what the plain op keeps (log-softmax, two gradients) ...
+    assert plain >= 3.0 and plain_float32 >= 6.0
+    # ... and the fused ops stay within their budgets.
+    assert fused <= 1.10
+    assert chunked <= 0.25
+    assert abs(fused_loss.item() - plain_loss.item()) <= 1e-2 * abs(plain_loss.item())
+    assert abs(chunked_loss.item() - plain_loss.item()) <= 1e-2 * abs(plain_loss.item())
