@@ -263,6 +263,26 @@ def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[d
     return ranks
 
 
+def _bisect(args, model, parallel, full_state) -> dict | None:
+    """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops."""
+    from harness.bisect import bisect, stack_ops  # noqa: PLC0415
+
+    ids, labels = synthetic_batch(model, parallel, 0)
+    size = parallel.micro_batch_size
+    tol = 1e-5 if parallel.dtype == "float32" else 1e-2
+    print("  bisecting micro-batch 0 stage by stage ...", file=sys.stderr)
+    found = bisect(
+        model, full_state, stack_ops(args.baseline), stack_ops(args.candidate),
+        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed,
+    )  # fmt: skip
+    if found is None:
+        print("  bisect: every stage agrees on one process; look at the schedule or the "
+              "collectives", file=sys.stderr)
+        return None
+    print(f"  {found.describe()}", file=sys.stderr)
+    return {f: getattr(found, f) for f in found.__slots__}
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(
@@ -291,6 +311,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidate", default="optimized", help=f"one of {SIDES}")
     parser.add_argument("--json", help="write the report JSON here")
     parser.add_argument("--out", help="write report.json, report.md and plots to this folder")
+    parser.add_argument(
+        "--bisect",
+        action="store_true",
+        help="when the stacks disagree, name the first layer, stage and tensor that diverges",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -366,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
     report = build_report(args, model, parallel, records, memory_ranks)
+    if args.bisect and not report["passed"]:
+        report["bisect"] = _bisect(args, model, parallel, full_state)
     from harness.report import format_table, write_report  # noqa: PLC0415
 
     print(format_table(report))

@@ -1,0 +1,224 @@
+"""First-divergence bisection: which layer, stage and tensor makes two stacks disagree.
+
+When `twinpipe compare` fails, the loss and gradients say *that* the stacks
+differ, not *where*. This re-runs one micro-batch through the whole model on
+one process, stage by stage (embedding, the five stages of every decoder
+layer, the loss), with the baseline's and the candidate's ops. Every stage is
+checked in isolation: both sides get the baseline's inputs, their outputs are
+compared, then both backpropagate the same random output gradient and their
+input and parameter gradients are compared. The first stage whose forward or
+backward disagrees beyond tolerance is named, so a kernel author goes straight
+to the op that broke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from models import build_model
+from models.config import ModelConfig
+from models.decoder import AttentionOut, CombineOut, DispatchOut, ExpertsOut
+from models.model import IGNORE_INDEX
+
+
+@dataclass(slots=True)
+class Divergence:
+    """Where two stacks first disagree."""
+
+    layer: str
+    """``embedding``, ``layer N`` or ``loss``."""
+    stage: str
+    """The stage: attention, dispatch, experts, combine, aggregate, embed, loss."""
+    tensor: str
+    """The record field, input gradient or parameter gradient that differs."""
+    direction: str
+    """``forward`` or ``backward``."""
+    rel_error: float
+    """Relative L2 error of the candidate's tensor against the baseline's."""
+    tolerance: float
+
+    def describe(self) -> str:
+        return (
+            f"first divergence: {self.layer}, stage {self.stage}, {self.direction} tensor "
+            f"{self.tensor}: relative error {self.rel_error:.3e} > {self.tolerance:.0e}"
+        )
+
+
+def stack_ops(name: str):
+    """The ops object of a stack by name (oracle and reference share the plain ops)."""
+    if name in ("oracle", "reference"):
+        from reference.ops import ReferenceOps  # noqa: PLC0415
+
+        return ReferenceOps()
+    if name == "optimized":
+        from optimized.ops import OptimizedOps  # noqa: PLC0415
+
+        return OptimizedOps()
+    raise ValueError(f"unknown stack {name!r}; expected oracle, reference or optimized")
+
+
+def _rel(candidate: torch.Tensor, baseline: torch.Tensor) -> float:
+    if candidate.shape != baseline.shape:
+        return math.inf
+    c, b = candidate.double(), baseline.double()
+    if not torch.isfinite(c).all():
+        return math.inf
+    denom = b.norm().item()
+    diff = (c - b).norm().item()
+    return diff / denom if denom else (0.0 if diff == 0 else math.inf)
+
+
+def _tensors(value: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors of a stage record, by field name."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value} if value.is_floating_point() else {}
+    if hasattr(value, "_fields"):
+        out = {}
+        for field in value._fields:
+            out.update(_tensors(getattr(value, field), f"{prefix}.{field}"))
+        return out
+    if type(value) is tuple:
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_tensors(item, f"{prefix}[{i}]"))
+        return out
+    return {}
+
+
+def _leaf(value: Any) -> Any:
+    """A detached copy of a record whose float tensors are fresh leaves needing grad."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            return value.detach().clone().requires_grad_()
+        return value
+    if hasattr(value, "_fields"):
+        return type(value)(*(_leaf(getattr(value, f)) for f in value._fields))
+    if type(value) is tuple:
+        return tuple(_leaf(item) for item in value)
+    return value
+
+
+class _Checker:
+    def __init__(self, tolerance: float, generator: torch.Generator) -> None:
+        self.tolerance = tolerance
+        self.generator = generator
+
+    def stage(
+        self,
+        where: str,
+        stage: str,
+        run: Callable[[Any, Any], Any],
+        inputs: Any,
+        base_module: torch.nn.Module,
+        cand_module: torch.nn.Module,
+    ) -> tuple[Any, Divergence | None]:
+        """Run ``run(inputs, side)`` for both sides on the same inputs; compare both ways."""
+        base_in, cand_in = _leaf(inputs), _leaf(inputs)
+        base_out = run(base_in, "baseline")
+        cand_out = run(cand_in, "candidate")
+        base_t, cand_t = _tensors(base_out, "out"), _tensors(cand_out, "out")
+        for name, tensor in base_t.items():
+            rel = _rel(cand_t[name], tensor)
+            if rel > self.tolerance:
+                return base_out, Divergence(where, stage, name, "forward", rel, self.tolerance)
+        outputs = [t for t in base_t.values() if t.requires_grad]
+        if not outputs:
+            return base_out, None
+        cotangents = [
+            torch.randn(t.shape, generator=self.generator).to(t.dtype) for t in outputs
+        ]
+        cand_outputs = [cand_t[name] for name, t in base_t.items() if t.requires_grad]
+        base_in_t, cand_in_t = _tensors(base_in, "in"), _tensors(cand_in, "in")
+        base_params = dict(base_module.named_parameters())
+        cand_params = dict(cand_module.named_parameters())
+        base_grads = _grads(outputs, cotangents, base_in_t, base_params)
+        cand_grads = _grads(cand_outputs, cotangents, cand_in_t, cand_params)
+        for name, grad in base_grads.items():
+            rel = _rel(cand_grads[name], grad)
+            if rel > self.tolerance:
+                label = name if name.startswith("in") else f"grad of {name}"
+                return base_out, Divergence(where, stage, label, "backward", rel, self.tolerance)
+        return base_out, None
+
+
+def _grads(outputs, cotangents, inputs: dict, params: dict) -> dict[str, torch.Tensor]:
+    wanted = {n: t for n, t in inputs.items() if t.requires_grad}
+    wanted.update(params)
+    names = list(wanted)
+    grads = torch.autograd.grad(
+        outputs, [wanted[n] for n in names], cotangents, allow_unused=True
+    )
+    return {
+        name: (grad if grad is not None else torch.zeros_like(wanted[name]))
+        for name, grad in zip(names, grads)
+    }
+
+
+def bisect(
+    model: ModelConfig,
+    full_state: dict[str, torch.Tensor],
+    baseline_ops,
+    candidate_ops,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    tolerance: float = 1e-5,
+    seed: int = 0,
+) -> Divergence | None:
+    """Name the first stage where ``candidate_ops`` disagree with ``baseline_ops``, or None."""
+    base = build_model(model, baseline_ops)
+    cand = build_model(model, candidate_ops)
+    base.load_state_dict(full_state)
+    cand.load_state_dict(full_state)
+    dtype = next(iter(full_state.values())).dtype
+    base.to(dtype)
+    cand.to(dtype)
+    checker = _Checker(tolerance, torch.Generator().manual_seed(seed))
+    models = {"baseline": base, "candidate": cand}
+    ops = {"baseline": baseline_ops, "candidate": candidate_ops}
+
+    hidden, found = checker.stage(
+        "embedding", "embed", lambda ids, side: models[side].embed(ids), input_ids,
+        base.model.embed_tokens, cand.model.embed_tokens,
+    )  # fmt: skip
+    if found:
+        return found
+    for index in range(model.num_hidden_layers):
+        where = f"layer {index}"
+        layers = {side: models[side].layer(index) for side in models}
+
+        def stage_fn(method: str):
+            def run(inputs, side):
+                return getattr(layers[side], method)(*inputs, ops[side])
+
+            return run
+
+        pair = (layers["baseline"], layers["candidate"])
+        a, found = checker.stage(where, "attention", stage_fn("attention"), (hidden,), *pair)
+        if found:
+            return found
+        d, found = checker.stage(where, "dispatch", stage_fn("dispatch"), (a,), *pair)
+        if found:
+            return found
+        e, found = checker.stage(where, "experts", stage_fn("experts"), (d,), *pair)
+        if found:
+            return found
+        c, found = checker.stage(where, "combine", stage_fn("combine"), (a, e, d), *pair)
+        if found:
+            return found
+        hidden, found = checker.stage(where, "aggregate", stage_fn("aggregate"), (a, c), *pair)
+        if found:
+            return found
+
+    count = max(int((labels != IGNORE_INDEX).sum()), 1)
+    _, found = checker.stage(
+        "loss", "loss", lambda h, side: models[side].loss_sum(h, labels) / count, hidden,
+        base, cand,
+    )  # fmt: skip
+    return found
+
+
+__all__ = ["AttentionOut", "CombineOut", "Divergence", "DispatchOut", "ExpertsOut", "bisect"]

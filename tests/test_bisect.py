@@ -1,0 +1,58 @@
+"""First-divergence bisection names the op that a planted bug broke."""
+
+import pytest
+import torch
+
+from harness.bisect import bisect, stack_ops
+from models import build_model, preset, shift_labels
+from optimized.ops import OptimizedOps
+
+
+class WrongActivation(OptimizedOps):
+    """A copy of the optimized stack whose SiLU-and-multiply is off by 0.1%."""
+
+    def silu_and_mul(self, x):
+        return super().silu_and_mul(x) * 1.001
+
+
+class WrongCombine(OptimizedOps):
+    """A copy of the optimized stack that adds expert outputs into the wrong tokens."""
+
+    def scatter_add_rows(self, src, index, num_rows):
+        return super().scatter_add_rows(src, index.flip(0), num_rows)
+
+
+class WrongBackward(OptimizedOps):
+    """Right forward, wrong gradient: the gather's backward is scaled."""
+
+    def gather_rows(self, x, index):
+        out = super().gather_rows(x, index)
+        return out + (out * 1e-3 - (out * 1e-3).detach())
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = preset("tiny-deepseek-v2")
+    state = build_model(cfg, seed=4).state_dict()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    return cfg, state, ids, shift_labels(ids)
+
+
+def test_agreeing_stacks_have_no_divergence(setup):
+    cfg, state, ids, labels = setup
+    assert bisect(cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels) is None
+
+
+@pytest.mark.parametrize(
+    "ops,stage,direction",
+    [(WrongActivation, "experts", "forward"), (WrongCombine, "aggregate", "forward"),
+     (WrongBackward, "attention", "backward")],
+)
+def test_planted_bug_is_named(setup, ops, stage, direction):
+    cfg, state, ids, labels = setup
+    found = bisect(cfg, state, stack_ops("reference"), ops(), ids, labels)
+    assert found is not None
+    # layer 0 is dense in tiny DeepSeek-V2, so routed-expert bugs show first in layer 1
+    assert (found.layer, found.stage, found.direction) == ("layer 1", stage, direction), found
+    assert found.rel_error > found.tolerance
+    assert "layer 1" in found.describe()
