@@ -1,0 +1,185 @@
+"""`twinpipe bench` (history of runs) and `twinpipe dashboard` (the static page drawn from it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+import pytest
+
+from harness import bench, dashboard
+from harness.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_pytest_benchmark_and_appends_to_the_history(tmp_path, capsys):
+    history = tmp_path / "history"
+    status = main(["bench", "--benchmarks", str(DATA / "bench_sample"), "--history", str(history)])
+    assert status == 0, capsys.readouterr()
+    (entry_path,) = history.glob("bench-*.json")
+    entry = json.loads(entry_path.read_text())
+    assert entry["kind"] == "bench"
+    assert entry["git_commit"] and entry["date"].endswith("Z") and "CPU cores" in entry["machine"]
+    assert entry["git_commit"].split("-")[0] in entry_path.name
+    names = sorted(b["name"] for b in entry["benchmark"]["benchmarks"])
+    assert names == ["test_softmax[optimized]", "test_softmax[plain]"]
+    assert all(b["extra_info"]["peak_bytes"] > 0 for b in entry["benchmark"]["benchmarks"])
+
+    # A compare report joins the same history, stamped with its own commit.
+    assert (
+        main(
+            ["bench", "--add-report", str(DATA / "compare_report.json"), "--history", str(history)]
+        )
+        == 0
+    )
+    (compare_path,) = history.glob("compare-*.json")
+    assert "0c6fbe0d1e2f" in compare_path.name
+    kinds = [e["kind"] for e in bench.read_history(history)]
+    assert sorted(kinds) == ["bench", "compare"]
+
+    # Nothing collected (-k matches nothing): non-zero exit, history unchanged.
+    status = main(
+        [
+            "bench",
+            "--benchmarks",
+            str(DATA / "bench_sample"),
+            "--history",
+            str(history),
+            "-k",
+            "no_such_benchmark",
+        ]
+    )
+    assert status == 5
+    assert len(list(history.glob("*.json"))) == 2
+
+
+def test_bench_bad_inputs(tmp_path, capsys):
+    assert main(["bench", "--benchmarks", str(tmp_path / "nowhere")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    not_report = tmp_path / "x.json"
+    not_report.write_text("[]")
+    assert main(["bench", "--add-report", str(not_report), "--history", str(tmp_path)]) == 2
+    assert "x.json: not a compare report" in capsys.readouterr().err
+
+
+def _bench(name: str, group: str, impl: str, median: float, peak: int) -> dict:
+    return {
+        "name": f"{name}[{impl}-256x32000]",
+        "fullname": f"benchmarks/test_{group}.py::{name}[{impl}-256x32000]",
+        "group": group,
+        "params": {"impl": impl, "shape": "256x32000"},
+        "stats": {"median": median, "mean": median},
+        "extra_info": {"peak_bytes": peak},
+    }
+
+
+def _write_history(history: pathlib.Path) -> None:
+    """Three commits: the fused cross-entropy speeds up, the third compare run fails."""
+    history.mkdir()
+    report = json.loads((DATA / "compare_report.json").read_text())
+    for i, commit in enumerate(["aaaaaaa1111", "bbbbbbb2222", "ccccccc3333"]):
+        benches = [
+            _bench(
+                "test_cross_entropy", "cross_entropy", "optimized", 0.010 - 0.002 * i, 32_768_000
+            ),
+            _bench("test_cross_entropy", "cross_entropy", "plain", 0.025, 122_880_000),
+            _bench("test_gather", "padded_gather", "optimized", 0.0004, 1_048_576),
+            _bench("test_gather", "padded_gather", "torch", 0.0006, 2_097_152),
+        ]
+        entry = {
+            "kind": "bench",
+            "git_commit": commit,
+            "date": f"2026-11-2{i}T10:00:00Z",
+            "machine": "test machine",
+            "benchmark": {"benchmarks": benches},
+        }
+        (history / f"bench-{i}.json").write_text(json.dumps(entry))
+        compare = copy.deepcopy(report)
+        compare["git_commit"] = commit
+        compare["memory"]["ranks"][1]["candidate"]["total"] = 50_000_000 + i * 1_000_000
+        compare["passed"] = i != 2
+        entry = {
+            "kind": "compare",
+            "git_commit": commit,
+            "date": f"2026-11-2{i}T11:00:00Z",
+            "machine": "test machine",
+            "report": compare,
+        }
+        (history / f"compare-{i}.json").write_text(json.dumps(entry))
+    (history / "notes.json").write_text('{"unrelated": true}')  # skipped, not fatal
+
+
+def test_pairing_of_benchmarks_by_op_and_role():
+    optimized = _bench("test_ce", "cross_entropy", "optimized", 1.0, 1)
+    plain = _bench("test_ce", "cross_entropy", "plain", 1.0, 1)
+    assert dashboard.benchmark_role(optimized) == "optimized"
+    assert dashboard.benchmark_role(plain) == "plain"
+    assert dashboard.benchmark_op_and_variant(optimized) == ("cross_entropy", "256x32000")
+    assert dashboard.benchmark_op_and_variant(plain) == ("cross_entropy", "256x32000")
+    no_group = {"name": "test_gather_torch", "stats": {"median": 1.0}}
+    assert dashboard.benchmark_op_and_variant(no_group) == ("gather", "")
+    assert dashboard.benchmark_role(no_group) == "plain"
+    by_extra = {"name": "test_x", "extra_info": {"impl": "reference", "memory_bytes": 7}}
+    assert dashboard.benchmark_role(by_extra) == "plain"
+    assert dashboard.peak_bytes(by_extra) == 7
+
+
+def test_dashboard_page_holds_the_figures_it_was_given(tmp_path, capsys):
+    history = tmp_path / "history"
+    _write_history(history)
+    site = tmp_path / "site"
+    assert main(["dashboard", str(history), "--out", str(site)]) == 0
+    page = (site / "index.html").read_text()
+
+    assert "3 benchmark runs and 3 compare runs" in page
+    # Latest cross-entropy: 6 ms optimized vs 25 ms plain, 31.2 MiB vs 117 MiB.
+    assert "cross_entropy" in page and "padded_gather" in page
+    assert "<td>6 ms</td><td>25 ms</td>" in page
+    assert "4.17x" in page  # 25 / 6
+    assert "31.2 MiB" in page and "117 MiB" in page and "0.27x" in page
+    assert "1.50x" in page  # padded_gather: 0.6 ms / 0.4 ms
+    # Every commit appears; the failed compare run is marked.
+    for commit in ("aaaaaaa1111", "bbbbbbb2222", "ccccccc3333"):
+        assert commit in page
+    assert "FAILED" in page and "passed" in page
+    assert "56 MiB -> 49.6 MiB" in page  # rank 1 candidate peak of the third run: 52,000,000 bytes
+
+    images = {
+        "op-cross-entropy.png",
+        "op-padded-gather.png",
+        "compare-memory.png",
+        "compare-agreement.png",
+    }
+    for image in images:
+        assert f"src='{image}'" in page
+        data = (site / image).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    assert "notes.json" in capsys.readouterr().err
+
+
+def test_dashboard_of_an_empty_or_missing_history(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["dashboard", str(tmp_path / "empty"), "--out", str(tmp_path / "site")]) == 0
+    assert "history is empty" in (tmp_path / "site" / "index.html").read_text()
+    assert main(["dashboard", str(tmp_path / "missing"), "--out", str(tmp_path / "s")]) == 2
+    assert "no such history folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["bench", "compare"])
+def test_history_reads_bare_files_dropped_into_the_folder(tmp_path, kind):
+    if kind == "bench":
+        payload = {
+            "benchmarks": [],
+            "datetime": "2026-01-01T00:00:00",
+            "commit_info": {"id": "0123456789abcdef"},
+        }
+    else:
+        payload = json.loads((DATA / "compare_report.json").read_text())
+    (tmp_path / "bare.json").write_text(json.dumps(payload))
+    (entry,) = bench.read_history(tmp_path)
+    assert entry["kind"] == kind
+    assert entry["git_commit"] in ("0123456789ab", "0c6fbe0d1e2f")
