@@ -1,0 +1,68 @@
+"""What every op benchmark shares: the device, the shapes' scale, timing and peak memory.
+
+Each benchmark times one implementation (``optimized`` or ``plain``) of one op,
+forward and backward, on inputs made fresh by a setup function that is not
+timed, and records in ``extra_info`` the op, the implementation, the shape,
+the dtype, the device and the peak memory of one extra run measured by
+`harness.memory.MemoryTracker` (exact storage accounting on CPU, the caching
+allocator's statistics on CUDA; inputs included in both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harness.memory import MemoryTracker
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+ROUNDS = 20 if ON_CUDA else 3
+WARMUP_ROUNDS = 2 if ON_CUDA else 0
+
+Setup = Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def synchronize() -> None:
+    if ON_CUDA:
+        torch.cuda.synchronize()
+
+
+def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
+    args, kwargs = setup()
+    synchronize()
+    tracker = MemoryTracker(DEVICE)
+    with tracker.step():
+        run(*args, **kwargs)
+        synchronize()
+    return tracker.peak_bytes
+
+
+def bench(
+    benchmark: Any,
+    run: Callable[..., Any],
+    setup: Setup,
+    op: str,
+    implementation: str,
+    **info: Any,
+) -> None:
+    """Time ``run(*setup())`` and record its peak memory and description in extra_info."""
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        run(*args, **kwargs)
+        synchronize()
+
+    benchmark.group = op
+    benchmark.extra_info.update(
+        op=op,
+        implementation=implementation,
+        device=str(DEVICE),
+        peak_memory_bytes=peak_memory_bytes(run, setup),
+        **{key: str(value) if isinstance(value, torch.dtype) else value
+           for key, value in info.items()},
+    )
+    benchmark.pedantic(
+        timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1
+    )

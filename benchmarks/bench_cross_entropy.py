@@ -1,0 +1,41 @@
+"""Fused cross-entropy vs F.cross_entropy on the LM-head path (logits from a matmul)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks._common import DEVICE, ON_CUDA, bench
+from optimized.ops import cross_entropy
+
+TOKENS, VOCAB, HIDDEN = (4096, 102400, 2048) if ON_CUDA else (64, 4096, 64)
+DTYPE = torch.bfloat16
+
+
+def setup():
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator, device=DEVICE, dtype=DTYPE)
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator, device=DEVICE, dtype=DTYPE)
+    weight = (weight * HIDDEN**-0.5).requires_grad_()
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=generator, device=DEVICE)
+    return (hidden.requires_grad_(), weight, target), {}
+
+
+IMPLEMENTATIONS = {
+    "optimized": cross_entropy,
+    "plain": F.cross_entropy,
+    "plain_float32": lambda logits, target: F.cross_entropy(logits.float(), target),
+}
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_cross_entropy(benchmark, implementation):
+    loss_fn = IMPLEMENTATIONS[implementation]
+
+    def run(hidden, weight, target):
+        logits = hidden @ weight.t()
+        loss_fn(logits, target).backward()
+
+    bench(benchmark, run, setup, "cross_entropy", implementation,
+          tokens=TOKENS, vocab=VOCAB, hidden=HIDDEN, dtype=DTYPE)
