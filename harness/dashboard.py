@@ -10,13 +10,14 @@ reports) and renders ``index.html`` with PNG figures beside it:
   gradient agreement, over commits.
 
 How benchmarks are paired: an op is the benchmark's ``group`` (or, without
-one, its test name less ``test_`` and the role word); the plain counterpart is
-the benchmark whose ``extra_info["impl"]`` (or ``"role"``), or a parameter or
-name part, says ``plain``, ``reference``, ``torch``, ``baseline``, ``eager`` or
-``naive``; every other benchmark of the op is an optimized variant. Other
-parameters (shapes) make separate series. Peak memory is read from
-``extra_info["peak_bytes"]``, or the first ``extra_info`` key with ``bytes``
-in its name.
+one, ``extra_info["op"]``, or its test name less ``test_`` and the role word).
+The plain counterpart is the benchmark whose ``extra_info["implementation"]``
+(or ``"impl"``, ``"role"``), or else a parameter or name part, says ``plain``,
+``reference``, ``torch``, ``baseline``, ``eager`` or ``naive``; every other
+benchmark of the op is the optimized one. Other parameters (shapes) make
+separate series. Peak memory is read from ``extra_info["peak_bytes"]`` or
+``extra_info["peak_memory_bytes"]`` (what benchmarks/_common.py records), or
+else the first ``extra_info`` key with ``bytes`` in its name.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from harness.report import format_bytes
 
 PLAIN_WORDS = ("plain", "reference", "torch", "baseline", "eager", "naive")
 OPTIMIZED_WORDS = ("optimized", "fused", "triton", "liger", "fast")
-ROLE_KEYS = ("impl", "role", "side", "provider")
+ROLE_KEYS = ("implementation", "impl", "role", "side", "provider")
+PEAK_KEYS = ("peak_bytes", "peak_memory_bytes")
 OPTIMIZED_COLOR, PLAIN_COLOR = "#c44e52", "#4c72b0"
 
 
@@ -105,7 +107,7 @@ def benchmark_op_and_variant(bench: dict[str, Any]) -> tuple[str, str]:
     base, _, bracket = name.partition("[")
     role_words = set(PLAIN_WORDS) | set(OPTIMIZED_WORDS)
     variant = "-".join(t for t in _tokens(bracket) if t not in role_words)
-    group = bench.get("group")
+    group = bench.get("group") or (bench.get("extra_info") or {}).get("op")
     if group:
         op = str(group)
     else:
@@ -116,8 +118,9 @@ def benchmark_op_and_variant(bench: dict[str, Any]) -> tuple[str, str]:
 
 def peak_bytes(bench: dict[str, Any]) -> float | None:
     extra = bench.get("extra_info") or {}
-    if isinstance(extra.get("peak_bytes"), (int, float)):
-        return float(extra["peak_bytes"])
+    for key in PEAK_KEYS:
+        if isinstance(extra.get(key), (int, float)) and not isinstance(extra[key], bool):
+            return float(extra[key])
     for key, value in extra.items():
         if (
             "bytes" in key.lower()

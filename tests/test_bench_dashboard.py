@@ -123,6 +123,21 @@ def test_pairing_of_benchmarks_by_op_and_role():
     no_group = {"name": "test_gather_torch", "stats": {"median": 1.0}}
     assert dashboard.benchmark_op_and_variant(no_group) == ("gather", "")
     assert dashboard.benchmark_role(no_group) == "plain"
+    # The convention of benchmarks/_common.py: group = op, extra_info implementation and peak.
+    theirs = {
+        "name": "test_gather_rows[plain]",
+        "group": "gather_rows",
+        "params": {},
+        "extra_info": {
+            "op": "gather_rows",
+            "implementation": "plain",
+            "peak_memory_bytes": 4096,
+            "hidden": 256,
+        },
+    }
+    assert dashboard.benchmark_op_and_variant(theirs) == ("gather_rows", "")
+    assert dashboard.benchmark_role(theirs) == "plain"
+    assert dashboard.peak_bytes(theirs) == 4096
     by_extra = {"name": "test_x", "extra_info": {"impl": "reference", "memory_bytes": 7}}
     assert dashboard.benchmark_role(by_extra) == "plain"
     assert dashboard.peak_bytes(by_extra) == 7
