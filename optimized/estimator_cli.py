@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> EstimateConfig:
-    from models.presets import resolve_model  # noqa: PLC0415
+    from models.presets import resolve_model
 
     shard = args.shard_optimizer if args.shard_optimizer is not None else args.dp > 1
     return EstimateConfig(
@@ -79,11 +79,14 @@ def _gib(value: float) -> str:
 
 def format_report(report: dict) -> str:
     params, layout = report["params"], report["layout"]
-    lines = [
+    header = (
         f"model {report['model']}  stack {report['stack']}  PP={layout['pp']} DP={layout['dp']} "
         f"EP={layout['ep']} TP={layout['tp']} ETP={layout['etp']} expert-DP={layout['expert_dp']}"
         f"  mbs={layout['micro_batch_size']} seq={layout['seq_len']} "
-        f"M={layout['num_microbatches']}  {report['precision']['dtype']}",
+        f"M={layout['num_microbatches']}  {report['precision']['dtype']}"
+    )
+    lines = [
+        header,
         f"parameters: total {params['total']:,}  active {params['active']:,}",
     ]
     for bucket, value in params["buckets"].items():

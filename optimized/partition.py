@@ -73,7 +73,7 @@ def choose_partition(config: EstimateConfig) -> list[range]:
         return largest_peak(config, _ranges(counts)), counts
 
     if math.comb(layers - 1, stages - 1) <= EXHAUSTIVE_LIMIT:
-        return _ranges(min((cost(c) for c in _compositions(layers, stages)))[1])
+        return _ranges(min(cost(c) for c in _compositions(layers, stages))[1])
     best = min(
         cost(_counts(even_partition(layers, stages))),
         cost(_counts(heuristic_partition(layers, stages))),

@@ -29,16 +29,16 @@ NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 __all__ = [
     "EstimateConfig",
-    "compute_weight_and_optimizer_memory",
     "compute_activation_memory",
-    "report_theoretical_memory",
+    "compute_weight_and_optimizer_memory",
     "estimate",
     "estimate_for_compare",
+    "report_theoretical_memory",
 ]
 
 
 def _partition(config: EstimateConfig):
-    from optimized.partition import stage_layers  # noqa: PLC0415 - partition imports us
+    from optimized.partition import stage_layers
 
     return stage_layers(config)
 
@@ -140,7 +140,7 @@ def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str,
         },
     }
     if with_partitions:
-        from optimized.partition import partition_report  # noqa: PLC0415
+        from optimized.partition import partition_report
 
         report["partitions"] = partition_report(config)
     return report

@@ -205,9 +205,7 @@ def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) 
     saved = attention_saved(config, layer)
     # The post-attention norm's output is saved by the dense MLP, the shared experts or
     # GPT-OSS's router; a float32-only router saves its own float copy in 16-bit runs.
-    output_saved = (
-        b == F32 or not is_moe or m.model_type == "gpt_oss" or bool(m.n_shared_experts)
-    )
+    output_saved = b == F32 or not is_moe or m.model_type == "gpt_oss" or bool(m.n_shared_experts)
     saved += _norm("post_attention_layernorm", tokens, m.hidden_size, b, output_saved)
     if is_moe:
         saved += moe_saved(config)

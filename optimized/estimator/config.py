@@ -139,10 +139,14 @@ class EstimateConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise _bad("dtype", self.dtype, "expected 'float32' or 'bfloat16'")
         if self.grad_dtype is not None and self.grad_dtype not in DTYPE_BYTES:
-            raise _bad("grad_dtype", self.grad_dtype, f"expected None or one of {list(DTYPE_BYTES)}")
+            raise _bad(
+                "grad_dtype", self.grad_dtype, f"expected None or one of {list(DTYPE_BYTES)}"
+            )
         if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
             raise _bad(
-                "optimizer_state_dtype", self.optimizer_state_dtype, f"one of {OPTIMIZER_STATE_DTYPES}"
+                "optimizer_state_dtype",
+                self.optimizer_state_dtype,
+                f"one of {OPTIMIZER_STATE_DTYPES}",
             )
         if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
             raise _bad("num_mtp_layers", self.num_mtp_layers, "expected None or >= 0")
@@ -165,13 +169,14 @@ class EstimateConfig:
         pattern = self.moe_layer_pattern
         if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern < 1:
             raise _bad("moe_layer_pattern", pattern, "an int frequency must be >= 1")
-        if isinstance(pattern, list):
-            if len(pattern) != model.num_hidden_layers or any(f not in (0, 1) for f in pattern):
-                raise _bad(
-                    "moe_layer_pattern",
-                    pattern,
-                    f"a list needs one 0/1 entry per layer ({model.num_hidden_layers})",
-                )
+        if isinstance(pattern, list) and (
+            len(pattern) != model.num_hidden_layers or any(f not in (0, 1) for f in pattern)
+        ):
+            raise _bad(
+                "moe_layer_pattern",
+                pattern,
+                f"a list needs one 0/1 entry per layer ({model.num_hidden_layers})",
+            )
         has_moe = any(self.moe_layers())
         if has_moe and model.num_experts < 1:
             raise _bad("moe_layer_pattern", pattern, "MoE layers need num_experts >= 1")
@@ -184,9 +189,7 @@ class EstimateConfig:
         if self.world_size % (self.etp * self.ep * self.pp):
             raise _bad("etp", self.etp, f"etp * ep * pp must divide world={self.world_size}")
         if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
-            raise _bad(
-                "tp", self.tp, "must divide num_attention_heads and num_key_value_heads"
-            )
+            raise _bad("tp", self.tp, "must divide num_attention_heads and num_key_value_heads")
         if self.layers_per_stage is not None:
             counts = list(self.layers_per_stage)
             if len(counts) != self.num_stages or any(

@@ -21,7 +21,7 @@ from optimized.estimator.params import (
 
 
 def megatron_weight_and_optimizer_bytes(config: EstimateConfig) -> float:
-    layers = ParamsSum(config)
+    layers = _layer_params_per_rank(config)
     per_rank = {bucket: layers[bucket] / config.pp for bucket in layers}
     embedding = shard(embedding_params(config.model), config)["tensor_sharded"]
     dense = per_rank["tensor_sharded"] + per_rank["replicated"] + embedding
@@ -34,7 +34,7 @@ def megatron_weight_and_optimizer_bytes(config: EstimateConfig) -> float:
     return dense * dense_bytes + experts * expert_bytes
 
 
-def ParamsSum(config: EstimateConfig) -> dict[str, float]:  # noqa: N802 - a record builder
+def _layer_params_per_rank(config: EstimateConfig) -> dict[str, float]:
     """Per-rank (sharded) parameters of all decoder layers and MTP blocks, by bucket."""
     total = {"tensor_sharded": 0, "replicated": 0, "routed_experts": 0}
     for layer in range(config.model.num_hidden_layers):

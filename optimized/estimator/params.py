@@ -37,7 +37,7 @@ class ParamCount:
             self.tensors[bucket] += 1
         return self
 
-    def __iadd__(self, other: ParamCount) -> ParamCount:
+    def __iadd__(self, other: ParamCount) -> ParamCount:  # noqa: PYI034
         for bucket in BUCKETS:
             self.numel[bucket] += other.numel[bucket]
             self.tensors[bucket] += other.tensors[bucket]

@@ -1,0 +1,150 @@
+"""Parameter buckets, bytes, MoE patterns, MLA, MTP, sharding, the walk and the CLI."""
+
+import json
+
+import pytest
+
+from harness.cli import main as cli_main
+from models.model import CausalLM
+from models.presets import preset
+from optimized.estimator import EstimateConfig, compute_weight_and_optimizer_memory, estimate
+from optimized.estimator.params import attention_params, layer_params, model_params
+from optimized.estimator.schedule import walk
+
+
+def cfg(name="tiny-qwen3-moe", **fields):
+    fields.setdefault("num_microbatches", 2 * fields.get("pp", 1))
+    fields.setdefault("seq_len", 64)
+    return EstimateConfig(preset(name), **fields)
+
+
+def test_qwen_layer_buckets_by_hand():
+    # norms 2*64 + q/k norm 2*16 + router 8*64; q,o 64*64, k,v 64*32; experts 8*(2*32*64+64*32)
+    count = layer_params(cfg(), 0)
+    assert count.numel == {"tensor_sharded": 12288, "replicated": 672, "routed_experts": 49152}
+    assert model_params(cfg()).total == 2 * 512 * 64 + 64 + 4 * (12288 + 672 + 49152)
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_total_matches_built_model(name):
+    model = CausalLM(preset(name))
+    assert model_params(cfg(name)).total == sum(p.numel() for p in model.parameters())
+
+
+def test_published_totals():
+    assert model_params(cfg("deepseek-v2-lite")).total == 15_706_484_224
+    assert model_params(cfg("gpt-oss-20b")).total == 20_914_757_184
+    assert model_params(cfg("qwen3-30b-a3b")).total == 30_532_122_624
+
+
+def test_active_params():
+    report = estimate(cfg())
+    routed = report["params"]["buckets"]["routed_experts"]
+    assert report["params"]["active"] == report["params"]["total"] - routed * (1 - 2 / 8)
+
+
+def test_mla_by_hand():
+    # q 64*4*24, kv_a 64*(32+8), kv_b 32*4*(16+16), o 4*16*64; kv_a_layernorm 32
+    count = attention_params(preset("tiny-deepseek-v2"))
+    assert count.numel["tensor_sharded"] == 6144 + 2560 + 4096 + 4096
+    assert count.numel["replicated"] == 32
+    lora = attention_params(preset("tiny-deepseek-v2", q_lora_rank=16))
+    assert lora.numel["tensor_sharded"] == 64 * 16 + 16 * 96 + 2560 + 4096 + 4096
+    assert lora.numel["replicated"] == 48
+
+
+def test_mtp_adds_a_block():
+    base = model_params(cfg("tiny-deepseek-v2")).total
+    one = model_params(cfg("tiny-deepseek-v2", num_mtp_layers=1)).total
+    moe_layer = layer_params(cfg("tiny-deepseek-v2"), 1).total
+    assert one - base == 3 * 64 + 2 * 64 * 64 + moe_layer
+
+
+def test_moe_pattern_int_and_list():
+    dense_mlp = 3 * 64 * 128
+    every_other = cfg(moe_layer_pattern=2)
+    assert every_other.moe_layers() == [True, False, True, False]
+    listed = cfg(moe_layer_pattern=[0, 1, 1, 0])
+    assert listed.moe_layers() == [False, True, True, False]
+    assert layer_params(listed, 0).numel["tensor_sharded"] == 12288 + dense_mlp
+    assert layer_params(listed, 1).numel["routed_experts"] == 49152
+    with pytest.raises(TypeError):
+        cfg(moe_layer_pattern="every").moe_layers()
+    with pytest.raises(ValueError, match="moe_layer_pattern"):
+        cfg(moe_layer_pattern=[1, 0])
+
+
+def test_dense_model_positive():
+    report = estimate(cfg(moe_layer_pattern=[0, 0, 0, 0]))
+    assert report["params"]["buckets"]["routed_experts"] == 0
+    assert all(rank["peak_bytes"] > 0 for rank in report["ranks"])
+
+
+def test_ep_and_etp_shard_routed_experts():
+    one = estimate(cfg(dp=2))["ranks"][0]["params"]["routed_experts"]
+    two = estimate(cfg(dp=2, ep=2))["ranks"][0]["params"]["routed_experts"]
+    assert two == one // 2 == 4 * 49152 // 2
+    etp = estimate(cfg(dp=2, ep=2, etp=2, tp=2))["ranks"][0]["params"]
+    assert etp["routed_experts"] == 4 * 49152 // 4
+    assert etp["tensor_sharded"] == (4 * 12288 + 2 * 512 * 64) // 2
+
+
+def test_optimizer_bytes_exact_and_sharding():
+    config = cfg()
+    count = model_params(config)
+    expected = count.total * 8 + 4 * count.num_tensors  # fp32 AdamW moments + step per tensor
+    assert estimate(config)["ranks"][0]["optimizer_bytes"] == expected
+    previous = None
+    for dp in (1, 2, 4):
+        value = compute_weight_and_optimizer_memory(cfg(dp=dp, shard_optimizer=True))
+        assert previous is None or value < previous
+        previous = value
+
+
+def test_expert_dp_group():
+    config = cfg(pp=2, dp=4, ep=2, shard_optimizer=True)
+    assert config.world_size == 8 and config.expert_dp == 2
+    rank = estimate(config)["ranks"][1]
+    dense = rank["params"]["tensor_sharded"] + rank["params"]["replicated"]
+    experts = rank["params"]["routed_experts"]
+    tensors = 2 * 11  # per layer: 2 norms, q/k/v/o, q/k norms, router, 2 expert tensors
+    assert rank["optimizer_bytes"] == -(-dense // 4) * 8 + -(-experts // 2) * 8 + 4 * tensors
+
+
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"dp": 3, "ep": 2}, "ep"),
+        ({"dp": 16, "ep": 16}, "ep"),
+        ({"pp": 2, "num_microbatches": 3}, "num_microbatches"),
+        ({"pp": 3, "num_microbatches": 6}, "pp"),
+        ({"layers_per_stage": [1, 2]}, "layers_per_stage"),
+        ({"dtype": "int8"}, "dtype"),
+    ],
+)
+def test_impossible_layouts_name_the_field(fields, field):
+    with pytest.raises(ValueError, match=rf"EstimateConfig\.{field}="):
+        cfg(**fields)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (4, 8), (4, 16)])
+def test_walk_runs_each_micro_batch_once(pp, m):
+    for rank in range(pp):
+        steps = list(walk(rank, pp, m))
+        assert steps[-1].in_flight == (0, 0)
+        assert max(sum(s.in_flight) for s in steps) <= 2 * pp + 1
+
+
+def test_cli_json_and_errors(capsys):
+    assert cli_main(["estimate", "--model", "tiny-qwen3-moe", "--pp", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"]["total"] > report["params"]["active"] > 0
+    assert len(report["ranks"]) == 2 and report["ranks"][0]["peak_bytes"] > 0
+    assert cli_main(["estimate", "--model", "tiny-qwen3-moe", "--dp", "3", "--ep", "2"]) == 2
+    assert "ep=2" in capsys.readouterr().err
+
+
+def test_hf_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(preset("tiny-gpt-oss").to_hf()))
+    assert cli_main(["estimate", "--model", str(path), "--pp", "2"]) == 0
