@@ -1,0 +1,285 @@
+"""The optimized DualPipeV: the reference's eight phases, with overlapped F&B and zero bubble.
+
+Same V placement and phase structure as the reference schedule (rank r holds
+stage r as chunk 0 and stage 2 * PP - 1 - r as chunk 1; the loss sits on rank 0),
+so the two can be held side by side. What differs:
+
+- **F&B overlap.** In the main phase (and the F1&B0 of nB1F1B0) one
+  micro-batch's forward on one chunk runs interleaved, stage by stage, with
+  another micro-batch's backward on the other chunk
+  (`optimized.overlap.OVERLAPPED_LAYER_STEPS`): while one side's dispatch or
+  combine all-to-all is in flight, the other side computes.
+- **Zero bubble.** In nB1W1F1, the second half of nB1B0 and nWB0, a backward
+  defers the expert weight gradients into the step's `WeightGradStore` and the
+  W steps run them. Overlapped pairs never defer: their expert weight
+  gradients run while the pair's all-to-alls are in flight.
+- **Memory.** Stages run on detached leaves with early frees of stage-boundary
+  storage (`optimized.overlap`), the loss uses the fused in-place
+  cross-entropy, experts the padded gather and grouped GEMM of the optimized ops.
+
+Point-to-point traffic is the reference's: one tagged stream per direction and
+chunk, sends posted at once and waited at the end of the step, receives posted
+when the data is needed. An overlapped pair receives both its inputs first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from models.distributed import Layout
+from optimized.execution import ExecutionContext
+from optimized.overlap import (
+    LayerRun,
+    backward_layers,
+    backward_stage,
+    forward_layers,
+    leaf,
+    overlapped_layers,
+)
+
+TAG_FORWARD = (0, 1)
+TAG_BACKWARD = (2, 3)
+
+
+class ChunkRun(NamedTuple):
+    """One micro-batch's forward through one chunk, waiting for its backward."""
+
+    micro_batch: int
+    input: torch.Tensor | None
+    """The received activation (a leaf), or None where the chunk starts at the embedding."""
+    embedded: torch.Tensor | None
+    """The embedding output (root of the embedding's backward) on the first stage."""
+    layers: list[LayerRun]
+    output: torch.Tensor
+    """The last layer's output, or the loss share on the last stage."""
+    head_input: torch.Tensor | None
+    """The leaf the loss stage started from (the last stage only)."""
+
+
+class OptimizedDualPipeV:
+    """Runs one training or evaluation step of DualPipeV on this pipeline rank."""
+
+    def __init__(self, part, chunks: tuple[list[int], list[int]], layout: Layout) -> None:
+        self.part = part
+        self.chunks = chunks
+        self.layout = layout
+        self.rank, self.num_ranks = layout.pp_rank, layout.pp
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.num_ranks - 1
+        self.observer = None
+        """Optional ``observer(moment, micro_batch)`` called at each action (memory tracking)."""
+        self.record_frees = False
+        """Keep the list of early frees in the last step's context (tests)."""
+        self.context: ExecutionContext | None = None
+        """The last step's execution context."""
+
+    # ------------------------------------------------------------------ step
+    def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
+        """Run all micro-batches; return this rank's share of the mean loss (0 off rank 0)."""
+        self._begin(micro_batches, token_count)
+        if forward_only:
+            self.phase = "forward-only"
+            with torch.no_grad():
+                for _ in range(self.num_micro_batches):
+                    self.F(0)
+                for _ in range(self.num_micro_batches):
+                    self.F(1)
+            return self._end()
+
+        r, pp, m = self.rank, self.num_ranks, self.num_micro_batches
+        self.phase = "nF0"
+        for _ in range(2 * (pp - r - 1)):
+            self.F(0)
+        self.phase = "nF0F1"
+        for _ in range(r + 1):
+            self.F(0)
+            self.F(1)
+        self.phase = "nB1W1F1"
+        for _ in range(pp - r - 1):
+            self.B(1, defer=True)
+            self.W()
+            self.F(1)
+        self.phase = "nF0B1F1B0"
+        for i in range(m - 2 * pp + r + 1):
+            if i == 0 and self.is_last:  # not overlapped, to shrink the bubble (as DualPipe)
+                self.F(0)
+                self.B(1)
+            else:
+                self.FB(0, 1)
+            self.FB(1, 0)
+        self.phase = "nB1F1B0"
+        for _ in range(pp - r - 1):
+            self.B(1)
+            self.FB(1, 0)
+        self.phase = "nB1B0"
+        defer = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                defer = True
+            self.B(1, defer=defer)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                defer = True
+            self.B(0, defer=defer)
+        self.phase = "nWB0"
+        for _ in range(pp - r - 1):
+            self.W()
+            self.B(0, defer=True)
+        self.phase = "nW"
+        for _ in range(r + 1):
+            self.W()
+        return self._end()
+
+    # ------------------------------------------------------- the actions
+    def F(self, chunk: int) -> None:
+        """Forward of the next micro-batch through this rank's stage ``chunk``."""
+        j = self._next_forward(chunk)
+        self._observe(f"F{chunk}", j)
+        start = self._forward_input(chunk, j)
+        hidden = forward_layers(start.layers, start.hidden)
+        self._forward_output(chunk, start, hidden)
+
+    def B(self, chunk: int, defer: bool = False) -> None:
+        """Backward of the oldest forwarded micro-batch of ``chunk``; ``defer``: ZB backward."""
+        run = self.saved[chunk].popleft()
+        self._observe(f"B{chunk}", run.micro_batch)
+        store = self.context.weight_grads
+        with store.deferring() if defer else nullcontext():
+            grad = self._backward_start(chunk, run)
+            grad = backward_layers(run.layers, grad)
+            self._backward_end(chunk, run, grad)
+
+    def FB(self, forward_chunk: int, backward_chunk: int) -> None:
+        """Overlapped forward of ``forward_chunk`` and backward of ``backward_chunk`` (never ZB)."""
+        j = self._next_forward(forward_chunk)
+        run = self.saved[backward_chunk].popleft()
+        self._observe(f"F{forward_chunk}&B{backward_chunk}", j)
+        start = self._forward_input(forward_chunk, j)
+        grad = self._backward_start(backward_chunk, run)
+        hidden, grad = overlapped_layers(start.layers, start.hidden, run.layers, grad)
+        self._forward_output(forward_chunk, start, hidden)
+        self._backward_end(backward_chunk, run, grad)
+
+    def W(self) -> None:
+        """Run the oldest deferred backward's expert weight gradients."""
+        self._observe("W", None)
+        self.context.weight_grads.pop()
+
+    # -------------------------------------------- chunk ends: embed, loss, p2p
+    class _Start(NamedTuple):
+        micro_batch: int
+        input: torch.Tensor | None
+        embedded: torch.Tensor | None
+        hidden: torch.Tensor
+        layers: list[LayerRun]
+
+    def _forward_input(self, chunk: int, j: int) -> _Start:
+        layers = [LayerRun(self.part.layer(i), self.context) for i in self.chunks[chunk]]
+        if chunk == 0 and self.is_first:
+            embedded = self.part.embed(self.micro_batches[j][0])
+            return self._Start(j, None, embedded, embedded, layers)
+        received = leaf(self._receive_activation(chunk))
+        return self._Start(j, received, None, received, layers)
+
+    def _forward_output(self, chunk: int, start: _Start, hidden: torch.Tensor) -> None:
+        head_input = None
+        if chunk == 1 and self.is_first:
+            head_input = leaf(hidden)
+            labels = self.micro_batches[start.micro_batch][1]
+            output = self.part.loss_sum(head_input, labels) / self.token_count
+            self.loss = self.loss + output.detach()
+        else:
+            self._send_activation(chunk, hidden.detach())
+            output = hidden
+        if torch.is_grad_enabled():
+            self.saved[chunk].append(
+                ChunkRun(start.micro_batch, start.input, start.embedded, start.layers, output,
+                         head_input)
+            )  # fmt: skip
+
+    def _backward_start(self, chunk: int, run: ChunkRun) -> torch.Tensor:
+        """The gradient of the chunk's last layer output."""
+        if chunk == 1 and self.is_first:
+            run.output.backward()
+            return run.head_input.grad
+        return self._receive_gradient(chunk)
+
+    def _backward_end(self, chunk: int, run: ChunkRun, grad: torch.Tensor) -> None:
+        if run.embedded is not None:
+            backward_stage((run.embedded,), (grad,))
+        else:
+            self._send_gradient(chunk, grad)
+
+    def _next_forward(self, chunk: int) -> int:
+        j = self.forwarded[chunk]
+        self.forwarded[chunk] += 1
+        return j
+
+    def _observe(self, action: str, micro_batch: int | None) -> None:
+        if self.observer is not None:
+            self.observer(f"{self.phase}:{action}", micro_batch)
+
+    # -------------------------------------------------------- communication
+    def _receive_activation(self, chunk: int) -> torch.Tensor:
+        if chunk == 1 and self.is_last:
+            return self.local_activations.popleft()
+        src = self.rank - 1 if chunk == 0 else self.rank + 1
+        return self._recv(src, TAG_FORWARD[chunk])
+
+    def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
+        if chunk == 0 and self.is_last:
+            self.local_activations.append(tensor)
+            return
+        dst = self.rank + 1 if chunk == 0 else self.rank - 1
+        self._send(tensor, dst, TAG_FORWARD[chunk])
+
+    def _receive_gradient(self, chunk: int) -> torch.Tensor:
+        if chunk == 0 and self.is_last:
+            return self.local_gradients.popleft()
+        src = self.rank + 1 if chunk == 0 else self.rank - 1
+        return self._recv(src, TAG_BACKWARD[chunk])
+
+    def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
+        if chunk == 1 and self.is_last:
+            self.local_gradients.append(tensor)
+            return
+        dst = self.rank - 1 if chunk == 0 else self.rank + 1
+        self._send(tensor, dst, TAG_BACKWARD[chunk])
+
+    def _send(self, tensor: torch.Tensor, pp_rank: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
+        self.pending_sends.append((handle, tensor))
+
+    def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
+        tensor = torch.empty(self.activation_shape, dtype=self.dtype)
+        dist.irecv(tensor, self.layout.global_rank(pp_rank), tag=tag).wait()
+        return tensor
+
+    # ------------------------------------------------------------ bookkeeping
+    def _begin(self, micro_batches, token_count: int) -> None:
+        self.context = ExecutionContext(record_frees=self.record_frees)
+        self.micro_batches = micro_batches
+        self.num_micro_batches = len(micro_batches)
+        self.token_count = token_count
+        batch, seq = micro_batches[0][0].shape
+        self.activation_shape = (batch, seq, self.part.config.hidden_size)
+        self.dtype = next(self.part.parameters()).dtype
+        self.forwarded = [0, 0]
+        self.saved: tuple[deque, deque] = (deque(), deque())
+        self.local_activations: deque = deque()
+        self.local_gradients: deque = deque()
+        self.pending_sends: list = []
+        self.loss = torch.zeros((), dtype=torch.float32)
+
+    def _end(self) -> torch.Tensor:
+        for handle, _ in self.pending_sends:
+            handle.wait()
+        self.pending_sends = []
+        assert not self.saved[0] and not self.saved[1], "a forward was never backwarded"
+        assert self.forwarded == [self.num_micro_batches] * 2
+        self.context.finish()
+        return self.loss

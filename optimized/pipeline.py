@@ -1,0 +1,95 @@
+"""The optimized stack's training step on one rank: overlapped DualPipeV + EP + DP, AdamW.
+
+Same interface as the reference's runner (`reference.pipeline.ReferencePipeline`)
+so the harness drives both the same way; nothing here imports the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.distributed import Layout, ParallelConfig
+from models.model import build_part
+from models.training import (
+    OptimizerConfig,
+    micro_batches_of,
+    rank_chunks,
+    reduce_gradients,
+    share_loss,
+    token_count,
+)
+from optimized.dualpipev import OptimizedDualPipeV
+from optimized.estimator.config import EstimateConfig
+from optimized.ops import OptimizedOps
+from optimized.partition import choose_partition
+
+
+def default_partition(model: ModelConfig, parallel: ParallelConfig) -> list[list[int]]:
+    """The layer ranges the memory estimator predicts lowest peak for (`choose_partition`)."""
+    estimate = EstimateConfig(
+        model=model, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+        micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
+        num_microbatches=parallel.micro_batches, dtype=parallel.dtype, stack="optimized",
+    )  # fmt: skip
+    return [list(stage) for stage in choose_partition(estimate)]
+
+
+class OptimizedPipeline:
+    """This rank's part of the model, its optimized DualPipeV schedule and its optimizer."""
+
+    name = "optimized"
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        layout: Layout,
+        full_state: dict[str, torch.Tensor],
+        optimizer: OptimizerConfig,
+        stages: list[list[int]] | None = None,
+    ) -> None:
+        self.model_config, self.parallel, self.layout = model, parallel, layout
+        self.stages = stages or default_partition(model, parallel)
+        chunks = rank_chunks(self.stages, layout.pp_rank)
+        first_rank = layout.pp_rank == 0
+        # The part's own ops serve the embedding and the loss; the layers get each
+        # step's ops, wired to that step's weight-gradient store.
+        self.part = build_part(
+            model, full_state, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
+            ops=OptimizedOps(), ep=layout.expert_parallel, dtype=parallel.torch_dtype,
+        )  # fmt: skip
+        self.schedule = OptimizedDualPipeV(self.part, chunks, layout)
+        self.optimizer = optimizer.build(self.part.parameters())
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward and backward of one global batch; gradients reduced, not yet applied."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels))
+        reduce_gradients(self.part, self.layout)
+        return share_loss(loss, self.layout)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = self.forward_backward(ids, labels)
+        self.optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward-only loss of a global batch: no graphs are built."""
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels), forward_only=True)
+        return share_loss(loss, self.layout)
+
+    @property
+    def observer(self):
+        """``observer(moment, micro_batch)`` called at every schedule action (memory tracking)."""
+        return self.schedule.observer
+
+    @observer.setter
+    def observer(self, callback) -> None:
+        self.schedule.observer = callback
