@@ -110,8 +110,9 @@ class OptimSection:
     """AdamW ``(beta1, beta2)``."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    skip_nonfinite: bool = True
-    """Skip the optimizer step (and log it) when the loss or gradient norm is NaN or inf."""
+    skip_nonfinite: bool = False
+    """Skip the optimizer step (and log it) when the loss or gradient norm is NaN or inf;
+    off: stop the run naming the step and ranks."""
 
 
 @dataclass(slots=True)
