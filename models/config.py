@@ -166,6 +166,8 @@ class ModelConfig:
                 self.num_key_value_heads,
                 f"must divide num_attention_heads={self.num_attention_heads}",
             )
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+            raise bad("decoder_sparse_step", self.decoder_sparse_step, "expected an integer >= 1")
         has_moe = any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         if has_moe and self.num_experts_per_tok > self.num_experts:
             raise bad(
@@ -223,13 +225,14 @@ class ModelConfig:
                 for kind in self.layer_types:
                     if kind not in LAYER_TYPES:
                         raise bad("layer_types", kind, f"entries must be one of {LAYER_TYPES}")
-                if "sliding_attention" in self.layer_types and not self.sliding_window:
-                    raise bad("sliding_window", self.sliding_window, "sliding layers need >= 1")
+                window = self.sliding_window
+                if "sliding_attention" in self.layer_types and not (
+                    isinstance(window, int) and window >= 1
+                ):
+                    raise bad("sliding_window", window, "sliding layers need an integer >= 1")
             if self.swiglu_limit <= 0:
                 raise bad("swiglu_limit", self.swiglu_limit, "expected a positive float")
         if self.model_type == "qwen3_moe":
-            if self.decoder_sparse_step < 1:
-                raise bad("decoder_sparse_step", self.decoder_sparse_step, "expected >= 1")
             for layer in self.mlp_only_layers:
                 if not 0 <= layer < self.num_hidden_layers:
                     raise bad(
