@@ -188,3 +188,11 @@ def test_bad_input_names_the_problem(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         cross_entropy(**args)
+
+
+def test_second_backward_is_refused():
+    base, target = make_case(4, 32, torch.float32, ignored_every=None, seed=11)
+    loss = cross_entropy(base.clone().requires_grad_() * 1, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()

@@ -187,13 +187,14 @@ class FusedCrossEntropy(torch.autograd.Function):
             torch.autograd.graph.increment_version(logits)
             ctx.grad_buffer = logits.detach()
             ctx.version = logits._version
-        ctx.mark_non_differentiable(target)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        buffer = ctx.grad_buffer
+        buffer = getattr(ctx, "grad_buffer", None)
+        if buffer is None:
+            raise RuntimeError("fused cross_entropy: backward can run once; its buffer is spent")
         del ctx.grad_buffer
         if buffer._version != ctx.version:
             raise RuntimeError(

@@ -186,7 +186,7 @@ def _accumulate_into(destination: _GradDestination, grad_view: torch.Tensor) -> 
     ):
         grad = grad_view.to(leaf.dtype)
     else:
-        grad = torch.zeros_like(leaf, memory_format=torch.contiguous_format)
+        grad = torch.zeros_like(leaf, memory_format=torch.preserve_format)
         grad.as_strided(destination.size, destination.stride, destination.storage_offset).copy_(
             grad_view
         )

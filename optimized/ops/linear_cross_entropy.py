@@ -80,15 +80,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.grad_hidden = grad_hidden
         ctx.grad_weight = grad_weight
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(target)
+        ctx.spent = False
         loss = losses.sum()
         return loss * grad_scale if reduction == "mean" else loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
+        if ctx.spent:
+            raise RuntimeError("linear_cross_entropy: backward can run once; its gradients are spent")
         grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
         del ctx.grad_hidden, ctx.grad_weight
+        ctx.spent = True
         if grad_hidden is not None:
             grad_hidden.mul_(grad_loss)
         if grad_weight is not None:
