@@ -29,8 +29,11 @@ def measured_saved_bytes(model, layer_index, batch, seq, dtype) -> int:
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage._cdata not in params and storage._cdata not in seen:
-            seen[storage._cdata] = (weakref.ref(storage), storage.nbytes())
+        key = storage._cdata
+        known = seen.get(key)
+        # An address freed by a dead temporary can come back for a new storage.
+        if key not in params and (known is None or known[0]() is None):
+            seen[key] = (weakref.ref(storage), storage.nbytes())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
