@@ -14,8 +14,9 @@ to the op that broke.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -128,9 +129,7 @@ class _Checker:
         outputs = [t for t in base_t.values() if t.requires_grad]
         if not outputs:
             return base_out, None
-        cotangents = [
-            torch.randn(t.shape, generator=self.generator).to(t.dtype) for t in outputs
-        ]
+        cotangents = [torch.randn(t.shape, generator=self.generator).to(t.dtype) for t in outputs]
         cand_outputs = [cand_t[name] for name, t in base_t.items() if t.requires_grad]
         base_in_t, cand_in_t = _tensors(base_in, "in"), _tensors(cand_in, "in")
         base_params = dict(base_module.named_parameters())
@@ -149,9 +148,7 @@ def _grads(outputs, cotangents, inputs: dict, params: dict) -> dict[str, torch.T
     wanted = {n: t for n, t in inputs.items() if t.requires_grad}
     wanted.update(params)
     names = list(wanted)
-    grads = torch.autograd.grad(
-        outputs, [wanted[n] for n in names], cotangents, allow_unused=True
-    )
+    grads = torch.autograd.grad(outputs, [wanted[n] for n in names], cotangents, allow_unused=True)
     return {
         name: (grad if grad is not None else torch.zeros_like(wanted[name]))
         for name, grad in zip(names, grads)
@@ -181,18 +178,18 @@ def bisect(
     ops = {"baseline": baseline_ops, "candidate": candidate_ops}
 
     hidden, found = checker.stage(
-        "embedding", "embed", lambda ids, side: models[side].embed(ids), input_ids,
+        "embedding", "embed", lambda ids, who: models[who].embed(ids), input_ids,
         base.model.embed_tokens, cand.model.embed_tokens,
     )  # fmt: skip
     if found:
         return found
     for index in range(model.num_hidden_layers):
         where = f"layer {index}"
-        layers = {side: models[side].layer(index) for side in models}
+        layers = {name: models[name].layer(index) for name in models}
 
-        def stage_fn(method: str):
-            def run(inputs, side):
-                return getattr(layers[side], method)(*inputs, ops[side])
+        def stage_fn(method: str, layers=layers):
+            def run(inputs, who):
+                return getattr(layers[who], method)(*inputs, ops[who])
 
             return run
 
@@ -215,7 +212,7 @@ def bisect(
 
     count = max(int((labels != IGNORE_INDEX).sum()), 1)
     _, found = checker.stage(
-        "loss", "loss", lambda h, side: models[side].loss_sum(h, labels) / count, hidden,
+        "loss", "loss", lambda h, who: models[who].loss_sum(h, labels) / count, hidden,
         base, cand,
     )  # fmt: skip
     return found

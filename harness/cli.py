@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in available:
         parser.print_usage(sys.stderr)
         valid = ", ".join(available)
-        print(f"twinpipe: error: unknown command {name!r}; valid commands: {valid}", file=sys.stderr)
+        print(
+            f"twinpipe: error: unknown command {name!r}; valid commands: {valid}", file=sys.stderr
+        )
         return 2
     module_name, help_text = available[name]
     module = importlib.import_module(module_name)

@@ -276,8 +276,10 @@ def _bisect(args, model, parallel, full_state) -> dict | None:
         ids[:size], labels[:size], tolerance=tol, seed=parallel.seed,
     )  # fmt: skip
     if found is None:
-        print("  bisect: every stage agrees on one process; look at the schedule or the "
-              "collectives", file=sys.stderr)
+        print(
+            "  bisect: every stage agrees on one process; look at the schedule or the collectives",
+            file=sys.stderr,
+        )
         return None
     print(f"  {found.describe()}", file=sys.stderr)
     return {f: getattr(found, f) for f in found.__slots__}

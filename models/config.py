@@ -39,7 +39,7 @@ class ModelConfig:
     num_key_value_heads: int
     """Key/value heads per layer (GQA); must divide ``num_attention_heads``."""
     head_dim: int
-    """Per-head width of q/k/v (GPT-OSS, Qwen3). For DeepSeek-V2 HF stores the rope head dim here."""
+    """Per-head width of q/k/v (GPT-OSS, Qwen3); for DeepSeek-V2, HF stores the rope width here."""
     intermediate_size: int
     """Hidden width of a dense MLP layer."""
     moe_intermediate_size: int
@@ -134,7 +134,7 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # -------------------------------------------------------------- validation
@@ -180,7 +180,9 @@ class ModelConfig:
         if self.topk_method == "group_limited_greedy":
             if not self.n_group or self.num_experts % self.n_group:
                 raise bad(
-                    "n_group", self.n_group, f"must be >= 1 and divide num_experts={self.num_experts}"
+                    "n_group",
+                    self.n_group,
+                    f"must be >= 1 and divide num_experts={self.num_experts}",
                 )
             if not self.topk_group or self.topk_group > self.n_group:
                 raise bad("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
@@ -241,7 +243,7 @@ class ModelConfig:
 
     # ---------------------------------------------------------------- HF I/O
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face ``config.json`` (a path to it, its folder, or its dict)."""
         if isinstance(path_or_dict, dict):
             raw = dict(path_or_dict)
@@ -256,7 +258,8 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; expected one of {FAMILIES}"
+                f"config.json model_type={model_type!r} is not supported; "
+                f"expected one of {FAMILIES}"
             )
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope = dict(rope)
@@ -264,7 +267,9 @@ class ModelConfig:
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-        num_experts = raw.get("n_routed_experts", raw.get("num_local_experts", raw.get("num_experts")))
+        num_experts = raw.get("n_routed_experts")
+        if num_experts is None:
+            num_experts = raw.get("num_local_experts", raw.get("num_experts"))
         heads = raw["num_attention_heads"]
         common = dict(
             model_type=model_type,

@@ -16,8 +16,9 @@ import datetime
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -230,8 +231,10 @@ def launch(
         except mp.ProcessRaisedException as error:
             raise RankFailed(str(error)) from None
         except mp.ProcessExitedException as error:
-            raise RankFailed(f"rank {error.error_index} exited with code {error.exit_code}; "
-                             "its error is printed above") from None
+            raise RankFailed(
+                f"rank {error.error_index} exited with code {error.exit_code}; "
+                "its error is printed above"
+            ) from None
         return [
             torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)

@@ -66,7 +66,8 @@ def rope_frequencies(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    interpolation = 1.0 / (factor * pos_freqs)
+    inv_freq = interpolation * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
 
 

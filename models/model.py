@@ -192,7 +192,7 @@ def build_part(
     (the whole model's state dict; routed experts are sliced to this EP rank's shard)."""
     part = CausalLM(config, ops, ep, layers, embedding, head).to(dtype)
     state = {}
-    for name, tensor in part.state_dict().items():
+    for name in part.state_dict():
         source = full_state[name]
         if ".mlp.experts." in name and source.shape[0] == config.num_experts:
             per_rank = config.num_experts // ep.size

@@ -57,7 +57,7 @@ class Ops(Protocol):
         ...
 
     def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        """The inverse of `to_expert_order`: row ``i`` of the result is ``grouped[positions[i]]``."""
+        """The inverse of `to_expert_order`: row ``i`` is ``grouped[positions[i]]``."""
         ...
 
     def grouped_linear(
@@ -76,7 +76,7 @@ class Ops(Protocol):
 
     def clamped_swiglu(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """GPT-OSS's activation on interleaved ``x[..., ::2] = gate``, ``x[..., 1::2] = up``:
-        ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = gate.clamp(max=limit)``.
+        ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = gate.clamp(max=limit)``.
         """
         ...
 

@@ -63,14 +63,12 @@ def micro_batches_of(
     """This data-parallel rank's M micro-batches of a global batch."""
     size = parallel.micro_batch_size
     first = dp_rank * parallel.micro_batches * size
-    return [
-        (ids[first + j * size : first + (j + 1) * size], labels[first + j * size : first + (j + 1) * size])
-        for j in range(parallel.micro_batches)
-    ]
+    rows = [slice(first + j * size, first + (j + 1) * size) for j in range(parallel.micro_batches)]
+    return [(ids[r], labels[r]) for r in rows]
 
 
 def even_partition(num_layers: int, num_stages: int) -> list[list[int]]:
-    """Contiguous layer ranges for each stage; the first ``num_layers % num_stages`` get one more."""
+    """Contiguous layer ranges per stage; the first ``num_layers % num_stages`` get one more."""
     base, extra = divmod(num_layers, num_stages)
     stages, start = [], 0
     for s in range(num_stages):

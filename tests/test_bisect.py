@@ -45,8 +45,11 @@ def test_agreeing_stacks_have_no_divergence(setup):
 
 @pytest.mark.parametrize(
     "ops,stage,direction",
-    [(WrongActivation, "experts", "forward"), (WrongCombine, "aggregate", "forward"),
-     (WrongBackward, "attention", "backward")],
+    [
+        (WrongActivation, "experts", "forward"),
+        (WrongCombine, "aggregate", "forward"),
+        (WrongBackward, "attention", "backward"),
+    ],
 )
 def test_planted_bug_is_named(setup, ops, stage, direction):
     cfg, state, ids, labels = setup

@@ -27,8 +27,9 @@ def _layout_worker(configs, parallel, states, steps, optimizer):
 def _check_against_oracle(configs, parallel, steps=1):
     optimizer = OptimizerConfig()
     states = [build_model(cfg, seed=7).state_dict() for cfg in configs]
-    per_rank = launch(_layout_worker, parallel.world_size, (configs, parallel, states, steps,
-                                                            optimizer))
+    per_rank = launch(
+        _layout_worker, parallel.world_size, (configs, parallel, states, steps, optimizer)
+    )
     for index, cfg in enumerate(configs):
         ranks = [r[index] for r in per_rank]
         oracle = _run_oracle(cfg, parallel, states[index], steps, optimizer)
@@ -49,23 +50,26 @@ def _check_against_oracle(configs, parallel, steps=1):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("pp,dp,ep", [(2, 1, 1), (1, 2, 2), (2, 2, 2)])
 def test_reference_matches_oracle(pp, dp, ep):
-    parallel = ParallelConfig(pp=pp, dp=dp, ep=ep, micro_batch_size=1,
-                              micro_batches=2 * pp, seq_len=32, seed=3)
+    parallel = ParallelConfig(
+        pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp, seq_len=32, seed=3
+    )
     _check_against_oracle([preset(name) for name in PRESETS], parallel)
 
 
 @pytest.mark.multiprocess
 def test_reference_pp4_matches_oracle():
-    parallel = ParallelConfig(pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8,
-                              seq_len=16, seed=5)
+    parallel = ParallelConfig(
+        pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8, seq_len=16, seed=5
+    )
     eight = {"tiny-gpt-oss": dict(layer_types=["sliding_attention", "full_attention"] * 4)}
     configs = [preset(name, num_hidden_layers=8, **eight.get(name, {})) for name in PRESETS]
     _check_against_oracle(configs, parallel)
 
 
 def _trajectory_worker(cfg, parallel, state, steps):
-    return _rank_main(cfg, parallel, state, ["reference"], steps, OptimizerConfig(), False,
-                      False)["reference"]["loss"]
+    return _rank_main(cfg, parallel, state, ["reference"], steps, OptimizerConfig(), False, False)[
+        "reference"
+    ]["loss"]
 
 
 @pytest.mark.multiprocess
@@ -126,7 +130,18 @@ def test_invalid_parallel_config_names_the_field(fields, field):
 def test_compare_cli_rejects_bad_layout_before_spawning(capsys):
     from harness.cli import main
 
-    code = main(["compare", "--pp", "2", "--micro-batches", "2", "--baseline", "oracle",
-                 "--candidate", "reference"])
+    code = main(
+        [
+            "compare",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--baseline",
+            "oracle",
+            "--candidate",
+            "reference",
+        ]
+    )
     assert code == 2
     assert "micro_batches=2" in capsys.readouterr().err
