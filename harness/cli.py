@@ -23,7 +23,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("optimized.train", "train a model on the optimized stack"),
     "prepare-data": ("optimized.data_cli", "turn text files into a memory-mapped token file"),
     "export": ("optimized.export", "export a training checkpoint as a Hugging Face checkpoint"),
-    "forward": ("harness.forward", "single-process forward/backward of a model; prints the loss"),
 }
 
 
