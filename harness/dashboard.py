@@ -56,6 +56,8 @@ class OpPoint:
     plain_time: float | None = None
     optimized_peak: float | None = None
     plain_peak: float | None = None
+    # Further implementations of the op (e.g. a second plain one): name -> figures.
+    others: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float | None:
@@ -89,30 +91,43 @@ def _tokens(text: str) -> list[str]:
     return [t for t in re.split(r"[\[\]\-_,\s/.]+", text.lower()) if t]
 
 
+def benchmark_implementation(bench: dict[str, Any]) -> str | None:
+    """The implementation a benchmark names (``extra_info`` first, then its parameters)."""
+    for source in (bench.get("extra_info") or {}, bench.get("params") or {}):
+        for key in ROLE_KEYS:
+            if isinstance(source.get(key), str):
+                return source[key]
+    return None
+
+
 def benchmark_role(bench: dict[str, Any]) -> str:
-    """'plain' for the plain counterpart, 'optimized' for everything else."""
-    extra = bench.get("extra_info") or {}
-    for key in ROLE_KEYS:
-        value = extra.get(key)
-        if isinstance(value, str):
-            return "plain" if value.lower() in PLAIN_WORDS else "optimized"
-    params = bench.get("params") or {}
-    words = [str(v).lower() for v in params.values()] + _tokens(str(bench.get("name", "")))
+    """'plain' for a plain counterpart, 'optimized' for everything else."""
+    implementation = benchmark_implementation(bench)
+    if implementation is not None:
+        words = _tokens(implementation)
+    else:
+        params = bench.get("params") or {}
+        words = [str(v).lower() for v in params.values()] + _tokens(str(bench.get("name", "")))
     return "plain" if any(word in PLAIN_WORDS for word in words) else "optimized"
 
 
 def benchmark_op_and_variant(bench: dict[str, Any]) -> tuple[str, str]:
-    """The op a benchmark measures and its variant (shape parameters), role words removed."""
+    """The op a benchmark measures and its variant (shape parameters).
+
+    Role words, the implementation's name and the op's own name are left out of
+    the variant, so ``test_act[silu-plain_float32]`` of op ``silu`` has variant ''.
+    """
     name = str(bench.get("name") or bench.get("fullname") or "?")
     base, _, bracket = name.partition("[")
     role_words = set(PLAIN_WORDS) | set(OPTIMIZED_WORDS)
-    variant = "-".join(t for t in _tokens(bracket) if t not in role_words)
     group = bench.get("group") or (bench.get("extra_info") or {}).get("op")
     if group:
         op = str(group)
     else:
         base = base.removeprefix("test_")
         op = "_".join(t for t in base.split("_") if t.lower() not in role_words) or base
+    skip = role_words | set(_tokens(op)) | set(_tokens(benchmark_implementation(bench) or ""))
+    variant = "-".join(t for t in _tokens(bracket) if t not in skip)
     return op, variant
 
 
@@ -132,23 +147,39 @@ def peak_bytes(bench: dict[str, Any]) -> float | None:
 
 
 def collect_ops(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[OpPoint]]]:
-    """op -> variant -> one point per benchmark run that measured it."""
+    """op -> variant -> one point per benchmark run that measured it.
+
+    Of several implementations with one role (``plain`` and ``plain_float32``),
+    the one named after the role, else the first, is the pair's; the rest are
+    kept in ``OpPoint.others``.
+    """
     ops: dict[str, dict[str, list[OpPoint]]] = defaultdict(lambda: defaultdict(list))
     runs = [e for e in entries if e.get("kind") == "bench"]
     for run, entry in enumerate(runs):
-        points: dict[tuple[str, str], OpPoint] = {}
+        by_key: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = defaultdict(
+            lambda: {"optimized": [], "plain": []}
+        )
         for bench in (entry.get("benchmark") or {}).get("benchmarks") or []:
-            if not isinstance(bench, dict):
-                continue
-            key = benchmark_op_and_variant(bench)
-            point = points.setdefault(
-                key, OpPoint(run, str(entry.get("git_commit")), str(entry.get("date")))
-            )
-            median = (bench.get("stats") or {}).get("median")
-            side = benchmark_role(bench)
-            setattr(point, f"{side}_time", median)
-            setattr(point, f"{side}_peak", peak_bytes(bench))
-        for (op, variant), point in points.items():
+            if isinstance(bench, dict):
+                by_key[benchmark_op_and_variant(bench)][benchmark_role(bench)].append(bench)
+        for (op, variant), roles in by_key.items():
+            point = OpPoint(run, str(entry.get("git_commit")), str(entry.get("date")))
+            for role, benches in roles.items():
+                benches = sorted(
+                    benches, key=lambda b: (benchmark_implementation(b) or role).lower() != role
+                )
+                for index, bench in enumerate(benches):
+                    median = (bench.get("stats") or {}).get("median")
+                    if index == 0:
+                        setattr(point, f"{role}_time", median)
+                        setattr(point, f"{role}_peak", peak_bytes(bench))
+                    else:
+                        name = benchmark_implementation(bench) or str(bench.get("name"))
+                        point.others[name] = {
+                            "role": role,
+                            "time": median,
+                            "peak": peak_bytes(bench),
+                        }
             ops[op][variant].append(point)
     return {op: dict(variants) for op, variants in sorted(ops.items())}
 
@@ -261,6 +292,21 @@ def plot_op(op: str, variants: dict[str, list[OpPoint]], labels: dict[int, str],
                         label=f"{side}{suffix}",
                         alpha=0.9,
                     )
+            names = sorted({name for p in series for name in p.others})
+            for name in names:
+                values = [(p.others.get(name) or {}).get(what) for p in series]
+                values = [v / scale if v is not None else math.nan for v in values]
+                role = next(p.others[name]["role"] for p in series if name in p.others)
+                color = PLAIN_COLOR if role == "plain" else OPTIMIZED_COLOR
+                axis.plot(
+                    runs,
+                    values,
+                    ":",
+                    color=color,
+                    marker=marker,
+                    alpha=0.7,
+                    label=f"{name}{suffix}",
+                )
     axes[0][0].set_ylabel(f"median time ({t_unit})")
     axes[0][0].set_title(f"{op}: time, lower is better")
     if has_memory:
@@ -468,6 +514,32 @@ def _ops_summary(ops: dict[str, dict[str, list[OpPoint]]]) -> str:
                     html.escape(latest.commit),
                 ]
             )
+            for name, figures in sorted(latest.others.items()):
+                is_plain = figures["role"] == "plain"
+                time_value, peak = figures["time"], figures["peak"]
+                speedup = (
+                    time_value / latest.optimized_time
+                    if is_plain and time_value and latest.optimized_time
+                    else None
+                )
+                ratio = (
+                    latest.optimized_peak / peak
+                    if is_plain and peak and latest.optimized_peak is not None
+                    else None
+                )
+                rows.append(
+                    [
+                        f"<a href='#{_slug(op)}'>{html.escape(op)}</a>",
+                        html.escape(f"{variant or '-'} ({name})"),
+                        _fmt_time(latest.optimized_time if is_plain else time_value),
+                        _fmt_time(time_value if is_plain else latest.plain_time),
+                        _fmt_ratio(speedup, good_below=False),
+                        format_bytes(latest.optimized_peak if is_plain else peak),
+                        format_bytes(peak if is_plain else latest.plain_peak),
+                        _fmt_ratio(ratio, good_below=True),
+                        html.escape(latest.commit),
+                    ]
+                )
     header = [
         "op",
         "variant",

@@ -138,6 +138,37 @@ def test_pairing_of_benchmarks_by_op_and_role():
     assert dashboard.benchmark_op_and_variant(theirs) == ("gather_rows", "")
     assert dashboard.benchmark_role(theirs) == "plain"
     assert dashboard.peak_bytes(theirs) == 4096
+    # A second plain implementation is kept beside the pair, not mixed into it.
+    second = {
+        "name": "test_gather_rows[plain_float32]",
+        "group": "gather_rows",
+        "stats": {"median": 3.0},
+        "extra_info": {"implementation": "plain_float32"},
+    }
+    assert dashboard.benchmark_role(second) == "plain"
+    runs = [
+        {
+            "kind": "bench",
+            "git_commit": "c",
+            "date": "d",
+            "benchmark": {
+                "benchmarks": [
+                    dict(theirs, stats={"median": 2.0}),
+                    second,
+                    {
+                        "name": "test_gather_rows[optimized]",
+                        "group": "gather_rows",
+                        "stats": {"median": 1.0},
+                        "extra_info": {"implementation": "optimized", "peak_memory_bytes": 1024},
+                    },
+                ]
+            },
+        }
+    ]
+    (point,) = dashboard.collect_ops(runs)["gather_rows"][""]
+    assert (point.optimized_time, point.plain_time, point.speedup) == (1.0, 2.0, 2.0)
+    assert point.memory_ratio == 0.25
+    assert point.others == {"plain_float32": {"role": "plain", "time": 3.0, "peak": None}}
     by_extra = {"name": "test_x", "extra_info": {"impl": "reference", "memory_bytes": 7}}
     assert dashboard.benchmark_role(by_extra) == "plain"
     assert dashboard.peak_bytes(by_extra) == 7

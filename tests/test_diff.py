@@ -1,4 +1,4 @@
-"""`twinpipe diff`: regressions in hand-made reports and benchmark runs, in words, with exit codes."""
+"""`twinpipe diff`: regressions in hand-made reports and benchmark runs, in words, exit codes."""
 
 from __future__ import annotations
 
