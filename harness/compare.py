@@ -285,6 +285,53 @@ def _bisect(args, model, parallel, full_state) -> dict | None:
     return {f: getattr(found, f) for f in found.__slots__}
 
 
+def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, str]) -> None:
+    """Put the memory estimator's per-rank peak (and Megatron's formula) beside each measured
+    peak, with the relative error of each."""
+    try:
+        from optimized.estimator import estimate_for_compare  # noqa: PLC0415
+    except ImportError:
+        return
+    layout = dict(
+        pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+        micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
+        num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
+    )  # fmt: skip
+    for key, stack in zip(("baseline", "candidate"), sides):
+        try:
+            report = estimate_for_compare(model, layout, stack)
+        except (ValueError, TypeError) as error:
+            print(f"  estimate for {stack} unavailable: {error}", file=sys.stderr)
+            continue
+        megatron = report["megatron"]["total_bytes"]
+        for entry in memory_ranks:
+            pp_rank = entry["rank"] // parallel.dp
+            estimated = report["ranks"][pp_rank]["peak_bytes"]
+            measured = entry[key]["total"]
+            entry[key]["estimate"] = {
+                "peak_bytes": estimated,
+                "error": estimated / measured - 1 if measured else None,
+                "megatron_bytes": megatron,
+                "megatron_error": megatron / measured - 1 if measured else None,
+            }
+
+
+def format_estimates(memory_ranks: list[dict]) -> str:
+    """The estimator's and Megatron's peaks beside each measured one."""
+    lines = ["rank  stack       measured peak  estimate (err)          megatron (err)"]
+    for entry in memory_ranks:
+        for key in ("baseline", "candidate"):
+            est = entry[key].get("estimate")
+            if not est:
+                continue
+            lines.append(
+                f"{entry['rank']:<5} {key:<11} {entry[key]['total']:>13,}  "
+                f"{est['peak_bytes']:>12,} ({est['error']:+.1%})  "
+                f"{est['megatron_bytes']:>12,.0f} ({est['megatron_error']:+.1%})"
+            )
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(
@@ -392,12 +439,17 @@ def run(args: argparse.Namespace) -> int:
             }
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
+            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
     report = build_report(args, model, parallel, records, memory_ranks)
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, full_state)
     from harness.report import format_table, write_report  # noqa: PLC0415
 
     print(format_table(report))
+    if memory_ranks:
+        estimates = format_estimates(memory_ranks)
+        if estimates:
+            print("\nmemory estimate beside the measured peak\n" + estimates)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
