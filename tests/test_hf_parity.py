@@ -157,20 +157,21 @@ def test_bfloat16_logits_close_to_transformers(preset_name, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name",
+    ("name", "max_shard_bytes"),
     [
-        "deepseek-v2/q-lora-greedy-default-rope-tied",
-        "deepseek-v2/no-shared-experts",
-        "gpt-oss/yarn-sliding",
-        "qwen3-moe/no-norm-mlp-only-tied",
+        ("deepseek-v2/q-lora-greedy-default-rope-tied", None),
+        ("deepseek-v2/no-shared-experts", 30_000),
+        ("gpt-oss/yarn-sliding", None),
+        ("qwen3-moe/no-norm-mlp-only-tied", 30_000),
     ],
 )
-def test_transformers_loads_our_checkpoint(name, tmp_path):
+def test_transformers_loads_our_checkpoint(name, max_shard_bytes, tmp_path):
     """Our `save_pretrained` writes what transformers' `from_pretrained` reads, bit for bit."""
     preset_name, overrides = CASES[name]
     config = preset(preset_name, **overrides)
     ours = from_pretrained(_saved_hf(config, tmp_path / "hf"))
-    save_pretrained(ours, tmp_path / "ours")
+    save_pretrained(ours, tmp_path / "ours", max_shard_bytes=max_shard_bytes)
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists() == bool(max_shard_bytes)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
     hf.set_attn_implementation("eager")
     hf.set_experts_implementation("eager")
