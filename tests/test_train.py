@@ -1,0 +1,141 @@
+"""`twinpipe train`: loss falls, exact resume, layout-changing resume, faults, bad configs.
+
+The ranks run the reference stack's runner through the trainer's one seam
+(``TWINPIPE_RUNNER``): on CPU the optimized stack runs its Triton kernels through the
+interpreter, about 50x slower, and the trainer around the runner is the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.distributed import RankFailed, launch
+from optimized.train import _rank_main
+from optimized.train_config import TrainConfig, apply_overrides, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
+
+
+@pytest.fixture(autouse=True)
+def _reference_runner(monkeypatch):
+    monkeypatch.setenv("TWINPIPE_RUNNER", REFERENCE_RUNNER)
+    monkeypatch.delenv("TWINPIPE_FAULT", raising=False)
+
+
+def config(*overrides: str) -> TrainConfig:
+    base = [
+        "model.name=tiny-deepseek-v2", "data.seq_len=16", "data.micro_batch_size=1",
+        "data.micro_batches=2", "steps=6", "optim.warmup_steps=2", "optim.lr=3e-3",
+        "optim.min_lr=3e-4",
+    ]  # fmt: skip
+    return validate_config(apply_overrides(TrainConfig(), base + list(overrides)))
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    return launch(_rank_main, cfg.parallel.world_size, (cfg,))
+
+
+def test_loss_falls_over_50_steps(tmp_path):
+    cfg = config("steps=50", "optim.warmup_steps=5", f"logging.metrics_file={tmp_path / 'm.jsonl'}")
+    losses = train(cfg)[0]["losses"]
+    assert len(losses) == 50 and all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 51))
+    assert records[-1]["loss"] == losses[-1]
+    assert records[0]["peak_memory_source"] == "max-rss"
+
+
+def test_exact_resume_after_sigterm(tmp_path, monkeypatch):
+    """3 steps, SIGTERM (checkpoint), resume to 6 == 6 uninterrupted steps, bit for bit,
+    with the optimizer state sharded over DP and experts over EP."""
+    common = ("parallel.dp=2", "parallel.ep=2", "parallel.fsdp=true")
+    whole = train(config(*common))[0]["losses"]
+    cfg = config(*common, f"checkpoint.dir={tmp_path}")
+    monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@2:1")
+    first = train(cfg)[0]
+    assert first["signal"] and first["stopped_at"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+    monkeypatch.delenv("TWINPIPE_FAULT")
+    second = train(cfg)[0]
+    assert second["start"] == 3
+    assert first["losses"] + second["losses"] == whole
+
+
+def test_resume_at_another_layout(tmp_path, monkeypatch):
+    """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4: the same global batches and
+    the same losses as the uninterrupted PP=2 run, up to rounding."""
+    before = ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=4")
+    after = ("parallel.pp=1", "parallel.dp=4", "parallel.ep=4", "data.micro_batches=2")
+    whole = train(config(*before, "steps=4"))[0]["losses"]
+    monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@1:0")
+    train(config(*before, "steps=4", f"checkpoint.dir={tmp_path}"))
+    monkeypatch.delenv("TWINPIPE_FAULT")
+    resumed = train(config(*after, "steps=4", f"checkpoint.dir={tmp_path}"))[0]
+    assert resumed["start"] == 2
+    for got, want in zip(resumed["losses"], whole[2:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed["losses"], whole)
+
+
+def test_nonfinite_gradient_stops_naming_step_and_rank(monkeypatch):
+    monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
+    with pytest.raises(RankFailed, match=r"non-finite gradient norm at step 2.*rank\(s\) \[1\]"):
+        train(config("parallel.dp=2", "steps=3"))
+
+
+def test_skip_nonfinite_skips_the_step(monkeypatch):
+    monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
+    losses = train(config("parallel.dp=2", "steps=3", "optim.skip_nonfinite=true"))[0]["losses"]
+    assert losses[1] is None and all(math.isfinite(x) for x in (losses[0], losses[2]))
+
+
+def _cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", "train", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, **env},
+    )  # fmt: skip
+
+
+def test_crashed_rank_ends_every_rank_with_its_error():
+    # The 60 s bound is the requirement itself (subprocess.run raises past it).
+    done = _cli(
+        "--model", "tiny-deepseek-v2", "--seq-len", "16", "--micro-batch-size", "1",
+        "--micro-batches", "2", "--dp", "2", "--steps", "50", "--nproc", "2",
+        TWINPIPE_FAULT="crash@1:1",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "rank 1 crashed at step 2" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--set", "optim.bogus=1"], "optim.bogus"),
+        (["--set", "nonsense=3"], "nonsense"),
+        (["--ep", "3", "--dp", "2"], "parallel.ep"),
+        (["--micro-batches", "1", "--pp", "1"], "data.micro_batches"),
+    ],
+)
+def test_bad_config_is_an_error_naming_the_key(args, named):
+    done = _cli(*args, "--print-config")
+    assert done.returncode == 2 and named in done.stderr
+
+
+def test_print_config_shows_the_resolved_config(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("steps = 17\n[optim]\nlr = 0.002\n")
+    done = _cli("--config", str(toml), "--set", "parallel.dp=2", "--seq-len", "24",
+                "--print-config")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "steps = 17" in done.stdout and "lr = 0.002" in done.stdout
+    assert "dp = 2" in done.stdout and "seq_len = 24" in done.stdout
