@@ -196,7 +196,8 @@ class _Reader:
 
     def shapes(self) -> dict[str, torch.Size]:
         shapes = {}
-        names = {file: set(_names_in(self._handle(name))) for name, file in self.files.items()}
+        first_name = {file: name for name, file in self.files.items()}
+        names = {file: set(_names_in(self._handle(name))) for file, name in first_name.items()}
         for name, file in self.files.items():
             handle = self._handle(name)
             if name not in names[file]:
