@@ -240,7 +240,9 @@ def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str
     state = _placeholders(folder, [f"model.{n}" for n in names])
     if config.tie_word_embeddings and "model.lm_head.weight" not in state:
         names.remove("lm_head.weight")
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     out = {name: state[f"model.{name}"] for name in names}
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]

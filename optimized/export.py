@@ -1,0 +1,62 @@
+"""`twinpipe export`: a training checkpoint as a Hugging Face checkpoint transformers loads.
+
+The checkpoint is layout-free (whole-model tensors under whole-model names), so export
+runs in one process at any training layout: read the model tensors, build the whole
+`CausalLM`, and write it with `models.checkpoint.save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from models.distributed import DTYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True,
+        help="a checkpoint folder (step-*) or a checkpoint dir (its newest complete one)",
+    )  # fmt: skip
+    parser.add_argument("--out", required=True, help="folder to write the HF checkpoint to")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None, help="cast (default: as trained)"
+    )
+    parser.add_argument("--max-shard-bytes", type=int, default=None, help="shard above this")
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
+           max_shard_bytes: int | None = None) -> Path:  # fmt: skip
+    """Write the newest complete checkpoint under ``checkpoint`` to ``out``; return its folder."""
+    from models.checkpoint import save_pretrained  # noqa: PLC0415
+    from models.model import CausalLM  # noqa: PLC0415
+    from optimized.checkpointing import load_model_state, newest_valid  # noqa: PLC0415
+
+    folder = newest_valid(checkpoint)
+    if folder is None:
+        raise ValueError(f"no complete checkpoint in {checkpoint}")
+    config = ModelConfig.from_hf(str(folder / "config.json"))
+    state = load_model_state(folder, config)
+    stored = state["model.embed_tokens.weight"].dtype
+    with torch.device("meta"):
+        model = CausalLM(config, ops=object())
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(DTYPES[dtype] if dtype else stored)
+    save_pretrained(model, out, max_shard_bytes)
+    return folder
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        folder = export(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
+    except (ValueError, OSError) as error:
+        print(f"twinpipe export: error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {folder} to {args.out}")
+    return 0
