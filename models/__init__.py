@@ -1,5 +1,15 @@
 """Model math written once: configs, presets, layers as five stages, HF checkpoints."""
 
+import os as _os
+
+import torch as _torch
+
+# Without CUDA, Triton kernels run through Triton's interpreter, which must be chosen
+# before anything imports `triton` -- and torch imports it lazily on its own (the first
+# AdamW step does). Every twinpipe process imports `models` first, so choose here.
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from models.checkpoint import from_pretrained, save_pretrained
 from models.config import ModelConfig
 from models.decoder import DecoderLayer, ExpertParallel
