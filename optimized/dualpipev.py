@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 from models.distributed import Layout
+from models.model import IGNORE_INDEX
 from optimized.execution import ExecutionContext
+from optimized.ops import linear_cross_entropy
 from optimized.overlap import (
     LayerRun,
     backward_layers,
@@ -189,16 +191,27 @@ class OptimizedDualPipeV:
         if chunk == 1 and self.is_first:
             head_input = leaf(hidden)
             labels = self.micro_batches[start.micro_batch][1]
-            output = self.part.loss_sum(head_input, labels) / self.token_count
+            output = self._loss_sum(head_input, labels) / self.token_count
             self.loss = self.loss + output.detach()
         else:
-            self._send_activation(chunk, hidden.detach())
+            self._send_activation(chunk, hidden)
             output = hidden
         if torch.is_grad_enabled():
             self.saved[chunk].append(
                 ChunkRun(start.micro_batch, start.input, start.embedded, start.layers, output,
                          head_input)
             )  # fmt: skip
+
+    def _loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss stage: final norm, then output layer and cross-entropy fused by token chunk.
+
+        The head's gradients are finished in the forward a chunk of logits at a
+        time, so no ``[tokens, vocab]`` logits wait here for the backward.
+        """
+        normed = self.part.model.norm(hidden)
+        return linear_cross_entropy(
+            normed, self.part.lm_head.weight, labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
     def _backward_start(self, chunk: int, run: ChunkRun) -> torch.Tensor:
         """The gradient of the chunk's last layer output."""
@@ -219,6 +232,7 @@ class OptimizedDualPipeV:
         return j
 
     def _observe(self, action: str, micro_batch: int | None) -> None:
+        self._drain_sends()
         if self.observer is not None:
             self.observer(f"{self.phase}:{action}", micro_batch)
 
@@ -234,7 +248,8 @@ class OptimizedDualPipeV:
             self.local_activations.append(tensor)
             return
         dst = self.rank + 1 if chunk == 0 else self.rank - 1
-        self._send(tensor, dst, TAG_FORWARD[chunk])
+        # Once sent, the output is only the root of its layer's backward: free it then.
+        self._send(tensor.detach(), dst, TAG_FORWARD[chunk], free_when_sent=True)
 
     def _receive_gradient(self, chunk: int) -> torch.Tensor:
         if chunk == 0 and self.is_last:
@@ -249,10 +264,22 @@ class OptimizedDualPipeV:
         dst = self.rank - 1 if chunk == 0 else self.rank + 1
         self._send(tensor, dst, TAG_BACKWARD[chunk])
 
-    def _send(self, tensor: torch.Tensor, pp_rank: int, tag: int) -> None:
+    def _send(
+        self, tensor: torch.Tensor, pp_rank: int, tag: int, free_when_sent: bool = False
+    ) -> None:
         tensor = tensor.contiguous()
         handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
-        self.pending_sends.append((handle, tensor))
+        self.pending_sends.append((handle, tensor, free_when_sent))
+
+    def _drain_sends(self) -> None:
+        """Drop the sends that have completed (never waits: a send may need its receiver)."""
+        pending = []
+        for handle, tensor, free_when_sent in self.pending_sends:
+            if not handle.is_completed():
+                pending.append((handle, tensor, free_when_sent))
+            elif free_when_sent and torch.is_grad_enabled():
+                self.context.free_now("sent_activation", tensor)
+        self.pending_sends = pending
 
     def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
         tensor = torch.empty(self.activation_shape, dtype=self.dtype)
@@ -276,7 +303,7 @@ class OptimizedDualPipeV:
         self.loss = torch.zeros((), dtype=torch.float32)
 
     def _end(self) -> torch.Tensor:
-        for handle, _ in self.pending_sends:
+        for handle, _, _ in self.pending_sends:
             handle.wait()
         self.pending_sends = []
         assert not self.saved[0] and not self.saved[1], "a forward was never backwarded"

@@ -19,11 +19,16 @@ from models.training import OptimizerConfig, synthetic_batch
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 TOLERANCE = {"float32": (1e-5, 1e-8), "bfloat16": (1e-2, 1e-2)}
-STEPS = 2
+STEPS = 1
+
+
+def _launch(names, parallel, dtype, repeat_optimized=False):
+    states = _states(names, dtype)
+    return launch(_compare_worker, parallel.world_size, (names, parallel, states, repeat_optimized))
 
 
 def _run(pipeline, model, parallel) -> dict:
-    """Two training steps and one evaluation: losses, gradients, store and free records."""
+    """Training steps and one evaluation: losses, gradients, store and free records."""
     steps = []
     for step in range(STEPS):
         ids, labels = synthetic_batch(model, parallel, step)
@@ -105,15 +110,17 @@ LAYOUTS = [
 def test_optimized_matches_reference_float32(layout, names):
     pp, dp, ep = layout
     parallel = ParallelConfig(
-        pp=pp, dp=dp, ep=ep, micro_batch_size=2, micro_batches=2 * pp + 1, seq_len=32
+        pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp + 1, seq_len=32
     )
-    results = launch(
-        _compare_worker, parallel.world_size, (names, parallel, _states(names, torch.float32), False)
-    )
+    results = _launch(names, parallel, torch.float32)
     _check(results, names, parallel)
     if ep > 1:  # the all-to-alls copy, so the boundary buffers are freed
         kinds = {what for what, _ in results[0][names[0], "optimized"][0]["freed"]}
         assert {"sorted_tokens", "received_tokens", "expert_output"} <= kinds
+    else:  # EP = 1: the exchanges are the identity, buffers share storage
+        kinds = {what for what, _ in results[0][names[0], "optimized"][0]["freed"]}
+        assert "received_tokens" in kinds  # the experts copied it into their grouped buffer
+        assert not kinds & {"sorted_tokens", "expert_output"}  # still read downstream
 
 
 def test_optimized_matches_reference_bfloat16_and_is_deterministic():
@@ -121,12 +128,62 @@ def test_optimized_matches_reference_bfloat16_and_is_deterministic():
     parallel = ParallelConfig(
         pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=4, seq_len=32, dtype="bfloat16"
     )
-    results = launch(
-        _compare_worker, parallel.world_size, (names, parallel, _states(names, torch.bfloat16), True)
-    )
+    results = _launch(names, parallel, torch.bfloat16, repeat_optimized=True)
     _check(results, names, parallel)
     for rank_results in results:
         first, second = rank_results[names[0], "optimized"]
         for (loss_a, grads_a), (loss_b, grads_b) in zip(first["steps"], second["steps"]):
             assert loss_a == loss_b
             assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_saved_tensor_profile_splits_parameters_and_activations():
+    from optimized.ops import OptimizedOps
+    from optimized.profile import STAGES, profile_part
+
+    model = build_model(preset("tiny-deepseek-v2"))
+    hidden = torch.randn(1, 16, model.config.hidden_size)
+    profiles = profile_part(model, hidden, OptimizedOps())
+    assert [p.layer for p in profiles] == list(range(model.config.num_hidden_layers))
+    for profile in profiles:
+        assert set(profile.as_dict()) == set(STAGES)
+        assert profile.stages["attention"].activation_bytes > 0
+        assert profile.stages["dispatch"].activation_bytes == 0  # comm keeps no tensors
+        assert profile.stages["combine"].activation_bytes == 0
+    moe = profiles[-1]
+    assert moe.stages["experts"].activation_bytes > 0
+    assert moe.stages["experts"].parameter_bytes > 0  # the expert weights, by storage
+
+
+def _memory_worker(model, parallel, state):
+    from harness.memory import MemoryTracker
+    from optimized.pipeline import OptimizedPipeline
+    from reference.pipeline import ReferencePipeline
+
+    layout = make_layout(parallel)
+    figures = {}
+    for runner in (ReferencePipeline, OptimizedPipeline):
+        pipeline = runner(model, parallel, layout, state, OptimizerConfig())
+        pipeline.train_step(*synthetic_batch(model, parallel, 0))  # optimizer state exists
+        tracker = MemoryTracker("cpu")
+        tracker.register(parameters=pipeline.part, optimizer_state=pipeline.optimizer)
+        pipeline.observer = tracker.mark
+        with tracker.step():
+            pipeline.train_step(*synthetic_batch(model, parallel, 1))
+        figures[runner.name] = tracker.summary()
+    return figures
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 5 target not met: measured 0.93-1.01x; eager-attention saved tensors "
+    "(identical in both stacks) dominate tiny-deepseek-v2's activations at seq 128",
+)
+def test_activation_peak_at_most_0_6x_reference():
+    model = preset("tiny-deepseek-v2")
+    parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=2, micro_batches=4, seq_len=128)
+    figures = launch(_memory_worker, 4, (model, parallel, build_model(model).state_dict()))
+    for rank, rank_figures in enumerate(figures):
+        ratio = rank_figures["optimized"]["activations"] / rank_figures["reference"]["activations"]
+        assert ratio <= 0.6, (rank, ratio)
