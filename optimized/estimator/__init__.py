@@ -94,8 +94,8 @@ def report_theoretical_memory(
     meg = report["megatron"]
     print(
         f"Megatron's formulas: weight and optimizer={meg['weight_and_optimizer_bytes'] / mb:.2f}"
-        f" MB, activation={meg['activation_bytes'] / mb:.2f} MB, total={meg['total_bytes'] / mb:.2f}"
-        " MB"
+        f" MB, activation={meg['activation_bytes'] / mb:.2f} MB,"
+        f" total={meg['total_bytes'] / mb:.2f} MB"
     )
 
 

@@ -16,8 +16,9 @@ varies a few percent around it).
 pipeline differ: the padded gather rounds the expert rows up to a multiple of
 ``GATHER_ALIGNMENT``, the fused cross-entropy keeps one logits-sized buffer
 instead of a float32 log-softmax, and the stage records keep each MoE
-layer's attention-stage residual (the stage boundary) while the sorted,
-received and expert-output buffers are freed right after their all-to-all.
+layer's stage boundaries only as storage-less roots: the attention residual,
+the sorted, received and expert-output buffers are freed right after their last
+reader.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from optimized.estimator.config import EstimateConfig
 
 F32, I64, COMPLEX64 = 4, 8, 8
 GATHER_ALIGNMENT = 1024
-"""Rows of the optimized stack's padded expert-order buffer are a multiple of this."""
+"""Rows of the optimized stack's padded gather buffers are a multiple of this."""
+GROUPED_GEMM_ROW_ALIGNMENT = 128
+"""Each local expert's group of rows in the optimized grouped GEMM is padded to this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,12 @@ def routed_rows(config: EstimateConfig) -> tuple[int, int]:
     """(copies sent, rows grouped by expert on the receiving rank) per micro-batch."""
     sent = config.tokens * config.model.num_experts_per_tok
     if config.stack == "optimized":
-        return sent, -(-sent // GATHER_ALIGNMENT) * GATHER_ALIGNMENT
+        # Each local expert's group is padded to GROUPED_GEMM_ROW_ALIGNMENT rows; with the
+        # balanced load every local expert gets sent / local_experts rows (at least one).
+        local = max(config.model.num_experts // (config.ep * config.etp), 1)
+        per_expert = -(-sent // local)
+        groups = -(-per_expert // GROUPED_GEMM_ROW_ALIGNMENT) * GROUPED_GEMM_ROW_ALIGNMENT
+        return sent, local * groups
     return sent, sent
 
 
@@ -192,8 +200,6 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
         Saved("aggregate.weights", sent * b),
         Saved("aggregate.weighted", sent * hidden * b),
     ]
-    if config.stack == "optimized":
-        saved.append(Saved("record.residual", tokens * hidden * b))
     return saved
 
 

@@ -21,25 +21,133 @@ from dataclasses import dataclass, field
 
 from optimized.estimator.activations import (
     F32,
-    chunk_boundary_bytes,
-    embedding_saved,
-    head_saved,
+    I64,
     layer_saved,
+    routed_rows,
 )
+from optimized.estimator.activations import head_saved as head_saved_items
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.params import BUCKETS, ParamCount, shard, stage_params
+from optimized.estimator.params import (
+    BUCKETS,
+    ParamCount,
+    embedding_params,
+    head_params,
+    layer_params,
+    shard,
+    stage_params,
+)
 from optimized.estimator.schedule import walk
 
 
 @dataclass(slots=True)
-class StageActivations:
-    """Bytes one micro-batch keeps in one stage, and what its F and B hold while running."""
+class LayerProfile:
+    """One decoder layer, one micro-batch: what each stage keeps and what runs leave behind."""
 
-    saved: int
-    weight_inputs: int
-    largest_layer: int
+    attention: int
+    """Saved by stage 1 (norms, attention, router, shared experts, dispatch bookkeeping)."""
+    experts: int
+    """Saved by stage 3 (grouped expert MLP)."""
+    aggregate: int
+    """Saved by stage 5 (weighting and scatter back)."""
+    deferred_inputs: int
+    """What a deferred (zero-bubble) backward leaves for its W step: the grouped GEMMs'
+    inputs and output gradients."""
+    dense_grad: int
+    """Gradient bytes of the layer's parameters other than routed-expert weights."""
+    expert_grad: int
+    """Gradient bytes of the routed-expert weights (deferrable to W)."""
     forward_transient: int
+    """Bytes above what the layer keeps, at the forward's high point."""
     backward_transient: int
+    """Bytes above the saved tensors while the layer's backward runs (its peak is at the
+    grouped experts: their gradients, or the plain stack's full-size weight-gradient
+    buffers, before the attention's gradients exist)."""
+
+    @property
+    def saved(self) -> int:
+        return self.attention + self.experts + self.aggregate
+
+
+@dataclass(slots=True)
+class ChunkProfile:
+    """One stage (one chunk of a rank) for one micro-batch."""
+
+    layers: list[LayerProfile]
+    head_saved: int
+    head_forward_transient: int
+    head_backward_transient: int
+    head_grad: int
+    embedding_grad: int
+
+    @property
+    def saved(self) -> int:
+        return sum(layer.saved for layer in self.layers) + self.head_saved
+
+    @property
+    def largest_layer(self) -> int:
+        return max((layer.saved for layer in self.layers), default=0)
+
+
+def _grad_bytes(config: EstimateConfig, count: ParamCount) -> int:
+    return sum(shard(count, config).values()) * config.grad_bytes
+
+
+def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    boundary = tokens * m.hidden_size * b
+    saved = layer_saved(config, layer)
+    is_moe = config.moe_layers()[layer]
+    experts = sum(item.nbytes for item in saved if item.name.startswith("experts."))
+    aggregate = sum(item.nbytes for item in saved if item.name.startswith("aggregate."))
+    attention = sum(item.nbytes for item in saved) - experts - aggregate
+    count = shard(layer_params(config, layer), config)
+    inner = m.moe_intermediate_size // config.etp
+    local = m.num_experts // (config.ep * config.etp) if is_moe else 0
+    weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
+    expert_grad = weight_numel * config.grad_bytes
+    dense_grad = sum(count.values()) * config.grad_bytes - expert_grad
+    if not is_moe:
+        largest = max(item.nbytes for item in saved)
+        return LayerProfile(attention, 0, 0, 0, dense_grad, 0, boundary, largest + boundary)
+    sent, grouped = routed_rows(config)
+    rows = sent * m.hidden_size * b
+    # With expert parallelism an all-to-all's input and output live side by side.
+    exchanged = 2 * rows if config.ep > 1 else 0
+    if config.stack == "reference":
+        # Per-expert outputs and their concatenation; in backward each expert's slice of the
+        # weight gradient is a full-size zero-filled buffer, two of them alive at a time.
+        forward = 2 * rows + exchanged
+        backward = 2 * local * 2 * inner * m.hidden_size * b + boundary
+        deferred = 0
+    else:
+        # Padded grouped buffers: the gate_up output and its activation's input copy.
+        forward = 2 * grouped * m.hidden_size * b + exchanged
+        backward = 2 * grouped * 2 * inner * b + boundary + exchanged
+        deferred = grouped * (m.hidden_size + 2 * inner + inner + m.hidden_size) * b
+    return LayerProfile(
+        attention, experts, aggregate, deferred, dense_grad, expert_grad, forward, backward
+    )
+
+
+def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> ChunkProfile:
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    profiles = [layer_profile(config, layer) for layer in layers]
+    head_saved = head_fwd = head_bwd = head_grad = embedding_grad = 0
+    if stage == 0:
+        embedding_grad = _grad_bytes(config, embedding_params(m))
+    if stage == config.num_stages - 1:
+        # The labels are the batch's: not an activation of their own.
+        head_saved = sum(
+            item.nbytes for item in head_saved_items(config) if item.name != "loss.target"
+        )
+        logits = tokens * (m.vocab_size // config.tp)
+        if config.stack == "reference":
+            head_fwd = logits * b + (logits * F32 if b != F32 else 0)
+            head_bwd = 2 * logits * F32
+        else:  # the fused loss writes its gradient over the logits it keeps
+            head_bwd = 2 * logits * b
+        head_grad = _grad_bytes(config, head_params(m))
+    return ChunkProfile(profiles, head_saved, head_fwd, head_bwd, head_grad, embedding_grad)
 
 
 @dataclass(slots=True)
@@ -58,6 +166,9 @@ class RankEstimate:
     peak_action: str
     in_flight_at_peak: tuple[int, int]
     max_in_flight: tuple[int, int]
+    all_gradients_bytes: int = 0
+    """Gradients once every parameter has one (after the backward); ``gradients_bytes`` is
+    what exists at the peak (the step starts with none: ``zero_grad(set_to_none=True)``)."""
     timeline: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -83,38 +194,8 @@ class RankEstimate:
             "peak_action": self.peak_action,
             "in_flight_at_peak": list(self.in_flight_at_peak),
             "max_in_flight": list(self.max_in_flight),
+            "all_gradients_bytes": self.all_gradients_bytes,
         }
-
-
-def stage_activations(config: EstimateConfig, stage: int, layers: list[int]) -> StageActivations:
-    m, b, tokens = config.model, config.param_bytes, config.tokens
-    items = []
-    largest_layer = 0
-    for layer in layers:
-        saved = layer_saved(config, layer)
-        largest_layer = max(largest_layer, sum(item.nbytes for item in saved))
-        items += saved
-    boundary = tokens * m.hidden_size * b
-    forward_transient = 0
-    backward_transient = 2 * max((item.nbytes for item in items), default=0) + 2 * boundary
-    if stage == 0:
-        items += embedding_saved(config)
-    boundary_held = chunk_boundary_bytes(config) if stage != 0 else 0
-    if stage == config.num_stages - 1:
-        items += head_saved(config)
-        logits = tokens * (m.vocab_size // config.tp) * b
-        if config.stack == "reference":
-            forward_transient = logits + (tokens * m.vocab_size * F32 if b != F32 else 0)
-            backward_transient = max(backward_transient, 2 * tokens * m.vocab_size * F32)
-        else:
-            forward_transient = 0  # the loss writes its gradient over the logits it keeps
-    return StageActivations(
-        saved=sum(item.nbytes for item in items) + boundary_held,
-        weight_inputs=sum(item.nbytes for item in items if item.weight_input),
-        largest_layer=largest_layer,
-        forward_transient=forward_transient,
-        backward_transient=backward_transient,
-    )
 
 
 def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> ParamCount:
@@ -122,6 +203,20 @@ def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> P
     for stage in dict.fromkeys(stages):
         count += stage_params(config, stage, partition[stage])
     return count
+
+
+def buffer_bytes(config: EstimateConfig, layers) -> int:
+    """Non-parameter buffers the registered modules hold: each attention's rotary
+    ``inv_freq`` (half the rotary width), in the run dtype."""
+    m = config.model
+    rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    return len(list(layers)) * (rotary // 2) * config.param_bytes
+
+
+def batch_bytes(config: EstimateConfig) -> int:
+    """Every rank draws the whole global batch's int64 ids and labels, and the step's loss."""
+    global_batch = config.dp * config.num_microbatches * config.micro_batch_size
+    return 2 * I64 * global_batch * config.seq_len + F32
 
 
 def static_bytes(config: EstimateConfig, count: ParamCount) -> tuple[dict[str, int], int, int, int]:
@@ -139,56 +234,203 @@ def static_bytes(config: EstimateConfig, count: ParamCount) -> tuple[dict[str, i
     return params, weights, gradients, optimizer
 
 
+class _State:
+    """Bytes held on one rank as the walk goes: activations and gradients created so far."""
+
+    def __init__(self) -> None:
+        self.activations = 0
+        self.gradients = 0
+        self.created: set = set()
+        self.peak = (-1, 0, 0)  # (activations + gradients, activations, gradients)
+
+    def grad(self, key, nbytes: int) -> None:
+        if key not in self.created:
+            self.created.add(key)
+            self.gradients += nbytes
+
+    def moment(self, extra: int = 0) -> None:
+        act = self.activations + extra
+        if act + self.gradients > self.peak[0]:
+            self.peak = (act + self.gradients, act, self.gradients)
+
+
 def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> RankEstimate:
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, gradients, optimizer = static_bytes(config, count)
-    chunks = [stage_activations(config, s, list(partition[s])) for s in stages]
-    overlapped = config.stack == "optimized"
-    peak, peak_step, timeline = 0, None, []
-    most = [0, 0]
-    previous = 0
+    params, weights, all_gradients, optimizer = static_bytes(config, count)
+    layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
+    weights += buffer_bytes(config, layers)
+    chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
+    boundary = config.tokens * config.model.hidden_size * config.param_bytes
+    optimized = config.stack == "optimized"
+    first, last = rank == 0, rank == config.pp - 1
+    state = _State()
+    deferred: list[tuple[int, int]] = []  # (chunk, micro-batch) awaiting W
+    peak, peak_step, timeline, most = -1, None, [], [0, 0]
+
+    def forward_start(chunk: int) -> None:
+        if chunk == 1 and last:
+            state.activations -= boundary  # the input is chunk 0's output, already held
+
+    def forward_end(chunk: int) -> None:
+        # The output stays: as the backward's root, and in the pending send (to the step's
+        # end) or the local hand-over to chunk 1 (until B0 frees it).
+        if not (chunk == 1 and first):
+            state.activations += boundary
+
+    def forward_layer(chunk: int, layer: LayerProfile, part: str = "all") -> None:
+        if part in ("all", "attention"):
+            state.activations += layer.attention
+        if part in ("all", "experts"):
+            state.activations += layer.experts
+            state.moment(layer.forward_transient)
+        if part in ("all", "aggregate"):
+            state.activations += layer.aggregate
+
+    def forward(chunk: int) -> None:
+        c = chunks[chunk]
+        forward_start(chunk)
+        for layer in c.layers:
+            state.activations += layer.saved
+            state.moment(layer.forward_transient)
+        if c.head_saved:
+            state.moment(c.head_forward_transient)
+            state.activations += c.head_saved
+        forward_end(chunk)
+        state.moment()
+
+    def backward_start(chunk: int) -> int:
+        c = chunks[chunk]
+        received = 0
+        if c.head_saved:
+            state.moment(c.head_backward_transient)
+            state.activations -= c.head_saved
+            state.grad((chunk, "head"), c.head_grad)
+        elif not (chunk == 0 and last):
+            received = boundary  # the incoming gradient, freed with the backward
+            state.activations += received
+        return received
+
+    def backward_layer(chunk: int, index: int, layer: LayerProfile, defer: bool, part="all"):
+        if part in ("all", "experts"):
+            state.activations -= layer.aggregate
+            state.moment(layer.backward_transient)
+            state.activations -= layer.experts
+            if defer and layer.deferred_inputs:
+                state.activations += layer.deferred_inputs
+            else:
+                state.grad((chunk, index, "experts"), layer.expert_grad)
+        if part in ("all", "attention"):
+            state.activations -= layer.attention
+            state.grad((chunk, index, "dense"), layer.dense_grad)
+
+    def backward_end(chunk: int, received: int) -> None:
+        c = chunks[chunk]
+        state.activations -= received
+        if chunk == 0 and last:  # the gradient B1 handed over, and chunk 0's output
+            state.activations -= 2 * boundary
+        if chunk == 1 and last:  # chunk 1's input lives on as chunk 0's output until B0
+            state.activations += boundary
+        if c.embedding_grad:
+            state.grad((chunk, "embedding"), c.embedding_grad)
+        else:
+            state.activations += boundary  # the gradient sent (or handed to B0) stays
+        state.moment()
+
+    def backward(chunk: int, defer: bool) -> None:
+        c = chunks[chunk]
+        received = backward_start(chunk)
+        for index in reversed(range(len(c.layers))):
+            backward_layer(chunk, index, c.layers[index], defer)
+            state.moment()
+        backward_end(chunk, received)
+
+    def overlapped(f_chunk: int, b_chunk: int) -> None:
+        fc, bc = chunks[f_chunk], chunks[b_chunk]
+        forward_start(f_chunk)
+        received = backward_start(b_chunk)
+        b_layers = list(reversed(range(len(bc.layers))))
+        for step in range(max(len(fc.layers), len(b_layers))):
+            f = fc.layers[step] if step < len(fc.layers) else None
+            b = bc.layers[b_layers[step]] if step < len(b_layers) else None
+            if f is not None:
+                forward_layer(f_chunk, f, "attention")
+            if b is not None:
+                backward_layer(b_chunk, b_layers[step], b, False, "experts")
+            if f is not None:
+                forward_layer(f_chunk, f, "experts")
+            if b is not None:
+                backward_layer(b_chunk, b_layers[step], b, False, "attention")
+            if f is not None:
+                forward_layer(f_chunk, f, "aggregate")
+            state.moment()
+        if fc.head_saved:
+            state.moment(fc.head_forward_transient)
+            state.activations += fc.head_saved
+        forward_end(f_chunk)
+        backward_end(b_chunk, received)
+
+    def weight_step() -> None:
+        if not deferred:
+            return
+        chunk, index = deferred.pop(0)
+        for i, layer in enumerate(chunks[chunk].layers):
+            if layer.deferred_inputs:
+                state.moment(layer.expert_grad)
+                state.activations -= layer.deferred_inputs
+                state.grad((chunk, i, "experts"), layer.expert_grad)
+        state.moment()
+
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        held = sum(step.in_flight[c] * chunks[c].saved for c in (0, 1))
-        held += sum(step.awaiting_w[c] * chunks[c].weight_inputs for c in (0, 1))
+        before = state.peak
+        state.peak = (-1, 0, 0)
         if action.kind == "F":
-            during = held + chunks[action.chunk].forward_transient
+            forward(action.chunk)
         elif action.kind == "B":
-            during = previous + chunks[action.chunk].backward_transient
+            defer = optimized and action.deferred
+            backward(action.chunk, defer)
+            if defer:
+                deferred.append((action.chunk, step.backward_micro_batch))
         elif action.kind == "W":
-            during = previous
-        else:  # F&B
-            fwd, bwd = chunks[action.chunk], chunks[action.backward_chunk]
-            if overlapped:
-                during = max(previous, held) + fwd.largest_layer + bwd.backward_transient
-            else:  # the reference runs the F, then the B
-                during = previous + fwd.saved + fwd.forward_transient + bwd.backward_transient
+            if optimized:
+                weight_step()
+            state.moment()
+        elif optimized:
+            overlapped(action.chunk, action.backward_chunk)
+        else:  # the reference runs the F, then the B
+            forward(action.chunk)
+            backward(action.backward_chunk, False)
+        during = state.peak
         most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
         timeline.append(
             {
                 "phase": action.phase,
                 "action": _label(action),
                 "in_flight": list(step.in_flight),
-                "bytes": during,
+                "bytes": during[0],
             }
         )
-        if during > peak:
-            peak, peak_step = during, step
-        previous = held
+        if during[0] > peak:
+            peak, peak_step, peak_split = during[0], step, during
+        state.peak = max(before, during)
+    # The optimizer step: every gradient, the state AdamW creates, a parameter-sized pair of
+    # temporaries for the largest tensor.
+    _, activations_at_peak, gradients_at_peak = peak_split
     return RankEstimate(
         rank=rank,
         stages=stages,
         layers=(list(partition[stages[0]]), list(partition[stages[1]])),
         params=params,
         weights_bytes=weights,
-        gradients_bytes=gradients,
+        gradients_bytes=gradients_at_peak,
         optimizer_bytes=optimizer,
-        activation_bytes=peak,
+        activation_bytes=activations_at_peak + batch_bytes(config),
         peak_phase=peak_step.action.phase if peak_step else "",
         peak_action=_label(peak_step.action) if peak_step else "",
         in_flight_at_peak=peak_step.in_flight if peak_step else (0, 0),
         max_in_flight=tuple(most),
+        all_gradients_bytes=all_gradients,
         timeline=timeline,
     )
 
