@@ -17,6 +17,10 @@ replica group partition a parameter, expert shards on different EP ranks are dif
 experts, and pipeline ranks hold different layers, so one sum of squares over the world
 is the norm of the whole model's gradient.
 
+This is ZeRO-1, not FSDP2: parameters stay whole on every replica and the runner
+all-reduces whole gradients (as the reference does); only the optimizer state and the
+float32 master copy are sharded.
+
 With ``S == 1`` and float32 parameters the master *is* the parameter (a view), so an
 unsharded float32 run keeps no extra copy.
 """
@@ -123,7 +127,8 @@ class ShardedAdamW:
 
     def prepare_gradients(self) -> float:
         """Take this rank's float32 gradient slices; return the global gradient norm."""
-        square_sum = torch.zeros((), dtype=torch.float64)
+        device = self.shards[0].param.device if self.shards else torch.device("cpu")
+        square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for s in self.shards:
             grad = s.param.grad
             if grad is None:
@@ -186,10 +191,10 @@ class ShardedAdamW:
         """Set ``s``'s state from whole flattened tensors (this EP rank's experts only)."""
         with torch.no_grad():
             if "master" in full and not s.shares_storage:
-                s.master.copy_(_slice_of(full["master"].reshape(-1).float(), s))
+                s.master.copy_(_slice_of(full["master"].reshape(-1).float(), s).to(s.master.device))
             if step == 0:
                 return
             state = self.optimizer.state[s.master]
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = _slice_of(full[key].reshape(-1).float(), s).clone()
-            state["step"] = torch.tensor(float(step))
+                state[key] = _slice_of(full[key].reshape(-1).float(), s).to(s.master.device).clone()
+            state["step"] = torch.tensor(float(step))  # AdamW keeps step on the CPU

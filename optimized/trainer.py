@@ -206,6 +206,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank (process group already initialised); returns this rank's
     per-step losses (``None`` for skipped steps) and where it stopped."""
     stop = _StopFlag()
+    device = _device(cfg)
     model_config = resolve_model(cfg.model.name)
     parallel = parallel_config(cfg, model_config)
     layout = make_layout(parallel)
@@ -215,6 +216,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model_config, parallel, layout, initial_state(cfg, model_config),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
     )  # fmt: skip
+    runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp,
@@ -236,7 +238,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
             batch = next(loader)
-            ids, labels = global_batch(batch.inputs, batch.labels, layout)
+            ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
                 _inject(fault[0], runner.part, step, layout)
             loss = runner.forward_backward(ids, labels)
@@ -254,13 +256,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 optimizer.step(lr)
             elapsed = time.perf_counter() - began
             memory, source = peak_memory()
-            shared = torch.tensor([elapsed, float(memory), float(stop.requested)], dtype=torch.float64)
+            shared = torch.tensor(
+                [elapsed, float(memory), float(stop.requested)], dtype=torch.float64,
+                device=device,
+            )  # fmt: skip
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
-                    step + 1, cfg.steps, float(shared[0]), loss, lr, norm,
-                    tokens_per_step / max(float(shared[0]), 1e-9), int(shared[1]), source,
+                    step + 1,
+                    cfg.steps,
+                    float(shared[0]),
+                    loss,
+                    lr,
+                    norm,
+                    tokens_per_step / max(float(shared[0]), 1e-9),
+                    int(shared[1]),
+                    source,
                     skipped,
                 )
             )
@@ -280,6 +292,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": False}
 
 
+def _device(cfg: TrainConfig) -> torch.device:
+    """``cuda:LOCAL_RANK`` when asked for or (``auto``) available, else the CPU."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def _inject(kind: str, part: torch.nn.Module, step: int, layout: Layout) -> None:
     if kind == "crash":
         raise RuntimeError(f"injected fault: rank {layout.rank} crashed at step {step + 1}")
@@ -289,8 +308,9 @@ def _inject(kind: str, part: torch.nn.Module, step: int, layout: Layout) -> None
 
 def _nonfinite(cfg, step, loss, norm, optimizer, layout) -> None:
     """Stop naming the step and ranks, or (``skip_nonfinite``) drop this step's gradients."""
-    mine = torch.tensor([0.0 if math.isfinite(optimizer.local_square_sum) else 1.0])
-    flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    device = optimizer.shards[0].param.device
+    mine = torch.tensor([0.0 if math.isfinite(optimizer.local_square_sum) else 1.0], device=device)
+    flags = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(flags, mine)
     ranks = [r for r, f in enumerate(flags) if f.item()] or "pp-rank 0 (loss)"
     text = (
