@@ -145,3 +145,17 @@ def test_print_config_shows_the_resolved_config(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "steps = 17" in done.stdout and "lr = 0.002" in done.stdout
     assert "dp = 2" in done.stdout and "seq_len = 24" in done.stdout
+
+
+def test_the_trainer_drives_the_optimized_pipeline(monkeypatch):
+    """The production seam (`RUNNER`) runs the optimized stack: same losses as the
+    reference runner within the optimized-vs-reference tolerance."""
+    cfg = config("steps=2", "optim.warmup_steps=1")
+    reference = train(cfg)[0]["losses"]
+    monkeypatch.delenv("TWINPIPE_RUNNER")
+    from optimized.trainer import runner_class
+
+    assert runner_class().__name__ == "OptimizedPipeline"
+    optimized = train(cfg)[0]["losses"]
+    for a, b in zip(optimized, reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (optimized, reference)
