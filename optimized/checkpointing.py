@@ -163,7 +163,8 @@ def save_checkpoint(
     dist.all_gather_object(rng, rng_state())
     if layout.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(f"{TMP_PREFIX}{PREFIX}*"):  # left by a crash mid-save
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
     dcp.save(state, checkpoint_id=str(tmp))
