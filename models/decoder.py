@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from models.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
@@ -105,12 +106,21 @@ class DecoderLayer(nn.Module):
     # ------------------------------------------------------------------ stages
     def attention(self, hidden: torch.Tensor, ops) -> AttentionOut:
         """Stage 1: norm, attention, residual, norm, shared experts or dense MLP, router."""
-        h = hidden + self.self_attn(self.input_layernorm(hidden))
+        if getattr(ops, "recompute_attention", False) and torch.is_grad_enabled():
+            # Selective recomputation (Korthikanti et al.): keep only the block's input and
+            # rerun norm, projections and attention in backward.
+            attended = checkpoint(self._attention_block, hidden, ops, use_reentrant=False)
+        else:
+            attended = self._attention_block(hidden, ops)
+        h = hidden + attended
         x = self.post_attention_layernorm(h)
         if not self.is_moe:
             empty = x.new_empty((0, x.shape[-1]))
             return AttentionOut(h + self.mlp(x), empty, empty.new_empty(0), None)
         return self.mlp.route(h, x, ops)
+
+    def _attention_block(self, hidden: torch.Tensor, ops) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(hidden), ops)
 
     def dispatch(self, a: AttentionOut, ops) -> DispatchOut:
         """Stage 2: send each routed copy to the EP rank that holds its expert."""

@@ -164,7 +164,7 @@ class MultiHeadLatentAttention(nn.Module):
             m = _yarn_mscale(c.rope_scaling["factor"], c.rope_scaling["mscale_all_dim"])
             self.scaling *= m * m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         batch, seq, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -182,8 +182,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = apply_rotary_interleaved(k_rot, angles, self.rope_scale)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        mask = causal_mask(seq, None, x.device)
-        return self.o_proj(eager_attention(q, k, v, mask, self.scaling))
+        return self.o_proj(ops.attention(q, k, v, self.scaling))
 
 
 class GroupedQueryAttention(nn.Module):
@@ -215,7 +214,7 @@ class GroupedQueryAttention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
@@ -226,9 +225,8 @@ class GroupedQueryAttention(nn.Module):
         angles = rope_angles(self.inv_freq, seq, x.device)
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         q, k = apply_rotary_half(q, cos, sin), apply_rotary_half(k, cos, sin)
-        mask = causal_mask(seq, self.window, x.device)
         sinks = self.sinks if self.has_sinks else None
-        return self.o_proj(eager_attention(q, k, v, mask, self.scaling, sinks))
+        return self.o_proj(ops.attention(q, k, v, self.scaling, self.window, sinks))
 
 
 def build_attention(config: ModelConfig, layer: int) -> nn.Module:

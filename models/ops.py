@@ -30,6 +30,10 @@ class ExpertLayout(NamedTuple):
 class Ops(Protocol):
     """Every operation the two stacks implement differently."""
 
+    recompute_attention: bool
+    """Whether decoder layers recompute the attention block in backward instead of keeping
+    its activations (the plain stack keeps them)."""
+
     def cross_entropy(
         self,
         logits: torch.Tensor,
@@ -38,6 +42,21 @@ class Ops(Protocol):
         reduction: str = "sum",
     ) -> torch.Tensor:
         """Token cross-entropy of ``logits [N, V]`` against ``target [N]``, in float32."""
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scaling: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal softmax attention of ``q [B, h, S, D]`` over ``k [B, h_kv, S, D]`` and
+        ``v [B, h_kv, S, Dv]``, keys limited to the last ``window`` positions when given, with
+        one extra per-head logit ``sinks [h]`` that takes probability mass (GPT-OSS).
+        Returns ``[B, S, h * Dv]``."""
         ...
 
     def gather_rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.layers import causal_mask, eager_attention
 from models.ops import ExpertLayout
 
 
@@ -44,11 +45,16 @@ class ReferenceOps:
     """The plain implementation of `models.ops.Ops`."""
 
     name = "reference"
+    recompute_attention = False
 
     def cross_entropy(self, logits, target, ignore_index=-100, reduction="sum"):
         return F.cross_entropy(
             logits.float(), target, ignore_index=ignore_index, reduction=reduction
         )
+
+    def attention(self, q, k, v, scaling, window=None, sinks=None):
+        mask = causal_mask(q.shape[2], window, q.device)
+        return eager_attention(q, k, v, mask, scaling, sinks)
 
     def gather_rows(self, x, index):
         return x.index_select(0, index)

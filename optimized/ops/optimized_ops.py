@@ -8,6 +8,7 @@ import torch.distributed as dist
 from models.ops import ExpertLayout
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
 from optimized.ops.all_to_all import all_to_all
+from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
 from optimized.ops.expert_order import gather_from_grouped, scatter_for_grouped_gemm
 from optimized.ops.gather import padded_index_gather, scatter_add_rows
@@ -22,6 +23,10 @@ class OptimizedOps:
     """
 
     name = "optimized"
+    recompute_attention = True
+    """Decoder layers keep only the attention block's input and recompute the block in
+    backward (selective recomputation): its projections, rotary copies and q/k/v are the
+    largest activations once the fused attention has dropped the ``S x S`` probabilities."""
 
     def __init__(self, weight_grad_store: WeightGradStore | None = None) -> None:
         self.weight_grad_store = weight_grad_store
@@ -35,6 +40,18 @@ class OptimizedOps:
     ) -> torch.Tensor:
         """The fused Triton loss; the logits buffer is consumed (holds the gradient)."""
         return cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scaling: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Fused attention that saves no ``S x S`` probabilities (see `flash_attention`)."""
+        return flash_attention(q, k, v, scaling, window, sinks)
 
     def gather_rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return padded_index_gather(x, index)
