@@ -316,16 +316,16 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
             }
 
 
-def format_estimates(memory_ranks: list[dict]) -> str:
+def format_estimates(memory_ranks: list[dict], sides: tuple[str, str]) -> str:
     """The estimator's and Megatron's peaks beside each measured one."""
     lines = ["rank  stack       measured peak  estimate (err)          megatron (err)"]
     for entry in memory_ranks:
-        for key in ("baseline", "candidate"):
+        for key, stack in zip(("baseline", "candidate"), sides):
             est = entry[key].get("estimate")
             if not est:
                 continue
             lines.append(
-                f"{entry['rank']:<5} {key:<11} {entry[key]['total']:>13,}  "
+                f"{entry['rank']:<5} {stack:<11} {entry[key]['total']:>13,}  "
                 f"{est['peak_bytes']:>12,} ({est['error']:+.1%})  "
                 f"{est['megatron_bytes']:>12,.0f} ({est['megatron_error']:+.1%})"
             )
@@ -447,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(format_table(report))
     if memory_ranks:
-        estimates = format_estimates(memory_ranks)
+        estimates = format_estimates(memory_ranks, (args.baseline, args.candidate))
         if estimates:
             print("\nmemory estimate beside the measured peak\n" + estimates)
     if args.json:
