@@ -255,6 +255,8 @@ class _State:
 
 
 def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> RankEstimate:
+    if config.stack == "optimized":
+        return _estimate_rank_optimized(config, rank, partition)
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
     params, weights, all_gradients, optimizer = static_bytes(config, count)
@@ -433,6 +435,162 @@ def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> 
         all_gradients_bytes=all_gradients,
         timeline=timeline,
     )
+
+
+def _estimate_rank_optimized(
+    config: EstimateConfig, rank: int, partition: list[range]
+) -> RankEstimate:
+    """The optimized schedule, step by step (`optimized.estimator.steps`)."""
+    from optimized.estimator.steps import step_profile
+
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    stages = (rank, config.num_stages - 1 - rank)
+    count = rank_params(config, stages, partition)
+    params, weights, all_gradients, optimizer = static_bytes(config, count)
+    chunk_layers = [list(partition[s]) for s in stages]
+    weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
+    th = tokens * m.hidden_size * b
+    first, last = rank == 0, rank == config.pp - 1
+    profiles = [[step_profile(config, layer) for layer in c] for c in chunk_layers]
+    grads = [[layer_profile(config, layer) for layer in c] for c in chunk_layers]
+    head_weight = m.vocab_size * m.hidden_size * b
+    # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
+    # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
+    head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
+    head += th + tokens * F32 + 8
+    state = _State()
+    pending: list[int] = []  # bytes freed at the next action (completed sends)
+    deferred: list[int] = []
+    local_out: list[int] = []
+    peak, peak_step, timeline = -1, None, []
+
+    def run_step(chunk, index, mb, step, defer=False):
+        state.moment(step.transient)
+        state.activations += step.delta
+        if step.grad == "dense":
+            state.grad((chunk, index, "dense"), grads[chunk][index].dense_grad)
+        elif step.grad == "experts":
+            if defer:
+                inputs = grads[chunk][index].deferred_inputs
+                state.activations += inputs
+                deferred[-1] += inputs
+            else:
+                state.grad((chunk, index, "experts"), grads[chunk][index].expert_grad)
+        state.moment()
+
+    def is_loss(chunk):
+        return chunk == 1 and first
+
+    def f_start(chunk):
+        state.activations += 0 if (chunk == 1 and last) else th  # embedding or received
+
+    def f_end(chunk, mb):
+        if is_loss(chunk):
+            state.moment(th)
+            state.activations += head
+            if mb == 0:  # grad_weight becomes lm_head.grad in this micro-batch's backward
+                state.grad((chunk, "head"), head_weight)
+            else:
+                state.activations += head_weight
+            state.moment()
+        elif chunk == 0 and last:
+            local_out.append(th)
+        else:
+            pending.append(th)
+
+    def b_start(chunk, mb):
+        if is_loss(chunk):
+            state.moment(th)
+            state.activations -= head + (head_weight if mb else 0)
+            state.activations += th  # head_input.grad
+            state.grad((chunk, "norm"), m.hidden_size * config.grad_bytes)
+        elif not (chunk == 0 and last):
+            state.activations += th  # the received gradient
+
+    def b_end(chunk):
+        state.activations -= th  # the chunk's input (hand-over or received), its root
+        if chunk == 0 and first:
+            state.grad((chunk, "embedding"), _grad_bytes(config, embedding_params(m)))
+            state.activations -= th
+        elif chunk == 1 and last:
+            pass  # the gradient is handed to B0 locally
+        else:
+            pending.append(th)  # the sent gradient
+        if chunk == 0 and last:
+            state.activations -= th  # the gradient B1 handed over
+        state.moment()
+
+    fsteps = ("attention_forward", "dispatch_start", "dispatch_wait", "experts_forward",
+              "combine_start", "combine_wait", "aggregate_forward")  # fmt: skip
+    bsteps = ("aggregate_backward", "combine_backward_start", "combine_backward_wait",
+              "experts_backward", "dispatch_backward_start", "dispatch_backward_wait",
+              "attention_backward")  # fmt: skip
+    order = (("B", 0), ("B", 1), ("F", 0), ("F", 1), ("B", 2), ("B", 3), ("B", 4), ("F", 2),
+             ("F", 3), ("F", 4), ("B", 5), ("B", 6), ("F", 5), ("F", 6))  # fmt: skip
+
+    def forward(chunk, mb):
+        f_start(chunk)
+        for i, p in enumerate(profiles[chunk]):
+            for name in fsteps:
+                run_step(chunk, i, mb, p.forward[name])
+        f_end(chunk, mb)
+
+    def backward(chunk, mb, defer):
+        if defer:
+            deferred.append(0)
+        b_start(chunk, mb)
+        for i in reversed(range(len(profiles[chunk]))):
+            for name in bsteps:
+                run_step(chunk, i, mb, profiles[chunk][i].backward[name], defer)
+        b_end(chunk)
+
+    def overlapped(fc, fmb, bc, bmb):
+        f_start(fc)
+        b_start(bc, bmb)
+        fl, bl = profiles[fc], list(reversed(range(len(profiles[bc]))))
+        for k in range(max(len(fl), len(bl))):
+            for side, n in order:
+                if side == "F" and k < len(fl):
+                    run_step(fc, k, fmb, fl[k].forward[fsteps[n]])
+                elif side == "B" and k < len(bl):
+                    run_step(bc, bl[k], bmb, profiles[bc][bl[k]].backward[bsteps[n]])
+        f_end(fc, fmb)
+        b_end(bc)
+
+    for step in walk(rank, config.pp, config.num_microbatches):
+        action = step.action
+        while pending:
+            state.activations -= pending.pop()
+        before = state.peak
+        state.peak = (-1, 0, 0)
+        state.moment()
+        if action.kind == "F":
+            forward(action.chunk, step.forward_micro_batch)
+        elif action.kind == "B":
+            backward(action.chunk, step.backward_micro_batch, action.deferred)
+        elif action.kind == "W":
+            if deferred:
+                inputs = deferred.pop(0)
+                state.moment()
+                state.activations -= inputs
+        else:
+            overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
+                       step.backward_micro_batch)  # fmt: skip
+        during = state.peak
+        timeline.append({"phase": action.phase, "action": _label(action),
+                         "in_flight": list(step.in_flight), "bytes": during[0]})  # fmt: skip
+        if during[0] > peak:
+            peak, peak_step, peak_split = during[0], step, during
+        state.peak = max(before, during)
+    _, activations_at_peak, gradients_at_peak = peak_split
+    return RankEstimate(
+        rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
+        weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
+        activation_bytes=activations_at_peak + batch_bytes(config),
+        peak_phase=peak_step.action.phase, peak_action=_label(peak_step.action),
+        in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
+        all_gradients_bytes=all_gradients, timeline=timeline,
+    )  # fmt: skip
 
 
 def _label(action) -> str:

@@ -1,0 +1,154 @@
+"""The optimized stack, one decoder layer as the fourteen steps of `optimized.overlap`.
+
+The optimized schedule runs each layer as seven forward and seven backward
+steps (`FORWARD_STEPS`, `BACKWARD_STEPS`) and DualPipeV's F&B interleaves a
+forward layer with a backward layer step by step (`OVERLAPPED_LAYER_STEPS`).
+Each step here is what it leaves held (``delta``), how far above the level it
+started from it climbs while it runs (``transient``), and the gradient bytes it
+creates. Read off the code (stage records, early frees in
+`optimized.execution`, saved tensors of the optimized ops) and checked against
+the tracker by ``tests/test_estimator_activations.py``:
+
+- stage 1 runs the attention block under non-reentrant checkpoint: only the
+  block's input is kept (it is the previous layer's output, counted there);
+  then the post-attention norm, router, dispatch layout, shared experts as the
+  reference keeps them, plus the padded sorted-token buffer (rows rounded up to
+  ``GATHER_ALIGNMENT``), the sorted weights (float32), the send counts and the
+  residual;
+- with expert parallelism the exchanges allocate their outputs at start and
+  free the sent buffer at wait; without it they are the identity and the
+  received rows are the sorted buffer (freed by the experts stage);
+- the experts keep the grouped input, gate/up output, activation, the padded
+  gathered output and the positions.
+
+Transients marked *fitted* were measured on tiny-deepseek-v2 (float32, 2 x 64
+tokens) and are scaled with the layer's token rows; everything else is derived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optimized.estimator.activations import (
+    F32,
+    GATHER_ALIGNMENT,
+    I64,
+    dense_mlp_saved,
+    layer_saved,
+    routed_rows,
+)
+from optimized.estimator.config import EstimateConfig
+
+
+@dataclass(slots=True)
+class Step:
+    name: str
+    delta: int = 0
+    transient: int = 0
+    grad: str | None = None
+    """``dense`` or ``experts``: the layer's gradient bytes of that kind appear here."""
+
+
+@dataclass(slots=True)
+class StepProfile:
+    forward: dict[str, Step] = field(default_factory=dict)
+    backward: dict[str, Step] = field(default_factory=dict)
+
+    @property
+    def held(self) -> int:
+        """Bytes one micro-batch keeps in this layer after its forward (its output included)."""
+        return sum(step.delta for step in self.forward.values())
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _names(items, prefixes):
+    return sum(item.nbytes for item in items if item.name.startswith(prefixes))
+
+
+def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    hidden = m.hidden_size
+    th = tokens * hidden * b
+    is_moe = config.moe_layers()[layer]
+    items = layer_saved(config.replace(stack="reference"), layer)
+    profile = StepProfile()
+    fwd, bwd = profile.forward, profile.backward
+    names = ("attention_forward", "dispatch_start", "dispatch_wait", "experts_forward",
+             "combine_start", "combine_wait", "aggregate_forward")  # fmt: skip
+    bnames = ("aggregate_backward", "combine_backward_start", "combine_backward_wait",
+              "experts_backward", "dispatch_backward_start", "dispatch_backward_wait",
+              "attention_backward")  # fmt: skip
+    for name in names:
+        fwd[name] = Step(name)
+    for name in bnames:
+        bwd[name] = Step(name)
+    kept = _names(items, ("post_attention_layernorm.",))
+    if not is_moe:
+        kept += _names(items, ("mlp.",))
+        fwd["attention_forward"] = Step("attention_forward", kept + th, 2 * th)
+        # fitted: the MLP's and the recomputed attention block's backward
+        bwd["attention_backward"] = Step(
+            "attention_backward", -(kept + th), round(9.3359375 * th), "dense"
+        )
+        return profile
+    sent, grouped = routed_rows(config)
+    received = sent
+    ep = config.ep > 1
+    padded_sent = _round_up(sent, GATHER_ALIGNMENT)
+    padded_received = _round_up(received, GATHER_ALIGNMENT)
+    inner = m.moe_intermediate_size // config.etp
+    local = max(m.num_experts // (config.ep * config.etp), 1)
+    kept += _names(items, ("router.", "dispatch.", "shared_experts."))
+    sorted_tokens = padded_sent * hidden * b
+    # The residual is the attention residual itself (the norm's float input) only in float32
+    # without shared experts.
+    residual_is_h = b == F32 and not m.n_shared_experts
+    attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
+    attention += 0 if residual_is_h else th
+    fwd["attention_forward"] = Step("attention_forward", attention, 2 * th + sent * F32)
+    rows_in = received * hidden * b
+    if ep:
+        fwd["dispatch_start"] = Step("dispatch_start", rows_in)
+        fwd["dispatch_wait"] = Step("dispatch_wait", -sorted_tokens)
+    freed_input = rows_in if ep else sorted_tokens
+    expert_out = padded_received * hidden * b
+    experts = grouped * (hidden + 3 * inner) * b + expert_out + received * I64 + local * 4
+    fwd["experts_forward"] = Step(
+        "experts_forward",
+        experts - freed_input,
+        freed_input + grouped * hidden * b + received * I64 + 64,
+    )
+    rows_out = sent * hidden * b
+    if ep:
+        fwd["combine_start"] = Step("combine_start", rows_out)
+        fwd["combine_wait"] = Step("combine_wait", -expert_out)
+    aggregate = (th if residual_is_h else 0) + (sent * b if b != F32 else 0)
+    fwd["aggregate_forward"] = Step("aggregate_forward", aggregate, rows_out + 2 * th)
+    # Backward.
+    bwd["aggregate_backward"] = Step(
+        "aggregate_backward", rows_out + sent * F32,
+        padded_sent * hidden * b + 2 * rows_out + sent * F32 + th,
+    )  # fmt: skip
+    if ep:
+        bwd["combine_backward_start"] = Step("combine_backward_start", rows_in - rows_out)
+        bwd["combine_backward_wait"] = Step("combine_backward_wait", -rows_out)
+    saved_experts = grouped * (hidden + 3 * inner) * b + received * I64 + local * 4
+    bwd["experts_backward"] = Step(
+        "experts_backward",
+        -saved_experts - (0 if ep else expert_out),
+        grouped * (hidden + 3 * inner) * b + local * hidden * inner * b,
+        "experts",
+    )
+    if ep:
+        bwd["dispatch_backward_start"] = Step("dispatch_backward_start", rows_out)
+        bwd["dispatch_backward_wait"] = Step("dispatch_backward_wait", -rows_in)
+    # What is left of the layer goes; fitted: the recomputed attention block's backward.
+    left = sum(s.delta for s in fwd.values()) + sum(s.delta for s in bwd.values())
+    bwd["attention_backward"] = Step("attention_backward", -left, round(12.8671875 * th), "dense")
+    return profile
+
+
+__all__ = ["Step", "StepProfile", "dense_mlp_saved", "step_profile"]
