@@ -40,13 +40,55 @@ def assert_close(actual, expected):
 
 def test_implements_every_protocol_method_with_its_signature():
     protocol_methods = [
-        name for name, value in vars(Ops).items()
-        if callable(value) and not name.startswith("_")
+        name for name, value in vars(Ops).items() if callable(value) and not name.startswith("_")
     ]
-    assert len(protocol_methods) == 9
+    assert len(protocol_methods) == 10
+    assert OptimizedOps.recompute_attention is True and REFERENCE.recompute_attention is False
     for name in protocol_methods:
         expected = list(inspect.signature(getattr(Ops, name)).parameters)
         assert list(inspect.signature(getattr(OptimizedOps, name)).parameters) == expected, name
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,qk_dim,v_dim,window,sinks",
+    [
+        (4, 4, 24, 16, None, False),  # MLA: values narrower than queries
+        (4, 2, 16, 16, None, False),  # GQA
+        (4, 2, 16, 16, 8, False),  # sliding window shorter than the sequence
+        (4, 2, 16, 16, 8, True),  # GPT-OSS sinks: the plain fallback
+        (2, 2, 8, 12, None, False),  # values wider than queries
+    ],
+)
+def test_attention_matches_plain_attention(heads, kv_heads, qk_dim, v_dim, window, sinks):
+    batch, seq = 2, 24
+    q = random(batch, heads, seq, qk_dim, seed=1)
+    k = random(batch, kv_heads, seq, qk_dim, seed=2)
+    v = random(batch, kv_heads, seq, v_dim, seed=3)
+    sink = random(heads, seed=4) if sinks else None
+    grad = random(batch, seq, heads * v_dim, seed=5)
+    results = []
+    for ops in (REFERENCE, OptimizedOps()):
+        inputs = leaves(q, k, v) + (leaves(sink) if sinks else [])
+        out = ops.attention(*inputs[:3], 0.3, window, inputs[3] if sinks else None)
+        out.backward(grad)
+        results.append([out] + [t.grad for t in inputs])
+    for actual, expected in zip(results[1], results[0]):
+        assert_close(actual, expected)
+
+
+def test_attention_saves_no_square_probabilities():
+    q, k, v = leaves(
+        random(2, 4, 64, 24, seed=1), random(2, 4, 64, 24, seed=2), random(2, 4, 64, 16, seed=3)
+    )
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        OptimizedOps().attention(q, k, v, 0.2)
+    assert shapes and all(shape[-2:] != (64, 64) for shape in shapes), shapes
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -88,9 +130,7 @@ def test_grouped_linear_with_transposed_parameter(use_bias):
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         x, parameter, bias = leaves(x_source, parameter_source, bias_source)
-        out = ops.grouped_linear(
-            x, parameter.transpose(1, 2), offsets, bias if use_bias else None
-        )
+        out = ops.grouped_linear(x, parameter.transpose(1, 2), offsets, bias if use_bias else None)
         out.backward(grad_out)
         results.append((out, x.grad, parameter.grad) + ((bias.grad,) if use_bias else ()))
     for actual, expected in zip(results[1], results[0]):
@@ -144,15 +184,17 @@ def test_expert_order_and_grouped_mlp_chain(activation, with_store):
         tokens, up, up_bias, down = leaves(*sources)
         if store is not None and isinstance(ops, OptimizedOps):
             with store.deferring():
-                out, layout = expert_mlp(ops, tokens, expert_ids, up, up_bias, down,
-                                         num_experts, activation)
+                out, layout = expert_mlp(
+                    ops, tokens, expert_ids, up, up_bias, down, num_experts, activation
+                )
                 out.backward(grad_out)
             assert up.grad is None and down.grad is None
             store.pop()
             store.assert_empty()
         else:
-            out, layout = expert_mlp(ops, tokens, expert_ids, up, up_bias, down,
-                                     num_experts, activation)
+            out, layout = expert_mlp(
+                ops, tokens, expert_ids, up, up_bias, down, num_experts, activation
+            )
             out.backward(grad_out)
         layouts.append(layout)
         results.append((out, tokens.grad, up.grad, up_bias.grad, down.grad))
