@@ -1,0 +1,92 @@
+"""`twinpipe compare` end to end: exit codes, the JSON report, the report folder."""
+
+import json
+
+import pytest
+
+import harness.compare as compare
+from harness.cli import main
+
+SMALL = [
+    "--model",
+    "tiny-qwen3-moe",
+    "--pp",
+    "1",
+    "--dp",
+    "2",
+    "--ep",
+    "2",
+    "--micro-batches",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--seq-len",
+    "16",
+    "--steps",
+    "2",
+]
+
+
+@pytest.mark.multiprocess
+def test_reference_against_oracle_passes_and_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    code = main(
+        [
+            "compare",
+            *SMALL,
+            "--baseline",
+            "oracle",
+            "--candidate",
+            "reference",
+            "--json",
+            str(tmp_path / "out.json"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["passed"] is True
+    assert report["baseline"] == "oracle" and report["candidate"] == "reference"
+    assert len(report["loss"]["baseline"]) == len(report["loss"]["candidate"]) == 2
+    assert max(report["loss"]["rel_error"]) <= 1e-6
+    assert max(report["grads"]["max_one_minus_cos"]) <= report["tolerance"]["grad_one_minus_cos"]
+    assert report["config"]["dp"] == 2 and report["config"]["ep"] == 2
+    for name in ("report.json", "report.md", "loss.png"):
+        assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.multiprocess
+def test_outside_the_tolerance_exits_1(monkeypatch, capsys):
+    # An impossible bound: any rounding difference at all is outside it.
+    monkeypatch.setitem(compare.TOLERANCES, ("oracle", "float32"), (0.0, 0.0))
+    code = main(
+        [
+            "compare",
+            *SMALL,
+            "--steps",
+            "1",
+            "--baseline",
+            "oracle",
+            "--candidate",
+            "reference",
+            "--no-memory",
+        ]
+    )
+    assert code == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--baseline", "nope"], "--baseline='nope'"),
+        (["--baseline", "reference", "--candidate", "reference"], "both 'reference'"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--ep", "3"], "ParallelConfig.ep=3"),
+        (["--steps", "0"], "--steps=0"),
+    ],
+)
+def test_bad_input_exits_2_before_any_rank_starts(argv, needle, capsys):
+    assert main(["compare", *argv]) == 2
+    assert needle in capsys.readouterr().err
