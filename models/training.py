@@ -107,3 +107,49 @@ def share_loss(loss: torch.Tensor, layout: Layout) -> float:
     if layout.pp > 1:
         dist.broadcast(loss, src=layout.global_rank(0), group=layout.pp_group)
     return float(loss)
+
+
+class PipelineRunner:
+    """What a stack's per-rank runner does with its part, schedule and optimizer.
+
+    A stack builds ``self.part`` (this rank's layers), ``self.schedule`` (an object
+    whose ``step(micro_batches, token_count, forward_only)`` runs DualPipeV and returns
+    this rank's loss share) and ``self.optimizer``; the step rules are the same for
+    every stack, so the harness drives them the same way.
+    """
+
+    name = "pipeline"
+    parallel: ParallelConfig
+    layout: Layout
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward and backward of one global batch; gradients reduced, not yet applied."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels))
+        reduce_gradients(self.part, self.layout)
+        return share_loss(loss, self.layout)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = self.forward_backward(ids, labels)
+        self.optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward-only loss of a global batch: no graphs are built."""
+        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        loss = self.schedule.step(batches, token_count(labels), forward_only=True)
+        return share_loss(loss, self.layout)
+
+    @property
+    def observer(self):
+        """``observer(moment, micro_batch)`` called at every schedule action (memory tracking)."""
+        return self.schedule.observer
+
+    @observer.setter
+    def observer(self, callback) -> None:
+        self.schedule.observer = callback

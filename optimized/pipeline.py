@@ -13,11 +13,8 @@ from models.distributed import Layout, ParallelConfig
 from models.model import build_part
 from models.training import (
     OptimizerConfig,
-    micro_batches_of,
+    PipelineRunner,
     rank_chunks,
-    reduce_gradients,
-    share_loss,
-    token_count,
 )
 from optimized.dualpipev import OptimizedDualPipeV
 from optimized.estimator.config import EstimateConfig
@@ -35,7 +32,7 @@ def default_partition(model: ModelConfig, parallel: ParallelConfig) -> list[list
     return [list(stage) for stage in choose_partition(estimate)]
 
 
-class OptimizedPipeline:
+class OptimizedPipeline(PipelineRunner):
     """This rank's part of the model, its optimized DualPipeV schedule and its optimizer."""
 
     name = "optimized"
@@ -61,35 +58,3 @@ class OptimizedPipeline:
         )  # fmt: skip
         self.schedule = OptimizedDualPipeV(self.part, chunks, layout)
         self.optimizer = optimizer.build(self.part.parameters())
-
-    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """Forward and backward of one global batch; gradients reduced, not yet applied."""
-        self.optimizer.zero_grad(set_to_none=True)
-        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
-        loss = self.schedule.step(batches, token_count(labels))
-        reduce_gradients(self.part, self.layout)
-        return share_loss(loss, self.layout)
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-
-    def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss = self.forward_backward(ids, labels)
-        self.optimizer_step()
-        return loss
-
-    @torch.no_grad()
-    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """Forward-only loss of a global batch: no graphs are built."""
-        batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
-        loss = self.schedule.step(batches, token_count(labels), forward_only=True)
-        return share_loss(loss, self.layout)
-
-    @property
-    def observer(self):
-        """``observer(moment, micro_batch)`` called at every schedule action (memory tracking)."""
-        return self.schedule.observer
-
-    @observer.setter
-    def observer(self, callback) -> None:
-        self.schedule.observer = callback
