@@ -6,7 +6,8 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   names: ``model.<name>`` for every parameter, routed experts as whole ``[E, ...]``
   tensors, and ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (and ``.master``, the float32
   copy, when parameters are bfloat16) with the parameter's shape. Each rank gathers its
-  expert shards over its EP group and its optimizer slices over its replica group, then
+  expert shards over its EP group, its FSDP2 parameter rows and its optimizer slices
+  over their replica group (DP, or the expert replicas), then
   every rank hands DCP its part; DCP keeps one copy of what DP replicas share. Nothing on
   disk depends on PP, DP or EP, so a checkpoint saved at one layout loads at any other;
 - ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
@@ -71,7 +72,7 @@ def full_state_dict(optimizer: ShardedAdamW, layout: Layout) -> dict[str, torch.
     """This rank's contribution to the layout-free state dict (collective over the world)."""
     state: dict[str, torch.Tensor] = {}
     for s in optimizer.shards:
-        state[f"model.{s.name}"] = _whole(s.param.detach(), s.name, layout).clone()
+        state[f"model.{s.name}"] = _whole(optimizer.full_parameter(s), s.name, layout).clone()
         for key, piece in optimizer.state_tensors(s).items():
             whole = gather_slices(piece, s).view(s.param.shape)
             state[f"optim.{s.name}.{key}"] = _whole(whole, s.name, layout).clone()
@@ -213,7 +214,7 @@ def load_checkpoint(
     step = int(trainer_state["step"])
     with torch.no_grad():
         for s in optimizer.shards:
-            s.param.copy_(_mine(state[f"model.{s.name}"], s, layout))
+            optimizer.set_parameter(s, _mine(state[f"model.{s.name}"], s, layout))
         optimizer.reset_masters()
         for s in optimizer.shards:
             full = {

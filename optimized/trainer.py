@@ -6,7 +6,10 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    group all-gathers them into the global batch the pipeline runner slices (the ids are
    tiny next to activations, and the loss stays the mean over the global batch);
 2. the runner (`runner_class`, the optimized stack's `OptimizedPipeline`) runs the
-   DualPipeV forward/backward and reduces gradients;
+   DualPipeV forward/backward and reduces gradients. With sharding on (``parallel.fsdp``,
+   default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.sharding`):
+   FSDP2 gathers their parameters and reduce-scatters their gradients, and only the
+   rest (routed experts, output layer) is all-reduced;
 3. `ShardedAdamW` takes float32 gradient slices, the global norm is checked (a NaN or
    inf stops the run naming the step and ranks, or skips the step), clipped, stepped;
 4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every
@@ -40,7 +43,7 @@ from models.distributed import Layout, ParallelConfig, make_layout
 from models.model import build_model
 from models.presets import resolve_model
 from models.training import OptimizerConfig
-from optimized import checkpointing
+from optimized import checkpointing, sharding
 from optimized.data import TokenDataset, TokenLoader, default_dataset
 from optimized.optimizer import ShardedAdamW
 from optimized.train_config import TrainConfig, config_to_toml, lr_at
@@ -217,9 +220,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
     )  # fmt: skip
     runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
+    fsdp = cfg.parallel.use_fsdp and layout.dp > 1
+    sharded = sharding.apply_fsdp(runner.part, layout, device) if fsdp else set()
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
-        weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp,
+        weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
     )  # fmt: skip
     runner.optimizer = optimizer  # the runner zeroes gradients through it
     data_dir = cfg.data.path or default_dataset()
@@ -241,7 +246,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
                 _inject(fault[0], runner.part, step, layout)
-            loss = runner.forward_backward(ids, labels)
+            if fsdp:
+                loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
+            else:
+                loss = runner.forward_backward(ids, labels)
             if fault and fault[0] == "nan-grad" and fault[1] == step and fault[2] == layout.rank:
                 for p in runner.part.parameters():
                     if p.grad is not None:

@@ -57,9 +57,13 @@ def test_loss_falls_over_50_steps(tmp_path):
 
 def test_exact_resume_after_sigterm(tmp_path, monkeypatch):
     """2 steps, SIGTERM (checkpoint), resume to 4 == 4 uninterrupted steps, bit for bit,
-    with the optimizer state sharded over DP and experts over EP."""
+    with parameters, gradients and optimizer state sharded by FSDP2 over DP and experts
+    over EP; and the same losses and gradient norms as unsharded, up to float32 rounding."""
     common = ("steps=4", "parallel.dp=2", "parallel.ep=2", "parallel.fsdp=true")
-    whole = train(config(*common))[0]["losses"]
+    whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}"))[0]["losses"]
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    norms = [json.loads(x)["gradient_norm"] for x in lines]
+    (tmp_path / "m.jsonl").unlink()
     cfg = config(*common, f"checkpoint.dir={tmp_path}")
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@1:1")
     first = train(cfg)[0]
@@ -69,10 +73,12 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch):
     second = train(cfg)[0]
     assert second["start"] == 2
     assert first["losses"] + second["losses"] == whole
-    # Sharding the optimizer state changes no loss beyond rounding.
-    unsharded = train(config(*common[:-1], "parallel.fsdp=false"))[0]["losses"]
-    for a, b in zip(unsharded, whole, strict=True):
-        assert abs(a - b) <= 1e-6 * abs(b), (unsharded, whole)
+    # Sharding changes no loss and no gradient norm beyond float32 rounding.
+    metrics = tmp_path / "plain.jsonl"
+    plain = train(config(*common[:-1], "parallel.fsdp=false", f"logging.metrics_file={metrics}"))
+    plain_norms = [json.loads(x)["gradient_norm"] for x in metrics.read_text().splitlines()]
+    for a, b in zip(whole + norms, plain[0]["losses"] + plain_norms, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
 
 
 def test_resume_at_another_layout(tmp_path, monkeypatch):
