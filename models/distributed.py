@@ -16,6 +16,8 @@ import datetime
 import os
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -196,11 +198,33 @@ def _worker(
     )
     torch.set_num_threads(1)
     init_process_group(timeout_s)
-    # An exception here propagates to the launcher, which terminates every other
-    # rank and re-raises it with this rank's traceback.
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except BaseException:
+        # Note when and how this rank failed: once one rank dies, its peers fail too
+        # (their connections close), and the launcher reports the first failure, the
+        # root cause, rather than whichever secondary failure it happens to see first.
+        with open(os.path.join(result_dir, f"error{local_rank}.txt"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
     dist.destroy_process_group()
+
+
+def _first_failure(result_dir: str) -> str | None:
+    """The traceback of the rank that failed first, if any rank recorded one."""
+    failures = []
+    for name in os.listdir(result_dir):
+        if name.startswith("error") and name.endswith(".txt"):
+            with open(os.path.join(result_dir, name)) as f:
+                stamp, _, trace = f.read().partition("\n")
+            failures.append((float(stamp), int(name[5:-4]), trace))
+    if not failures:
+        return None
+    stamp, rank, trace = min(failures)
+    others = sorted(r for _, r, _ in failures if r != rank)
+    also = f" (ranks {others} failed after it)" if others else ""
+    return f"rank {rank} failed first{also}:\n{trace}"
 
 
 class RankFailed(RuntimeError):
@@ -229,10 +253,11 @@ def launch(
                 start_method="spawn",
             )
         except mp.ProcessRaisedException as error:
-            raise RankFailed(str(error)) from None
+            raise RankFailed(_first_failure(result_dir) or str(error)) from None
         except mp.ProcessExitedException as error:
             raise RankFailed(
-                f"rank {error.error_index} exited with code {error.exit_code}; "
+                _first_failure(result_dir)
+                or f"rank {error.error_index} exited with code {error.exit_code}; "
                 "its error is printed above"
             ) from None
         return [

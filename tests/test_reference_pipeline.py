@@ -104,8 +104,9 @@ def test_planted_exception_ends_every_rank():
     parallel = ParallelConfig(pp=2, dp=1, micro_batches=4, seq_len=16)
     state = build_model(cfg).state_dict()
     start = time.monotonic()
-    with pytest.raises(RankFailed, match="planted failure on rank 1"):
+    with pytest.raises(RankFailed, match="planted failure on rank 1") as failure:
         launch(_planted_failure_worker, 2, (cfg, parallel, state), timeout_s=300)
+    assert str(failure.value).startswith("rank 1 failed first")
     assert time.monotonic() - start < 60
 
 
