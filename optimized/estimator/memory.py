@@ -234,6 +234,10 @@ def static_bytes(config: EstimateConfig, count: ParamCount) -> tuple[dict[str, i
     return params, weights, gradients, optimizer
 
 
+TRACE: list | None = None
+"""Set to a list to record each step of the optimized walk: (layer, step, start, peak)."""
+
+
 class _State:
     """Bytes held on one rank as the walk goes: activations and gradients created so far."""
 
@@ -464,7 +468,23 @@ def _estimate_rank_optimized(
     local_out: list[int] = []
     peak, peak_step, timeline = -1, None, []
 
+    late_held = [0]
+
+    def hold_late(chunk, index, name):
+        """The last layer of a chunk whose output root is kept (not the loss chunk)."""
+        if index == len(profiles[chunk]) - 1 and not is_loss(chunk):
+            extra = profiles[chunk][index].held_to_action_end.get(name, 0)
+            state.activations += extra
+            late_held[0] += extra
+
+    def release_late():
+        state.activations -= late_held[0]
+        late_held[0] = 0
+
     def run_step(chunk, index, mb, step, defer=False):
+        if TRACE is not None:
+            level = state.activations + state.gradients
+            TRACE.append((chunk_layers[chunk][index], step.name, level, level + step.transient))
         state.moment(step.transient)
         state.activations += step.delta
         if step.grad == "dense":
@@ -542,6 +562,8 @@ def _estimate_rank_optimized(
         for i in reversed(range(len(profiles[chunk]))):
             for name in bsteps:
                 run_step(chunk, i, mb, profiles[chunk][i].backward[name], defer)
+                hold_late(chunk, i, name)
+        release_late()
         b_end(chunk)
 
     def overlapped(fc, fmb, bc, bmb):
@@ -554,7 +576,9 @@ def _estimate_rank_optimized(
                     run_step(fc, k, fmb, fl[k].forward[fsteps[n]])
                 elif side == "B" and k < len(bl):
                     run_step(bc, bl[k], bmb, profiles[bc][bl[k]].backward[bsteps[n]])
+                    hold_late(bc, bl[k], bsteps[n])
         f_end(fc, fmb)
+        release_late()
         b_end(bc)
 
     for step in walk(rank, config.pp, config.num_microbatches):

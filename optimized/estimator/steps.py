@@ -4,8 +4,9 @@ The optimized schedule runs each layer as seven forward and seven backward
 steps (`FORWARD_STEPS`, `BACKWARD_STEPS`) and DualPipeV's F&B interleaves a
 forward layer with a backward layer step by step (`OVERLAPPED_LAYER_STEPS`).
 Each step here is what it leaves held (``delta``), how far above the level it
-started from it climbs while it runs (``transient``), and the gradient bytes it
-creates. Read off the code (stage records, early frees in
+started from it climbs while it runs (``transient``, measured from the step's
+start, not its end: a forward step's peak is its kept bytes plus its
+temporaries), and the gradient bytes it creates. Read off the code (stage records, early frees in
 `optimized.execution`, saved tensors of the optimized ops) and checked against
 the tracker by ``tests/test_estimator_activations.py``:
 
@@ -23,6 +24,10 @@ the tracker by ``tests/test_estimator_activations.py``:
 
 Transients marked *fitted* were measured on tiny-deepseek-v2 (float32, 2 x 64
 tokens) and are scaled with the layer's token rows; everything else is derived.
+Everything is as measured with the Triton interpreter's launch cycles collected
+(on CPU each interpreted launch keeps its arguments alive until Python's GC
+runs; see tests/test_estimator_vs_measured.py): that garbage is no memory of the
+stack and is not modelled.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class Step:
 class StepProfile:
     forward: dict[str, Step] = field(default_factory=dict)
     backward: dict[str, Step] = field(default_factory=dict)
+    held_to_action_end: dict[str, int] = field(default_factory=dict)
+    """Bytes a backward step would free, or a leaf's gradient it makes, that stay alive
+    until the end of the action when this layer is the last of a chunk whose output is
+    kept as the root of the chunk's backward (see `step_profile`)."""
 
     @property
     def held(self) -> int:
@@ -88,7 +97,7 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     kept = _names(items, ("post_attention_layernorm.",))
     if not is_moe:
         kept += _names(items, ("mlp.",))
-        fwd["attention_forward"] = Step("attention_forward", kept + th, 2 * th)
+        fwd["attention_forward"] = Step("attention_forward", kept + th, kept + th + 2 * th)
         # fitted: the MLP's and the recomputed attention block's backward
         bwd["attention_backward"] = Step(
             "attention_backward", -(kept + th), round(9.3359375 * th), "dense"
@@ -108,7 +117,7 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     residual_is_h = b == F32 and not m.n_shared_experts
     attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
     attention += 0 if residual_is_h else th
-    fwd["attention_forward"] = Step("attention_forward", attention, 2 * th + sent * F32)
+    fwd["attention_forward"] = Step("attention_forward", attention, attention + 2 * th + sent * F32)
     rows_in = received * hidden * b
     if ep:
         fwd["dispatch_start"] = Step("dispatch_start", rows_in)
@@ -119,7 +128,7 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     fwd["experts_forward"] = Step(
         "experts_forward",
         experts - freed_input,
-        freed_input + grouped * hidden * b + received * I64 + 64,
+        experts + grouped * hidden * b + received * I64 + 64,
     )
     rows_out = sent * hidden * b
     if ep:
@@ -128,8 +137,10 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     aggregate = (th if residual_is_h else 0) + (sent * b if b != F32 else 0)
     fwd["aggregate_forward"] = Step("aggregate_forward", aggregate, rows_out + 2 * th)
     # Backward.
+    # The gradients of the combined rows and router weights, and of the residual leaf: the
+    # output gradient is still referenced, so AccumulateGrad copies it.
     bwd["aggregate_backward"] = Step(
-        "aggregate_backward", rows_out + sent * F32,
+        "aggregate_backward", rows_out + sent * F32 + th,
         padded_sent * hidden * b + 2 * rows_out + sent * F32 + th,
     )  # fmt: skip
     if ep:
@@ -139,12 +150,24 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     bwd["experts_backward"] = Step(
         "experts_backward",
         -saved_experts - (0 if ep else expert_out),
-        grouped * (hidden + 3 * inner) * b + local * hidden * inner * b,
+        grouped * 3 * inner * b + local * hidden * inner * b,
         "experts",
     )
     if ep:
         bwd["dispatch_backward_start"] = Step("dispatch_backward_start", rows_out)
         bwd["dispatch_backward_wait"] = Step("dispatch_backward_wait", -rows_in)
+    # The last layer of a chunk: the chunk's output stays referenced (the root of the chunk's
+    # backward, kept by DualPipeV until the action ends) and through its graph the
+    # AccumulateGrad nodes of the aggregate stage's leaves, so those leaves and their
+    # gradients outlive the steps that drop them: the combined rows (without EP the
+    # expert output's storage itself) and their gradient, the router weights and their
+    # gradient, the residual's gradient and the layer's output gradient.
+    if ep:
+        late = {"combine_backward_start": rows_out, "combine_backward_wait": rows_out}
+    else:
+        late = {"experts_backward": expert_out + rows_out}
+    late["attention_backward"] = 2 * th + 2 * sent * F32
+    profile.held_to_action_end = late
     # What is left of the layer goes; fitted: the recomputed attention block's backward.
     left = sum(s.delta for s in fwd.values()) + sum(s.delta for s in bwd.values())
     bwd["attention_backward"] = Step("attention_backward", -left, round(12.8671875 * th), "dense")
