@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import tl, triton
+from optimized.ops._triton import launch, tl, triton
 
 BLOCK = 1024
 
@@ -47,9 +47,7 @@ def _silu_and_mul_backward_kernel(
 
 
 @triton.jit
-def _clamped_swiglu_forward_kernel(
-    x_ptr, out_ptr, n_elements, alpha, limit, BLOCK: tl.constexpr
-):
+def _clamped_swiglu_forward_kernel(x_ptr, out_ptr, n_elements, alpha, limit, BLOCK: tl.constexpr):
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = index < n_elements
     gate = tl.load(x_ptr + 2 * index, mask=mask, other=0.0).to(tl.float32)
@@ -100,8 +98,14 @@ class SiluAndMul(torch.autograd.Function):
         inner = x.shape[-1] // 2
         out = x.new_empty(tuple(x.shape[:-1]) + (inner,))
         if out.numel():
-            _silu_and_mul_forward_kernel[_grid(out.numel())](
-                x, out, out.numel(), inner, BLOCK=BLOCK
+            launch(
+                _silu_and_mul_forward_kernel,
+                _grid(out.numel()),
+                x,
+                out,
+                out.numel(),
+                inner,
+                BLOCK=BLOCK,
             )
         ctx.save_for_backward(x)
         return out
@@ -113,8 +117,15 @@ class SiluAndMul(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(x)
         if grad_out.numel():
-            _silu_and_mul_backward_kernel[_grid(grad_out.numel())](
-                x, grad_out, grad_x, grad_out.numel(), x.shape[-1] // 2, BLOCK=BLOCK
+            launch(
+                _silu_and_mul_backward_kernel,
+                _grid(grad_out.numel()),
+                x,
+                grad_out,
+                grad_x,
+                grad_out.numel(),
+                x.shape[-1] // 2,
+                BLOCK=BLOCK,
             )
         return grad_x
 
@@ -127,8 +138,15 @@ class ClampedSwiGLU(torch.autograd.Function):
         x = x.contiguous()
         out = x.new_empty(tuple(x.shape[:-1]) + (x.shape[-1] // 2,))
         if out.numel():
-            _clamped_swiglu_forward_kernel[_grid(out.numel())](
-                x, out, out.numel(), float(alpha), float(limit), BLOCK=BLOCK
+            launch(
+                _clamped_swiglu_forward_kernel,
+                _grid(out.numel()),
+                x,
+                out,
+                out.numel(),
+                float(alpha),
+                float(limit),
+                BLOCK=BLOCK,
             )
         ctx.save_for_backward(x)
         ctx.alpha, ctx.limit = float(alpha), float(limit)
@@ -141,8 +159,16 @@ class ClampedSwiGLU(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(x)
         if grad_out.numel():
-            _clamped_swiglu_backward_kernel[_grid(grad_out.numel())](
-                x, grad_out, grad_x, grad_out.numel(), ctx.alpha, ctx.limit, BLOCK=BLOCK
+            launch(
+                _clamped_swiglu_backward_kernel,
+                _grid(grad_out.numel()),
+                x,
+                grad_out,
+                grad_x,
+                grad_out.numel(),
+                ctx.alpha,
+                ctx.limit,
+                BLOCK=BLOCK,
             )
         return grad_x, None, None
 

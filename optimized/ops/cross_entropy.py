@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import tl, triton
+from optimized.ops._triton import launch, tl, triton
 
 VALID_REDUCTIONS = ("mean", "sum")
 MAX_BLOCK = 8192
@@ -139,7 +139,9 @@ def launch_cross_entropy_kernel(
     if tokens == 0:
         return
     block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
-    _cross_entropy_kernel[(tokens,)](
+    launch(
+        _cross_entropy_kernel,
+        (tokens,),
         logits,
         logits.stride(0),
         logits.stride(1),

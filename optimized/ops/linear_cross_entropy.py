@@ -88,7 +88,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         if ctx.spent:
-            raise RuntimeError("linear_cross_entropy: backward can run once; its gradients are spent")
+            raise RuntimeError(
+                "linear_cross_entropy: backward can run once; its gradients are spent"
+            )
         grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
         del ctx.grad_hidden, ctx.grad_weight
         ctx.spent = True
