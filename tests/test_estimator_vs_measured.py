@@ -9,16 +9,11 @@ present at the peak and optimizer state must equal the tracker's categories.
 Cases the estimator does not yet meet are marked xfail with the measured miss
 (see the estimator's notes); they are not loosened.
 
-On CPU the optimized stack's kernels run in the Triton interpreter, whose launch
-(``GridExecutor._init_args_hst``) builds a self-referencing closure over a dict
-of every argument's storage: the arguments of each launch stay alive until
-Python's cyclic GC happens to run, so the measured peak carries up to ~1 MB of
-dead kernel arguments at moments set by the GC's allocation counters (that is
-most of what differed between the dp-ranks of one pp-rank). No GPU run has it and
-the estimator does not model it. So each layout is also measured a second time
-in the same ranks with that cycle collected as each launch returns
-(`_collect_interpreter_cycles`; test-only, nothing else changes), and the
-optimized stack is judged on that measurement too (``optimized-collected``).
+On CPU the optimized stack's kernels run in the Triton interpreter, whose launches
+used to leave their arguments' storages in a reference cycle until Python's GC ran
+(up to ~1 MB of dead kernel arguments at random moments); `optimized.ops._triton.launch`
+now collects that cycle as each launch returns, so the measurement holds only memory
+a GPU run would hold too.
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import gc  # noqa: E402
-
 from harness.compare import _rank_main  # noqa: E402
 from models import build_model, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
@@ -40,8 +33,6 @@ from optimized.estimator import estimate_for_compare  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 STACKS = ("reference", "optimized")
-COLLECTED = "optimized-collected"
-"""The optimized stack measured with the Triton interpreter's launch cycles collected."""
 MODEL = "tiny-deepseek-v2"
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 64
 LAYOUTS = ((2, 1, 1), (1, 2, 2), (2, 2, 2))
@@ -49,18 +40,11 @@ TOLERANCE = 0.03
 
 # (layout, stack) -> what was measured when the case last missed (commit of this file).
 KNOWN_MISSES = {
-    ((2, 1, 1), "optimized"): "rank 0 -6.24%, rank 1 -8.21% (gradients 0 vs 488,064): the "
-    "Triton interpreter's dead kernel arguments, held until Python's GC runs, are in the "
-    "measurement (see optimized-collected)",
-    ((1, 2, 2), "optimized"): "-3.10%, -1.93%: interpreter garbage, as above; the collected "
-    "measurement passes",
-    ((2, 2, 2), "optimized"): "-5.40%, -3.77%, -7.81%, -9.17%: interpreter garbage, as above "
-    "(the dp-ranks of pp-rank 0 peak at different F&B steps only because of it)",
-    ((2, 1, 1), COLLECTED): "rank 0 -3.23% (categories exact), rank 1 -2.70% but its peak is "
+    ((2, 1, 1), "optimized"): "rank 0 -3.23% (categories exact), rank 1 -2.70% but its peak is "
     "F1&B0 with 582,912 B of gradients, ours B1 before them: p2p send buffers are freed when "
     "the receiver has taken them (`_drain_sends`), up to a few micro-batches later, and the "
     "walk frees them at the next action",
-    ((2, 2, 2), COLLECTED): "pp-rank 0 -3.77% on both dp-ranks (gradients 324,480 vs "
+    ((2, 2, 2), "optimized"): "pp-rank 0 -3.77% on both dp-ranks (gradients 324,480 vs "
     "439,424), pp-rank 1 -5.61%, -4.14%: the send buffers as above, plus routing (the "
     "exchanged row counts differ per rank from the balanced load the estimate assumes)",
 }
@@ -68,37 +52,9 @@ KNOWN_MISSES = {
 _RESULTS: dict = {}
 
 
-def _collect_interpreter_cycles() -> None:
-    """Free each interpreted kernel launch's argument storages as the launch returns.
-
-    Automatic GC is held off during a launch, so the launch's reference cycle is
-    still in the youngest generation when it returns and ``gc.collect(0)`` frees it
-    (cheap: only objects made since the last collection are scanned).
-    """
-    from triton.runtime.interpreter import GridExecutor  # noqa: PLC0415
-
-    launch_kernel = GridExecutor.__call__
-
-    def call(self, *args, **kwargs):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return launch_kernel(self, *args, **kwargs)
-        finally:
-            gc.collect(0)
-            if enabled:
-                gc.enable()
-
-    GridExecutor.__call__ = call
-
-
 def _rank_both(model, parallel, state, optimizer):
-    """Both stacks as `twinpipe compare` measures them, then the optimized one collected."""
-    result = _rank_main(model, parallel, state, list(STACKS), 2, optimizer, True, False)
-    _collect_interpreter_cycles()
-    collected = _rank_main(model, parallel, state, ["optimized"], 2, optimizer, True, False)
-    result[COLLECTED] = collected["optimized"]
-    return result
+    """Both stacks as `twinpipe compare` measures them."""
+    return _rank_main(model, parallel, state, list(STACKS), 2, optimizer, True, False)
 
 
 def _measure(layout):
@@ -117,7 +73,7 @@ def _measure(layout):
 
 def _cases():
     for layout in LAYOUTS:
-        for stack in (*STACKS, COLLECTED):
+        for stack in STACKS:
             marks = []
             if (layout, stack) in KNOWN_MISSES:
                 marks.append(pytest.mark.xfail(reason=KNOWN_MISSES[(layout, stack)], strict=False))
@@ -134,7 +90,7 @@ def test_estimate_matches_measured_peak(layout, stack):
             micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
             num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
         ),
-        stack.removesuffix("-collected"),
+        stack,
     )  # fmt: skip
     rows, failures = [], []
     for result in per_rank:
