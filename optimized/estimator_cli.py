@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard optimizer state over DP (default: on when dp > 1, as the trainer's FSDP2)",
     )
     parser.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="count FSDP2 sharding of non-expert parameters, gradients and optimizer state "
+        "over DP, as `twinpipe train` does at dp > 1",
+    )
+    parser.add_argument(
         "--layers-per-stage",
         type=lambda text: [int(part) for part in text.split(",")],
         default=None,
@@ -55,6 +62,7 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         dtype=args.dtype,
         stack=args.stack,
         shard_optimizer=shard,
+        fsdp=args.fsdp,
         layers_per_stage=args.layers_per_stage,
     )
 

@@ -148,3 +148,58 @@ def test_hf_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(preset("tiny-gpt-oss").to_hf()))
     assert cli_main(["estimate", "--model", str(path), "--pp", "2"]) == 0
+
+
+def test_fsdp_shards_non_expert_weights_and_gradients_by_hand():
+    from optimized.estimator.memory import rank_params, static_bytes
+
+    # tiny-qwen3-moe at PP=1, DP=2, EP=2: routed experts 4 * 49,152 = 196,608, of which
+    # this rank holds half; everything else 314,048 - 196,608 = 117,440, of which the
+    # output layer (512 * 64 = 32,768) stays whole and the rest is split over the 2 DP ranks.
+    def bytes_for(fsdp):
+        config = cfg(pp=1, dp=2, ep=2, fsdp=fsdp)
+        stages = (0, 1)
+        partition = [range(0, 2), range(2, 4)]
+        count = rank_params(config, stages, partition)
+        return static_bytes(config, count, head_numel=32_768 if fsdp else 0)
+
+    _, weights, gradients, optimizer = bytes_for(False)
+    assert weights == gradients == 4 * (117_440 + 98_304)
+    _, weights, gradients, fsdp_optimizer = bytes_for(True)
+    held = (117_440 - 32_768) // 2 + 32_768 + 98_304
+    assert weights == gradients == 4 * held
+    # Optimizer state: everything non-expert over DP=2, experts over their expert-DP group
+    # (world 2 / EP 2 = 1), two float32 moments each, plus a float32 step per tensor.
+    assert fsdp_optimizer == 8 * (117_440 // 2 + 98_304) + 4 * count_tensors()
+    assert fsdp_optimizer < optimizer
+
+
+def count_tensors():
+    from optimized.estimator.memory import rank_params
+
+    config = cfg(pp=1, dp=2, ep=2)
+    return rank_params(config, (0, 1), [range(0, 2), range(2, 4)]).num_tensors
+
+
+def test_estimate_cli_counts_fsdp(capsys):
+    args = [
+        "estimate",
+        "--model",
+        "tiny-qwen3-moe",
+        "--pp",
+        "1",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--seq-len",
+        "64",
+        "--micro-batches",
+        "2",
+        "--json",
+    ]
+    assert cli_main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli_main([*args, "--fsdp"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert sharded["ranks"][0]["weights_bytes"] < plain["ranks"][0]["weights_bytes"]

@@ -124,6 +124,7 @@ def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str,
             "grad_bytes": config.grad_bytes,
             "optimizer_bytes_per_param": config.optimizer_bytes_per_param,
             "shard_optimizer": config.shard_optimizer,
+            "fsdp": config.fsdp,
         },
         "stack": config.stack,
         "params": {

@@ -92,6 +92,24 @@ def _grad_bytes(config: EstimateConfig, count: ParamCount) -> int:
     return sum(shard(count, config).values()) * config.grad_bytes
 
 
+def _fsdp_divisor(config: EstimateConfig) -> int:
+    """How many ways FSDP2 splits a non-expert module's parameters and gradients."""
+    return config.dp if config.fsdp else 1
+
+
+def _embedding_grad_bytes(config: EstimateConfig) -> int:
+    """The embedding's gradient: FSDP-sharded unless it is tied to the output layer."""
+    whole = _grad_bytes(config, embedding_params(config.model))
+    return whole if config.model.tie_word_embeddings else whole // _fsdp_divisor(config)
+
+
+def _head_weight_numel(config: EstimateConfig, stages) -> int:
+    """The output layer's (or the tied embedding's) weight on a rank holding the last stage:
+    kept whole under FSDP (the fused loss reads it without calling the module)."""
+    m = config.model
+    return m.vocab_size * m.hidden_size if config.num_stages - 1 in stages else 0
+
+
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     boundary = tokens * m.hidden_size * b
@@ -105,7 +123,7 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     local = m.num_experts // (config.ep * config.etp) if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
     expert_grad = weight_numel * config.grad_bytes
-    dense_grad = sum(count.values()) * config.grad_bytes - expert_grad
+    dense_grad = (sum(count.values()) * config.grad_bytes - expert_grad) // _fsdp_divisor(config)
     if not is_moe:
         largest = max(item.nbytes for item in saved)
         return LayerProfile(attention, 0, 0, 0, dense_grad, 0, boundary, largest + boundary)
@@ -134,7 +152,7 @@ def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> Chun
     profiles = [layer_profile(config, layer) for layer in layers]
     head_saved = head_fwd = head_bwd = head_grad = embedding_grad = 0
     if stage == 0:
-        embedding_grad = _grad_bytes(config, embedding_params(m))
+        embedding_grad = _embedding_grad_bytes(config)
     if stage == config.num_stages - 1:
         # The labels are the batch's: not an activation of their own.
         head_saved = sum(
@@ -219,15 +237,21 @@ def batch_bytes(config: EstimateConfig) -> int:
     return 2 * I64 * global_batch * config.seq_len + F32
 
 
-def static_bytes(config: EstimateConfig, count: ParamCount) -> tuple[dict[str, int], int, int, int]:
-    """(per-rank params by bucket, weight, gradient, optimizer bytes) of one rank."""
+def static_bytes(
+    config: EstimateConfig, count: ParamCount, head_numel: int = 0
+) -> tuple[dict[str, int], int, int, int]:
+    """(per-rank params by bucket, weight, gradient, optimizer bytes) of one rank.
+
+    ``head_numel``: the output-layer weight this rank holds, which FSDP leaves whole."""
     params = shard(count, config)
-    numel = sum(params.values())
-    weights = numel * config.param_bytes
-    gradients = numel * config.grad_bytes
     dense = params["tensor_sharded"] + params["replicated"]
     experts = params["routed_experts"]
-    if config.shard_optimizer:
+    held = dense + experts
+    if config.fsdp:
+        held = -(-(dense - head_numel) // config.dp) + head_numel + experts
+    weights = held * config.param_bytes
+    gradients = held * config.grad_bytes
+    if config.shard_optimizer or config.fsdp:
         dense, experts = -(-dense // config.dp), -(-experts // config.expert_dp)
     # AdamW: two moments (and a master copy if asked) per parameter, a float32 step per tensor.
     optimizer = (dense + experts) * config.optimizer_bytes_per_param + F32 * count.num_tensors
@@ -263,7 +287,9 @@ def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> 
         return _estimate_rank_optimized(config, rank, partition)
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(config, count)
+    params, weights, all_gradients, optimizer = static_bytes(
+        config, count, _head_weight_numel(config, stages)
+    )
     layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
     weights += buffer_bytes(config, layers)
     chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
@@ -450,7 +476,9 @@ def _estimate_rank_optimized(
     m, b, tokens = config.model, config.param_bytes, config.tokens
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(config, count)
+    params, weights, all_gradients, optimizer = static_bytes(
+        config, count, _head_weight_numel(config, stages)
+    )
     chunk_layers = [list(partition[s]) for s in stages]
     weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
     th = tokens * m.hidden_size * b
@@ -530,7 +558,7 @@ def _estimate_rank_optimized(
     def b_end(chunk):
         state.activations -= th  # the chunk's input (hand-over or received), its root
         if chunk == 0 and first:
-            state.grad((chunk, "embedding"), _grad_bytes(config, embedding_params(m)))
+            state.grad((chunk, "embedding"), _embedding_grad_bytes(config))
             state.activations -= th
         elif chunk == 1 and last:
             pass  # the gradient is handed to B0 locally
