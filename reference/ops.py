@@ -7,38 +7,11 @@ saves. Read each method next to its docstring in `models.ops.Ops`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.distributed import all_to_all
 from models.layers import causal_mask, eager_attention
 from models.ops import ExpertLayout
-
-
-class _AllToAll(torch.autograd.Function):
-    """`all_to_all_single` whose backward sends gradients back the way tokens came."""
-
-    @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
-        ctx.output_split_sizes = output_split_sizes
-        ctx.input_split_sizes = input_split_sizes
-        ctx.group = group
-        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes, input_split_sizes, group=group
-        )
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_in = grad_out.new_empty((sum(ctx.input_split_sizes),) + tuple(grad_out.shape[1:]))
-        dist.all_to_all_single(
-            grad_in,
-            grad_out.contiguous(),
-            ctx.input_split_sizes,
-            ctx.output_split_sizes,
-            group=ctx.group,
-        )
-        return grad_in, None, None, None
 
 
 class ReferenceOps:
@@ -98,6 +71,4 @@ class ReferenceOps:
         return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
     def all_to_all(self, x, output_split_sizes, input_split_sizes, group):
-        if group is None or dist.get_world_size(group) == 1:
-            return x
-        return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group)
+        return all_to_all(x, output_split_sizes, input_split_sizes, group)

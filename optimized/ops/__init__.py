@@ -4,9 +4,9 @@
 switched on before any kernel module imports `triton`.
 """
 
+from models.distributed import all_to_all
 from optimized.ops import _triton  # noqa: F401  (must precede every kernel import)
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
-from optimized.ops.all_to_all import all_to_all
 from optimized.ops.cross_entropy import cross_entropy
 from optimized.ops.expert_order import (
     GROUPED_GEMM_ROW_ALIGNMENT,

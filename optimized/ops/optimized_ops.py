@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from models.distributed import all_to_all
 from models.ops import ExpertLayout
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
-from optimized.ops.all_to_all import all_to_all
 from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
 from optimized.ops.expert_order import gather_from_grouped, scatter_for_grouped_gemm
