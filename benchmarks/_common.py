@@ -60,9 +60,9 @@ def bench(
         implementation=implementation,
         device=str(DEVICE),
         peak_memory_bytes=peak_memory_bytes(run, setup),
-        **{key: str(value) if isinstance(value, torch.dtype) else value
-           for key, value in info.items()},
+        **{
+            key: str(value) if isinstance(value, torch.dtype) else value
+            for key, value in info.items()
+        },
     )
-    benchmark.pedantic(
-        timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1
-    )
+    benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)

@@ -37,5 +37,14 @@ def test_cross_entropy(benchmark, implementation):
         logits = hidden @ weight.t()
         loss_fn(logits, target).backward()
 
-    bench(benchmark, run, setup, "cross_entropy", implementation,
-          tokens=TOKENS, vocab=VOCAB, hidden=HIDDEN, dtype=DTYPE)
+    bench(
+        benchmark,
+        run,
+        setup,
+        "cross_entropy",
+        implementation,
+        tokens=TOKENS,
+        vocab=VOCAB,
+        hidden=HIDDEN,
+        dtype=DTYPE,
+    )

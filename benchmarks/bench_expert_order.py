@@ -35,5 +35,14 @@ def plain(tokens, expert_ids):
 @pytest.mark.parametrize("implementation", ["optimized", "plain"])
 def test_expert_order(benchmark, implementation):
     run = optimized if implementation == "optimized" else plain
-    bench(benchmark, run, setup, "expert_order", implementation,
-          rows=ROWS, hidden=HIDDEN, experts=EXPERTS, dtype=DTYPE)
+    bench(
+        benchmark,
+        run,
+        setup,
+        "expert_order",
+        implementation,
+        rows=ROWS,
+        hidden=HIDDEN,
+        experts=EXPERTS,
+        dtype=DTYPE,
+    )

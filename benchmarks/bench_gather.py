@@ -8,8 +8,8 @@ import torch
 from benchmarks._common import DEVICE, ON_CUDA, bench
 from optimized.ops import padded_index_gather
 
-SOURCE_ROWS, GATHERED_ROWS, HIDDEN = (16384, 8 * 16384 - 300, 2048) if ON_CUDA else (
-    1024, 6000, 256
+SOURCE_ROWS, GATHERED_ROWS, HIDDEN = (
+    (16384, 8 * 16384 - 300, 2048) if ON_CUDA else (1024, 6000, 256)
 )
 DTYPE = torch.bfloat16
 
@@ -33,5 +33,14 @@ def plain(x, index, grad):
 @pytest.mark.parametrize("implementation", ["optimized", "plain"])
 def test_gather_rows(benchmark, implementation):
     run = optimized if implementation == "optimized" else plain
-    bench(benchmark, run, setup, "gather_rows", implementation,
-          source_rows=SOURCE_ROWS, gathered_rows=GATHERED_ROWS, hidden=HIDDEN, dtype=DTYPE)
+    bench(
+        benchmark,
+        run,
+        setup,
+        "gather_rows",
+        implementation,
+        source_rows=SOURCE_ROWS,
+        gathered_rows=GATHERED_ROWS,
+        hidden=HIDDEN,
+        dtype=DTYPE,
+    )

@@ -8,8 +8,8 @@ import torch
 from benchmarks._common import DEVICE, ON_CUDA, bench
 from optimized.ops import grouped_linear
 
-ROWS_PER_EXPERT, FAN_IN, FAN_OUT, EXPERTS = (1024, 2048, 2816, 16) if ON_CUDA else (
-    128, 128, 256, 8
+ROWS_PER_EXPERT, FAN_IN, FAN_OUT, EXPERTS = (
+    (1024, 2048, 2816, 16) if ON_CUDA else (128, 128, 256, 8)
 )
 DTYPE = torch.bfloat16
 
@@ -18,8 +18,10 @@ def setup():
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     rows = ROWS_PER_EXPERT * EXPERTS
     x = torch.randn(rows, FAN_IN, generator=generator, device=DEVICE, dtype=DTYPE)
-    weight = torch.randn(EXPERTS, FAN_OUT, FAN_IN, generator=generator, device=DEVICE,
-                         dtype=DTYPE) * FAN_IN**-0.5
+    weight = (
+        torch.randn(EXPERTS, FAN_OUT, FAN_IN, generator=generator, device=DEVICE, dtype=DTYPE)
+        * FAN_IN**-0.5
+    )
     offsets = torch.arange(1, EXPERTS + 1, device=DEVICE, dtype=torch.int32) * ROWS_PER_EXPERT
     grad = torch.randn(rows, FAN_OUT, generator=generator, device=DEVICE, dtype=DTYPE)
     return (x.requires_grad_(), weight.requires_grad_(), offsets, grad), {}
@@ -40,6 +42,15 @@ def plain(x, weight, offsets, grad):
 @pytest.mark.parametrize("implementation", ["optimized", "plain"])
 def test_grouped_linear(benchmark, implementation):
     run = optimized if implementation == "optimized" else plain
-    bench(benchmark, run, setup, "grouped_linear", implementation,
-          rows_per_expert=ROWS_PER_EXPERT, fan_in=FAN_IN, fan_out=FAN_OUT, experts=EXPERTS,
-          dtype=DTYPE)
+    bench(
+        benchmark,
+        run,
+        setup,
+        "grouped_linear",
+        implementation,
+        rows_per_expert=ROWS_PER_EXPERT,
+        fan_in=FAN_IN,
+        fan_out=FAN_OUT,
+        experts=EXPERTS,
+        dtype=DTYPE,
+    )

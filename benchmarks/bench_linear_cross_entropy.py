@@ -33,5 +33,14 @@ def plain(hidden, weight, target):
 @pytest.mark.parametrize("implementation", ["optimized", "plain"])
 def test_linear_cross_entropy(benchmark, implementation):
     run = optimized if implementation == "optimized" else plain
-    bench(benchmark, run, setup, "linear_cross_entropy", implementation,
-          tokens=TOKENS, vocab=VOCAB, hidden=HIDDEN, dtype=DTYPE)
+    bench(
+        benchmark,
+        run,
+        setup,
+        "linear_cross_entropy",
+        implementation,
+        tokens=TOKENS,
+        vocab=VOCAB,
+        hidden=HIDDEN,
+        dtype=DTYPE,
+    )

@@ -63,7 +63,8 @@ CASES = [
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_matches_plain_and_float64(dtype, case, transposed, use_bias):
     rows, fan_in, fan_out, ends = case
-    inputs = make_case(rows, fan_in, fan_out, ends, dtype, seed=rows + fan_in, transposed=transposed)
+    seed = rows + fan_in
+    inputs = make_case(rows, fan_in, fan_out, ends, dtype, seed=seed, transposed=transposed)
     got = run(grouped_linear, *inputs, transposed, use_bias=use_bias)
     expected = run(plain_grouped_linear, *inputs, transposed, torch.float64, use_bias)
     plain = run(plain_grouped_linear, *inputs, transposed, use_bias=use_bias)
@@ -90,8 +91,16 @@ def deferred_backward(store, transposed=True):
     weight = parameter.transpose(1, 2) if transposed else parameter
     with store.deferring():
         grouped_linear(x, weight, offsets, bias, store).backward(grad_out)
-    ref = run(plain_grouped_linear, x.detach(), parameter.detach(), bias.detach(), offsets,
-              grad_out, transposed, torch.float64)
+    ref = run(
+        plain_grouped_linear,
+        x.detach(),
+        parameter.detach(),
+        bias.detach(),
+        offsets,
+        grad_out,
+        transposed,
+        torch.float64,
+    )
     return x, parameter, bias, ref
 
 
@@ -169,5 +178,6 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="offsets must be"):
         grouped_linear(torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([8]))
     with pytest.raises(ValueError, match="bias must be"):
-        grouped_linear(torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([4, 8]),
-                       torch.randn(2, 3))
+        grouped_linear(
+            torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([4, 8]), torch.randn(2, 3)
+        )

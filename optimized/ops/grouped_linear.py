@@ -181,8 +181,10 @@ def _grad_destination(weight: torch.Tensor) -> _GradDestination:
 def _accumulate_into(destination: _GradDestination, grad_view: torch.Tensor) -> None:
     """Add ``grad_view`` (laid out like the weight view) into ``leaf.grad``."""
     leaf = destination.leaf
-    if leaf.is_contiguous() and destination.size == tuple(leaf.shape) and (
-        destination.stride == tuple(leaf.stride())
+    if (
+        leaf.is_contiguous()
+        and destination.size == tuple(leaf.shape)
+        and (destination.stride == tuple(leaf.stride()))
     ):
         grad = grad_view.to(leaf.dtype)
     else:
@@ -260,8 +262,7 @@ def grouped_linear(
         )
     if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]:
         raise ValueError(
-            f"offsets must be [{weight.shape[0]}] (one end per expert); "
-            f"got {tuple(offsets.shape)}"
+            f"offsets must be [{weight.shape[0]}] (one end per expert); got {tuple(offsets.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[2]):
         raise ValueError(
