@@ -194,7 +194,7 @@ def _memory_worker(model, parallel, state):
 
 @pytest.mark.slow
 def test_activation_peak_at_most_0_6x_reference():
-    """Issue 5's memory target. Measured 0.46-0.57x per rank: fused attention drops the
+    """Issue 5's memory target. Measured 0.455-0.552x per rank: fused attention drops the
     S x S probabilities, selective recomputation the attention block's projections, the
     chunked linear cross-entropy the logits, early frees the stage-boundary buffers."""
     model = preset("tiny-deepseek-v2")
