@@ -231,3 +231,15 @@ def test_lr_schedule_values():
     assert lr_at(0, no_warmup) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="step = -1"):
         lr_at(-1, cfg)
+
+
+def test_the_shipped_example_config_loads():
+    import pathlib
+
+    from optimized.train_config import load_config
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tiny-deepseek-v2.toml"
+    cfg = load_config(path)
+    assert cfg.model.name == "tiny-deepseek-v2"
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.nproc) == (2, 2, 2, 4)
+    assert cfg.steps == 200
