@@ -162,6 +162,19 @@ def make_layout(parallel: ParallelConfig) -> Layout:
 
 
 # ------------------------------------------------------------ communication
+def _exchange(out, inp, output_split_sizes, input_split_sizes, group) -> None:
+    """`all_to_all_single`, started asynchronously and waited here.
+
+    The blocking call leaves gloo's worker thread holding the buffers until it next
+    gets the GIL, so when they are freed, and the measured peak, varied from run to
+    run by one buffer; a waited handle gives them back as soon as it is dropped.
+    """
+    work = dist.all_to_all_single(
+        out, inp, output_split_sizes, input_split_sizes, group=group, async_op=True
+    )
+    work.wait()
+
+
 class AllToAll(torch.autograd.Function):
     """`all_to_all_single` whose backward sends gradients back the way rows came."""
 
@@ -171,21 +184,15 @@ class AllToAll(torch.autograd.Function):
         ctx.input_split_sizes = input_split_sizes
         ctx.group = group
         out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes, input_split_sizes, group=group
-        )
+        _exchange(out, x.contiguous(), output_split_sizes, input_split_sizes, group)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grad_in = grad_out.new_empty((sum(ctx.input_split_sizes),) + tuple(grad_out.shape[1:]))
-        dist.all_to_all_single(
-            grad_in,
-            grad_out.contiguous(),
-            ctx.input_split_sizes,
-            ctx.output_split_sizes,
-            group=ctx.group,
+        _exchange(
+            grad_in, grad_out.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes, ctx.group
         )
         return grad_in, None, None, None
 
