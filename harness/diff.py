@@ -37,7 +37,7 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
-from harness.report import format_bytes, is_compare_report
+from harness.report import format_bytes, is_compare_report, read_json
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -89,14 +89,7 @@ class DiffResult:
 def load_document(path: str | Path) -> tuple[str, dict[str, Any]]:
     """Read ``path`` as ``("compare", report)`` or ``("bench", pytest-benchmark JSON)``."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise InputError(f"{path}: cannot read ({error.strerror or error})") from error
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
+    document = read_json(path, InputError)
     kind, payload = classify(document)
     if kind is None:
         raise InputError(

@@ -125,17 +125,22 @@ def _names(report: dict[str, Any]) -> tuple[str, str]:
     return str(report.get("baseline", "baseline")), str(report.get("candidate", "candidate"))
 
 
-def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a compare report, with an error that names the file when it is not one."""
+def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError) -> Any:
+    """The JSON in ``path``; ``error`` names the file when it cannot be read or parsed."""
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as error:
-        raise ReportError(f"{path}: cannot read: {error.strerror or error}") from error
+    except OSError as cause:
+        raise error(f"{path}: cannot read: {cause.strerror or cause}") from cause
     try:
-        report = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ReportError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from error
+        return json.loads(text)
+    except json.JSONDecodeError as cause:
+        raise error(f"{path}: not JSON ({cause.msg} at line {cause.lineno})") from cause
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a compare report, with an error that names the file when it is not one."""
+    report = read_json(path, ReportError)
     if not is_compare_report(report):
         raise ReportError(f"{path}: not a compare report (an object with a boolean 'passed')")
     return report
