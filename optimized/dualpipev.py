@@ -17,9 +17,15 @@ so the two can be held side by side. What differs:
   storage (`optimized.overlap`), the loss uses the fused in-place
   cross-entropy, experts the padded gather and grouped GEMM of the optimized ops.
 
-Point-to-point traffic is the reference's: one tagged stream per direction and
-chunk, sends posted at once and waited at the end of the step, receives posted
-when the data is needed. An overlapped pair receives both its inputs first.
+Point-to-point traffic: one tagged stream per direction and chunk, sends posted
+at once, receives posted when the data is needed (an overlapped pair receives
+both its inputs first). A send's buffer is freed as soon as the send is known
+complete, and that moment is read off the schedule, not off the timing
+(`optimized.estimator.schedule.send_completions`): once this rank has received
+a message its peer sent *after* taking ours, ours is done, and waiting it cannot
+block. (gloo's send work reports completion only once waited, so polling would
+hold every send to the end of the step.) Sends with no such reply are waited at
+the end of the step.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch.distributed as dist
 
 from models.distributed import Layout
 from models.model import IGNORE_INDEX
+from optimized.estimator.schedule import send_completions
 from optimized.execution import ExecutionContext
 from optimized.ops import linear_cross_entropy
 from optimized.overlap import (
@@ -63,6 +70,17 @@ class ChunkRun(NamedTuple):
     """The leaf the loss stage started from (the last stage only)."""
 
 
+class _Send(NamedTuple):
+    """A posted send, held until it is known complete."""
+
+    handle: object
+    tensor: torch.Tensor
+    free_when_sent: bool
+    """Free the storage once sent (a forward's output: only its backward root is left)."""
+    complete_after: int | None
+    """Receives after which the peer has certainly taken it (`send_completions`)."""
+
+
 class OptimizedDualPipeV:
     """Runs one training or evaluation step of DualPipeV on this pipeline rank."""
 
@@ -82,7 +100,7 @@ class OptimizedDualPipeV:
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
         """Run all micro-batches; return this rank's share of the mean loss (0 off rank 0)."""
-        self._begin(micro_batches, token_count)
+        self._begin(micro_batches, token_count, forward_only)
         if forward_only:
             self.phase = "forward-only"
             with torch.no_grad():
@@ -232,7 +250,6 @@ class OptimizedDualPipeV:
         return j
 
     def _observe(self, action: str, micro_batch: int | None) -> None:
-        self._drain_sends()
         if self.observer is not None:
             self.observer(f"{self.phase}:{action}", micro_batch)
 
@@ -269,25 +286,34 @@ class OptimizedDualPipeV:
     ) -> None:
         tensor = tensor.contiguous()
         handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
-        self.pending_sends.append((handle, tensor, free_when_sent))
-
-    def _drain_sends(self) -> None:
-        """Drop the sends that have completed (never waits: a send may need its receiver)."""
-        pending = []
-        for handle, tensor, free_when_sent in self.pending_sends:
-            if not handle.is_completed():
-                pending.append((handle, tensor, free_when_sent))
-            elif free_when_sent and torch.is_grad_enabled():
-                self.context.free_now("sent_activation", tensor)
-        self.pending_sends = pending
+        index = len(self.sent)
+        self.sent.append(None)
+        complete_after = self.completions[index] if index < len(self.completions) else None
+        self.pending_sends.append(_Send(handle, tensor, free_when_sent, complete_after))
 
     def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
         tensor = torch.empty(self.activation_shape, dtype=self.dtype)
         dist.irecv(tensor, self.layout.global_rank(pp_rank), tag=tag).wait()
+        self.received += 1
+        self._finish_sends(self.received)
         return tensor
 
+    def _finish_sends(self, received: int | None) -> None:
+        """Wait and free the sends known complete after ``received`` receives (None: all)."""
+        pending = []
+        for send in self.pending_sends:
+            if received is not None and (
+                send.complete_after is None or send.complete_after > received
+            ):
+                pending.append(send)
+                continue
+            send.handle.wait()
+            if send.free_when_sent and self.training:
+                self.context.free_now("sent_activation", send.tensor)
+        self.pending_sends = pending
+
     # ------------------------------------------------------------ bookkeeping
-    def _begin(self, micro_batches, token_count: int) -> None:
+    def _begin(self, micro_batches, token_count: int, forward_only: bool = False) -> None:
         self.context = ExecutionContext(record_frees=self.record_frees)
         self.micro_batches = micro_batches
         self.num_micro_batches = len(micro_batches)
@@ -299,13 +325,17 @@ class OptimizedDualPipeV:
         self.saved: tuple[deque, deque] = (deque(), deque())
         self.local_activations: deque = deque()
         self.local_gradients: deque = deque()
-        self.pending_sends: list = []
+        self.pending_sends: list[_Send] = []
+        self.sent: list[None] = []
+        self.received = 0
+        self.training = not forward_only
+        self.completions: list[int | None] = []  # forward-only: every send waits for the end
+        if self.training:
+            self.completions = send_completions(self.rank, self.num_ranks, self.num_micro_batches)
         self.loss = torch.zeros((), dtype=torch.float32)
 
     def _end(self) -> torch.Tensor:
-        for handle, _, _ in self.pending_sends:
-            handle.wait()
-        self.pending_sends = []
+        self._finish_sends(None)
         assert not self.saved[0] and not self.saved[1], "a forward was never backwarded"
         assert self.forwarded == [self.num_micro_batches] * 2
         self.context.finish()

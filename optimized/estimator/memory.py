@@ -36,7 +36,7 @@ from optimized.estimator.params import (
     shard,
     stage_params,
 )
-from optimized.estimator.schedule import walk
+from optimized.estimator.schedule import send_completions, walk
 
 
 @dataclass(slots=True)
@@ -213,6 +213,7 @@ class RankEstimate:
             "in_flight_at_peak": list(self.in_flight_at_peak),
             "max_in_flight": list(self.max_in_flight),
             "all_gradients_bytes": self.all_gradients_bytes,
+            "timeline": [dict(moment) for moment in self.timeline],
         }
 
 
@@ -435,14 +436,7 @@ def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> 
             backward(action.backward_chunk, False)
         during = state.peak
         most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
-        timeline.append(
-            {
-                "phase": action.phase,
-                "action": _label(action),
-                "in_flight": list(step.in_flight),
-                "bytes": during[0],
-            }
-        )
+        timeline.append(_moment(step, during, weights + optimizer + batch_bytes(config)))
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
@@ -491,7 +485,11 @@ def _estimate_rank_optimized(
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
     head += th + tokens * F32 + 8
     state = _State()
-    pending: list[int] = []  # bytes freed at the next action (completed sends)
+    # Sends held until this rank has received the peer's reply that proves them taken
+    # (`send_completions`; None: to the end of the step): [bytes, receives needed].
+    completions = iter(send_completions(rank, config.pp, config.num_microbatches))
+    sends: list[tuple[int, int | None]] = []
+    received = [0]
     deferred: list[int] = []
     local_out: list[int] = []
     peak, peak_step, timeline = -1, None, []
@@ -529,8 +527,23 @@ def _estimate_rank_optimized(
     def is_loss(chunk):
         return chunk == 1 and first
 
+    def send(nbytes):
+        sends.append((nbytes, next(completions)))
+
+    def receive():
+        """One received tensor; the sends it proves complete are waited and freed."""
+        state.activations += th
+        state.moment()
+        received[0] += 1
+        for item in [x for x in sends if x[1] is not None and x[1] <= received[0]]:
+            sends.remove(item)
+            state.activations -= item[0]
+
     def f_start(chunk):
-        state.activations += 0 if (chunk == 1 and last) else th  # embedding or received
+        if chunk == 0 and first:
+            state.activations += th  # the embedding's output
+        elif not (chunk == 1 and last):
+            receive()
 
     def f_end(chunk, mb):
         if is_loss(chunk):
@@ -544,7 +557,7 @@ def _estimate_rank_optimized(
         elif chunk == 0 and last:
             local_out.append(th)
         else:
-            pending.append(th)
+            send(th)
 
     def b_start(chunk, mb):
         if is_loss(chunk):
@@ -553,19 +566,20 @@ def _estimate_rank_optimized(
             state.activations += th  # head_input.grad
             state.grad((chunk, "norm"), m.hidden_size * config.grad_bytes)
         elif not (chunk == 0 and last):
-            state.activations += th  # the received gradient
+            receive()  # the gradient
 
     def b_end(chunk):
-        state.activations -= th  # the chunk's input (hand-over or received), its root
+        if not (chunk == 1 and last):  # there the input is chunk 0's output, kept until B0
+            state.activations -= th  # the chunk's input (received or embedded), its root
         if chunk == 0 and first:
             state.grad((chunk, "embedding"), _embedding_grad_bytes(config))
             state.activations -= th
         elif chunk == 1 and last:
-            pass  # the gradient is handed to B0 locally
+            # The input gradient is handed to B0 locally: held until B0 has used it (B0 then
+            # frees it as any chunk frees its received gradient).
+            state.activations += th
         else:
-            pending.append(th)  # the sent gradient
-        if chunk == 0 and last:
-            state.activations -= th  # the gradient B1 handed over
+            send(th)  # the sent gradient
         state.moment()
 
     fsteps = ("attention_forward", "dispatch_start", "dispatch_wait", "experts_forward",
@@ -611,8 +625,6 @@ def _estimate_rank_optimized(
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        while pending:
-            state.activations -= pending.pop()
         before = state.peak
         state.peak = (-1, 0, 0)
         state.moment()
@@ -629,8 +641,7 @@ def _estimate_rank_optimized(
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
                        step.backward_micro_batch)  # fmt: skip
         during = state.peak
-        timeline.append({"phase": action.phase, "action": _label(action),
-                         "in_flight": list(step.in_flight), "bytes": during[0]})  # fmt: skip
+        timeline.append(_moment(step, during, weights + optimizer + batch_bytes(config)))
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
@@ -643,6 +654,35 @@ def _estimate_rank_optimized(
         in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
         all_gradients_bytes=all_gradients, timeline=timeline,
     )  # fmt: skip
+
+
+def _moment(step, during: tuple[int, int, int], static: int) -> dict:
+    """One action of the walk as the timeline reports it.
+
+    ``mark`` and ``micro_batch`` are what the stack's observer (the harness's memory
+    tracker) records at the start of the same action, so a measured peak moment can be
+    looked up here; ``peak_bytes`` is the rank's total during the action and
+    ``gradients_bytes`` the gradients existing at that moment.
+    """
+    action = step.action
+    if action.kind == "W":
+        mark, micro_batch = "W", None
+    elif action.kind == "B":
+        mark, micro_batch = f"B{action.chunk}", step.backward_micro_batch
+    elif action.kind == "F":
+        mark, micro_batch = f"F{action.chunk}", step.forward_micro_batch
+    else:  # the optimized stack marks the pair; the reference its F first
+        mark, micro_batch = _label(action), step.forward_micro_batch
+    return {
+        "phase": action.phase,
+        "action": _label(action),
+        "mark": f"{action.phase}:{mark}",
+        "micro_batch": micro_batch,
+        "in_flight": list(step.in_flight),
+        "bytes": during[0],
+        "peak_bytes": during[0] + static,
+        "gradients_bytes": during[2],
+    }
 
 
 def _label(action) -> str:

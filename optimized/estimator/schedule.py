@@ -112,3 +112,95 @@ def walk(rank: int, pp: int, num_microbatches: int) -> Iterator[InFlight]:
         yield InFlight(action, f_mb, b_mb, in_flight, waiting)
     if forwarded != [num_microbatches] * 2 or backwarded != [num_microbatches] * 2 or awaiting:
         raise AssertionError(f"rank {rank}: schedule left work undone")
+
+
+class Message(NamedTuple):
+    """One point-to-point message of the schedule: activations or gradients of a chunk."""
+
+    kind: str
+    """``activation`` (a forward's output) or ``gradient`` (a backward's input gradient)."""
+    chunk: int
+    micro_batch: int
+
+
+class CommEvent(NamedTuple):
+    """A rank's receive or send of one message, in its program order."""
+
+    op: str
+    """``recv`` or ``send``."""
+    peer: int
+    message: Message
+
+
+def _forward_peers(rank: int, pp: int, chunk: int) -> tuple[int | None, int | None]:
+    """(source, destination) of a forward of ``chunk`` on ``rank``; None: no message (the
+    embedding, the loss, or the last rank's local hand-over between its chunks)."""
+    if chunk == 0:
+        return (rank - 1 if rank > 0 else None), (rank + 1 if rank < pp - 1 else None)
+    return (rank + 1 if rank < pp - 1 else None), (rank - 1 if rank > 0 else None)
+
+
+def comm_events(rank: int, pp: int, num_microbatches: int) -> Iterator[CommEvent]:
+    """The point-to-point messages of ``rank``, in the order the optimized schedule posts them.
+
+    A forward receives its input first and sends its output last; a backward receives the
+    output gradient first and sends the input gradient last; an overlapped F&B receives
+    the forward's input, then the backward's gradient, and sends the forward's output,
+    then the backward's gradient (`optimized.dualpipev.DualPipeV.FB`).
+    """
+    for step in walk(rank, pp, num_microbatches):
+        action = step.action
+        f_chunk = action.chunk if action.kind in ("F", "FB") else None
+        b_chunk = {"B": action.chunk, "FB": action.backward_chunk}.get(action.kind)
+        receives, sends = [], []
+        if f_chunk is not None:
+            src, dst = _forward_peers(rank, pp, f_chunk)
+            message = Message("activation", f_chunk, step.forward_micro_batch)
+            receives.append((src, message))
+            sends.append((dst, message))
+        if b_chunk is not None:
+            # The gradient flows against the forward: it comes from the forward's destination.
+            src, dst = _forward_peers(rank, pp, b_chunk)
+            message = Message("gradient", b_chunk, step.backward_micro_batch)
+            receives.append((dst, message))
+            sends.append((src, message))
+        for peer, message in receives:
+            if peer is not None:
+                yield CommEvent("recv", peer, message)
+        for peer, message in sends:
+            if peer is not None:
+                yield CommEvent("send", peer, message)
+
+
+def send_completions(rank: int, pp: int, num_microbatches: int) -> list[int | None]:
+    """For each send of ``rank`` (in its order), how many receives ``rank`` must have done
+    before that send is known complete; None: not before the step ends.
+
+    A send to a peer is complete once the peer has received it. The peer's program is
+    known (the same schedule), so the send is certainly complete as soon as ``rank``
+    has received any message the peer sent *after* receiving ours: waiting it then never
+    blocks, whatever the timing. On gloo that is the only way to learn it (a send's
+    work reports completion only once waited), and it makes the moment every send
+    buffer is freed a property of the schedule, which the estimator replays.
+    """
+    events = list(comm_events(rank, pp, num_microbatches))
+    peer_events = {
+        peer: list(comm_events(peer, pp, num_microbatches))
+        for peer in (rank - 1, rank + 1)
+        if 0 <= peer < pp
+    }
+    # How many receives rank has done once it has received each (peer, message).
+    received_after: dict[tuple[int, Message], int] = {}
+    for event in events:
+        if event.op == "recv":
+            received_after[(event.peer, event.message)] = len(received_after) + 1
+    completions: list[int | None] = []
+    for event in events:
+        if event.op != "send":
+            continue
+        theirs = peer_events[event.peer]
+        taken = theirs.index(CommEvent("recv", rank, event.message))
+        later = (e for e in theirs[taken + 1 :] if e.op == "send" and e.peer == rank)
+        reply = next(later, None)
+        completions.append(None if reply is None else received_after[(event.peer, reply.message)])
+    return completions
