@@ -35,12 +35,12 @@ from optimized.estimator import estimate_for_compare  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 STACKS = ("reference", "optimized")
-MODEL = "tiny-deepseek-v2"
+MODELS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 64
 LAYOUTS = ((2, 1, 1), (1, 2, 2), (2, 2, 2))
 TOLERANCE = 0.03
 
-# (layout, stack) -> what was measured when the case last missed (commit of this file).
+# (model, layout, stack) -> what was measured when the case last missed (commit of this file).
 KNOWN_MISSES: dict = {}
 
 _RESULTS: dict = {}
@@ -55,32 +55,34 @@ def _rank_both(model, parallel, state, optimizer):
     return _rank_main(model, parallel, state, list(STACKS), 2, optimizer, True, False)
 
 
-def _measure(layout):
-    if layout not in _RESULTS:
+def _measure(name, layout):
+    if (name, layout) not in _RESULTS:
         pp, dp, ep = layout
-        model = preset(MODEL)
+        model = preset(name)
         parallel = ParallelConfig(
             pp=pp, dp=dp, ep=ep, micro_batches=2 * pp if pp > 1 else 2,
             micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
         )  # fmt: skip
         state = build_model(model).state_dict()
         args = (model, parallel, state, OptimizerConfig())
-        _RESULTS[layout] = (model, parallel, launch(_rank_both, parallel.world_size, args))
-    return _RESULTS[layout]
+        _RESULTS[name, layout] = (model, parallel, launch(_rank_both, parallel.world_size, args))
+    return _RESULTS[name, layout]
 
 
 def _cases():
-    for layout in LAYOUTS:
-        for stack in STACKS:
-            marks = []
-            if (layout, stack) in KNOWN_MISSES:
-                marks.append(pytest.mark.xfail(reason=KNOWN_MISSES[(layout, stack)], strict=False))
-            yield pytest.param(layout, stack, marks=marks, id=f"{stack}-{layout}")
+    for name in MODELS:
+        for layout in LAYOUTS:
+            for stack in STACKS:
+                marks = []
+                if (name, layout, stack) in KNOWN_MISSES:
+                    reason = KNOWN_MISSES[name, layout, stack]
+                    marks.append(pytest.mark.xfail(reason=reason, strict=False))
+                yield pytest.param(name, layout, stack, marks=marks, id=f"{name}-{stack}-{layout}")
 
 
-@pytest.mark.parametrize(("layout", "stack"), list(_cases()))
-def test_estimate_matches_measured_peak(layout, stack):
-    model, parallel, per_rank = _measure(layout)
+@pytest.mark.parametrize(("name", "layout", "stack"), list(_cases()))
+def test_estimate_matches_measured_peak(name, layout, stack):
+    model, parallel, per_rank = _measure(name, layout)
     report = estimate_for_compare(
         model,
         dict(
@@ -115,5 +117,5 @@ def test_estimate_matches_measured_peak(layout, stack):
             )
         if abs(error) > TOLERANCE:
             failures.append(f"{result['coords']} peak off by {error:+.2%}")
-    print(f"\n{stack} {layout}:\n  " + "\n  ".join(rows))
+    print(f"\n{name} {stack} {layout}:\n  " + "\n  ".join(rows))
     assert not failures, "\n".join(failures + rows)

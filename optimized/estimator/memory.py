@@ -327,7 +327,8 @@ def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> 
             state.activations += layer.saved
             state.moment(layer.forward_transient)
         if c.head_saved:
-            state.moment(c.head_forward_transient)
+            # log_softmax writes what the loss keeps while the logits are still alive
+            state.moment(c.head_forward_transient + c.head_saved)
             state.activations += c.head_saved
         forward_end(chunk)
         state.moment()

@@ -125,10 +125,15 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     freed_input = rows_in if ep else sorted_tokens
     expert_out = padded_received * hidden * b
     experts = grouped * (hidden + 3 * inner) * b + expert_out + received * I64 + local * 4
+    # GPT-OSS's expert biases: each grouped linear keeps every row's expert (int64).
+    row_groups = 2 * grouped * I64 if m.model_type == "gpt_oss" else 0
+    experts += row_groups
     fwd["experts_forward"] = Step(
         "experts_forward",
         experts - freed_input,
-        experts + grouped * hidden * b + received * I64 + 64,
+        # the down projection's product beside its output (and, with GPT-OSS's biases, the
+        # gathered bias rows beside both)
+        experts + (2 if row_groups else 1) * grouped * hidden * b + received * I64 + 64,
     )
     rows_out = sent * hidden * b
     if ep:
@@ -146,7 +151,7 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     if ep:
         bwd["combine_backward_start"] = Step("combine_backward_start", rows_in - rows_out)
         bwd["combine_backward_wait"] = Step("combine_backward_wait", -rows_out)
-    saved_experts = grouped * (hidden + 3 * inner) * b + received * I64 + local * 4
+    saved_experts = grouped * (hidden + 3 * inner) * b + received * I64 + local * 4 + row_groups
     bwd["experts_backward"] = Step(
         "experts_backward",
         -saved_experts - (0 if ep else expert_out),
