@@ -83,11 +83,13 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep):
         assert abs(a - b) <= 1e-6 * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
 
 
-def test_resume_at_another_layout(tmp_path, monkeypatch):
-    """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4: the same global batches and
+@pytest.mark.parametrize("ep", [(2, 4), (1, 2)], ids=["ep2-ep4", "ep1-ep2"])
+def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
+    """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4 (and EP=1 then EP=2, where
+    FSDP2 shards the experts over 2 replicas both times): the same global batches and
     the same losses, up to rounding, as one rank running all three steps."""
-    before = ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=4")
-    after = ("parallel.pp=1", "parallel.dp=4", "parallel.ep=4", "data.micro_batches=2")
+    before = ("parallel.pp=2", "parallel.dp=2", f"parallel.ep={ep[0]}", "data.micro_batches=4")
+    after = ("parallel.pp=1", "parallel.dp=4", f"parallel.ep={ep[1]}", "data.micro_batches=2")
     whole = train(config("data.micro_batches=8", "steps=3"))[0]["losses"]
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
     saved = train(config(*before, "steps=3", f"checkpoint.dir={tmp_path}"))[0]
