@@ -131,13 +131,21 @@ def test_fsdp_shards_experts_over_their_replicas(runner_name):
 
 
 @pytest.mark.slow
-def test_fsdp_reduces_w_gradients_between_backwards_pp2():
-    """PP=2 DP=2 EP=1, optimized: W steps run between two backwards of the same experts
-    (nB1W1F1), so the next backward's reduce-scatter carries them; the rest wait for the
-    step's end. Every gradient equals the unsharded run's."""
-    overrides = ("model.name=tiny-qwen3-moe", "parallel.pp=2", "parallel.dp=2", "parallel.ep=1",
-                 "data.micro_batches=4")  # fmt: skip
-    ranks = _check_sharded_like_unsharded(overrides, OPTIMIZED_RUNNER)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("parallel.pp=2", "parallel.dp=2", "parallel.ep=1", "data.micro_batches=4"),
+        ("parallel.pp=1", "parallel.dp=4", "parallel.ep=2", "data.micro_batches=2"),
+    ],
+    ids=["pp2-dp2-ep1", "pp1-dp4-ep2"],
+)
+def test_fsdp_reduces_w_gradients_at_4_ranks(overrides):
+    """Optimized, tiny-qwen3-moe. PP=2 DP=2 EP=1: W steps run between two backwards of the
+    same experts (nB1W1F1), so the next backward's reduce-scatter carries them; the rest
+    wait for the step's end. DP=4 EP=2: experts sharded over EP and FSDP2 over their 2
+    replicas at once. Every gradient equals the unsharded run's."""
+    ranks = _check_sharded_like_unsharded(("model.name=tiny-qwen3-moe",) + overrides,
+                                          OPTIMIZED_RUNNER)  # fmt: skip
     for got in ranks:
         assert got["w_steps"] >= 1, got
 
