@@ -285,6 +285,23 @@ class Experts(nn.Module):
         return ops.grouped_linear(h, self.down_proj.transpose(1, 2), offsets)
 
 
+class OutputLayer(nn.Linear):
+    """The output layer (``lm_head``): a bias-free linear to the vocabulary.
+
+    `fused_loss` lets a stack fuse this layer with its cross-entropy and still call it
+    through the module (not by reading ``weight`` from outside), so whatever wraps the
+    module's methods sees the call: FSDP2 registers it as a forward method
+    (`register_fsdp_forward_method`) and gathers the sharded weight around it.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, fused) -> torch.Tensor:
+        """``fused(hidden, weight, labels)``: the stack's linear + cross-entropy on this weight."""
+        return fused(hidden, self.weight, labels)
+
+
 class Router(nn.Module):
     """Top-k routing of each family. Returns ``(weights [T, k], experts [T, k])``.
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.decoder import SINGLE, DecoderLayer, ExpertParallel, Experts, MoE
-from models.layers import RMSNorm, Router
+from models.layers import OutputLayer, RMSNorm, Router
 
 IGNORE_INDEX = -100
 
@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
             layers = range(config.num_hidden_layers)
         self.model = Backbone(config, ep, layers, embedding, head)
         if head:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = OutputLayer(config.hidden_size, config.vocab_size)
             if config.tie_word_embeddings and embedding:
                 self.lm_head.weight = self.model.embed_tokens.weight
         if embedding and head and len(layers) == config.num_hidden_layers:

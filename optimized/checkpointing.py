@@ -6,9 +6,9 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   names: ``model.<name>`` for every parameter, routed experts as whole ``[E, ...]``
   tensors, and ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (and ``.master``, the float32
   copy, when parameters are bfloat16) with the parameter's shape. Each rank gathers its
-  expert shards over its EP group, its FSDP2 parameter rows and its optimizer slices
-  over their replica group (DP, or the expert replicas), then
-  every rank hands DCP its part; DCP keeps one copy of what DP replicas share. Nothing on
+  FSDP2 parameter rows and its optimizer slices over their replica group (DP, or the
+  expert replicas), then its expert shards over its EP group; every rank hands DCP its
+  part, and DCP keeps one copy of what DP replicas share. Nothing on
   disk depends on PP, DP or EP, so a checkpoint saved at one layout loads at any other;
 - ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
 - ``config.json`` (the model, Hugging Face style) and ``train.toml`` (the run's config);

@@ -55,6 +55,14 @@ TAG_FORWARD = (0, 1)
 TAG_BACKWARD = (2, 3)
 
 
+def _summed_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """The fused output layer and cross-entropy, summed over tokens (`OutputLayer.fused_loss`
+    calls it through the module, so FSDP2 gathers a sharded ``weight`` around it)."""
+    return linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 class ChunkRun(NamedTuple):
     """One micro-batch's forward through one chunk, waiting for its backward."""
 
@@ -227,9 +235,7 @@ class OptimizedDualPipeV:
         time, so no ``[tokens, vocab]`` logits wait here for the backward.
         """
         normed = self.part.model.norm(hidden)
-        return linear_cross_entropy(
-            normed, self.part.lm_head.weight, labels, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        return self.part.lm_head.fused_loss(normed, labels, _summed_linear_cross_entropy)
 
     def _backward_start(self, chunk: int, run: ChunkRun) -> torch.Tensor:
         """The gradient of the chunk's last layer output."""

@@ -2,18 +2,19 @@
 
 Parameters come in two kinds (`optimized.sharding` says which and why):
 
-- *FSDP2* parameters (``fully_shard``-ed leaf modules, DTensors sharded on dim 0 over the
-  DP group): FSDP2 reduce-scatters their gradients, so this rank holds only its rows of
+- *FSDP2* parameters (``fully_shard``-ed modules, DTensors sharded on dim 0 over their
+  *replica group*: the DP group, or for routed experts the expert-replica group, size
+  DP / EP): FSDP2 reduce-scatters their gradients, so this rank holds only its rows of
   the parameter, the gradient and the state. Its float32 master *is* its local rows
   (a view) for float32 parameters, else a float32 copy of them; the step writes the
   rows back and FSDP2 all-gathers them in the next forward;
-- *ZeRO-1* parameters (routed experts, the output layer, and everything when sharding
-  is off): whole on every replica, whole gradients all-reduced by the runner, and only
-  the optimizer state sharded: each parameter is flattened and cut into ``S`` equal
-  slices (the last padded), ``S`` the size of its *replica group* (the DP group, or the
-  expert-replica group, size DP / EP, for routed experts); replica ``i`` owns slice
-  ``i``, its float32 master copy, ``exp_avg`` and ``exp_avg_sq``; after the step the
-  updated slices are all-gathered into the parameter.
+- *ZeRO-1* parameters (routed experts when EP = DP, an output layer tied to the
+  embedding, and everything when sharding is off): whole on every replica, whole
+  gradients all-reduced by the runner, and only the optimizer state sharded: each
+  parameter is flattened and cut into ``S`` equal slices (the last padded), ``S`` the
+  size of its replica group; replica ``i`` owns slice ``i``, its float32 master copy,
+  ``exp_avg`` and ``exp_avg_sq``; after the step the updated slices are all-gathered
+  into the parameter.
 
 A dim-0 shard of a contiguous tensor is a flat slice whose size is a whole number of
 rows, so both kinds are one `ParamShard` (``start``/``stop`` in flattened elements).
@@ -116,7 +117,8 @@ class ShardedAdamW:
         shard: bool,
         fsdp: set[str] = frozenset(),
     ) -> None:
-        """``fsdp``: names of the parameters `fully_shard` manages (sharded over DP)."""
+        """``fsdp``: names of the parameters `fully_shard` manages (sharded over their
+        replica group: experts over the expert replicas, the rest over DP)."""
         self.layout = layout
         self.sharded = shard
         self.shards: list[ParamShard] = []

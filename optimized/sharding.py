@@ -1,38 +1,58 @@
-"""Data-parallel sharding of `twinpipe train` with FSDP2 (`fully_shard`), leaf by leaf.
+"""Data-parallel sharding of `twinpipe train` with FSDP2 (`fully_shard`), module by module.
 
 The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward``
 (the optimized stack) or run a layer's stages one after another (the reference), but
-every *leaf* module inside them is called through its own ``forward``: the norms, the
-attention block, the dense MLP, the router, the shared experts, the embedding and the
-final norm. Each of those is `fully_shard`-ed on its own over this rank's DP group (a
-`DeviceMesh` made from ``layout.dp_group``), so each is its own FSDP2 parameter group:
+every *leaf* module inside them is called through its own ``forward`` (or, for the
+output layer, a registered forward method): the norms, the attention block, the dense
+MLP, the router, the shared experts, the routed experts, the embedding, the final norm
+and the output layer. Each is `fully_shard`-ed on its own, so each is its own FSDP2
+parameter group and its own FSDP2 root (nothing forwards the pipeline part as a whole):
 
-- parameters, gradients and AdamW state are sharded along dim 0 over DP; the
-  pre-forward hook all-gathers a module's parameters, the post-forward hook frees them
+- parameters, gradients and AdamW state are sharded along dim 0; the pre-forward hook
+  all-gathers a module's parameters, the post-forward hook frees them
   (``reshard_after_forward``), the pre-backward hook gathers them again and the
   post-backward hook reduce-scatters the gradients (a *sum*: divide factor 1, the loss
   is already the mean over the global batch) into the sharded ``.grad``;
-- every leaf is its own FSDP root: nothing forwards the pipeline part as a whole, so
-  there is no module above them whose forward could be the root's.
+- every module but the routed experts is sharded over this rank's DP group; the routed
+  experts (``layer.mlp.experts``, this EP rank's shard of them) over their
+  *expert-replica* group, the DP ranks holding the same experts (size DP / EP). Where
+  that group is one rank (EP = DP) FSDP2 would shard nothing and only add an all-gather
+  copy of the experts, so they stay whole and unreduced (`ShardedAdamW`'s plain path);
+- the output layer: the optimized loss stage fuses it with the cross-entropy and never
+  calls ``lm_head.forward``; it calls ``lm_head.fused_loss`` (`models.layers.OutputLayer`),
+  registered with `register_fsdp_forward_method` so the same hooks gather the weight
+  around it. The fused loss finishes ``grad_weight`` in its forward and hands it to
+  autograd in the backward, where it lands in the unsharded ``.grad`` as a plain linear's
+  would. With tied embeddings the output layer and the embedding share one weight and
+  stay off FSDP2 (below).
 
-What stays off FSDP2, on `ShardedAdamW`'s ZeRO-1 path (whole parameters and gradients,
-gradients all-reduced here, optimizer state sharded as flat slices):
-
-- the routed experts. Their weight gradients may be deferred to the zero-bubble W
-  steps (`WeightGradStore`), which write ``.grad`` outside autograd *after* FSDP2's
-  post-backward hook has run; FSDP2 would reshard and never reduce them (or reduce them
-  with the next micro-batch's). Turning deferral off would remove the W steps that make
-  DualPipeV's bubble small, and the experts' replica group (DP / EP) is 1 whenever
-  EP = DP. Their optimizer state is still sharded over the expert-replica group;
-- the output layer (``lm_head``): the optimized loss stage fuses it with the
-  cross-entropy and reads ``lm_head.weight`` directly (never ``lm_head.forward``), so no
-  FSDP2 hook would gather it; with tied embeddings the embedding shares that weight and
-  stays off too.
+Deferred expert weight gradients. A zero-bubble backward (`WeightGradStore`) leaves the
+routed experts' weight gradients to a later W step, whose closure adds them into the
+``.grad`` of the parameter the forward used: FSDP2's *unsharded* parameter, one
+`nn.Parameter` FSDP2 keeps for the module's lifetime (reshard frees its storage, not the
+object), so the closure may run after the module was resharded. FSDP2's post-backward
+hook reduce-scatters whatever that ``.grad`` holds and sets it to None, so a W gradient
+that lands between two backwards of a module is reduced by the next one, together with
+that micro-batch's gradient; the W steps after a module's last backward of the step are
+reduced by `reduce_pending_gradients` once the schedule's last W has run. Each deferred
+gradient is thus reduce-scattered exactly once (tests/test_sharding.py compares every
+gradient with an unsharded run's). Replicas of an expert shard run the same schedule, so
+they reach the same collectives in the same order.
 
 Gradient accumulation: every micro-batch's backward reduce-scatters its gradients into
 the sharded ``.grad`` (FSDP2's default), which the micro-batches then sum; the schedule
 interleaves micro-batches and chunks, so "the last backward of this module" is not
-known to the trainer, and ``set_requires_gradient_sync(False)`` would need one.
+known to the trainer, and ``set_requires_gradient_sync(False)`` would need one. Unsharded
+gradients live only from a module's backward to its post-backward hook (a W gradient:
+to the module's next backward, or the step's end).
+
+What stays off FSDP2, on `ShardedAdamW`'s ZeRO-1 path (whole parameters and gradients,
+gradients all-reduced by `reduce_unsharded_gradients`, optimizer state sharded as flat
+slices): the routed experts where EP = DP (nothing to reduce), and an embedding tied to
+the output layer (with that layer). The tied weight is used by two modules at different
+moments of the schedule (the embedding in stage 0's forwards, the head in the loss
+stage's); FSDP2 can group them (``fully_shard([embed, lm_head])``) but its group hooks
+assume the group's modules run together in one forward.
 """
 
 from __future__ import annotations
@@ -41,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from models.distributed import Layout
 from models.model import CausalLM, is_expert_parameter
@@ -49,7 +69,8 @@ from models.training import micro_batches_of, share_loss, token_count
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
-    """The leaf modules FSDP2 shards: each is called through its ``forward`` by both stacks."""
+    """The modules FSDP2 shards over the DP group: each is called through its ``forward``
+    (the output layer through its registered ``fused_loss``) by both stacks."""
     modules: list[nn.Module] = []
     backbone = part.model
     tied = part.config.tie_word_embeddings
@@ -65,22 +86,76 @@ def fsdp_modules(part: CausalLM) -> list[nn.Module]:
             modules.append(layer.mlp.shared_experts)
     if getattr(backbone, "norm", None) is not None:
         modules.append(backbone.norm)
+    if getattr(part, "lm_head", None) is not None and not tied:
+        modules.append(part.lm_head)
     return modules
 
 
+def expert_modules(part: CausalLM, layout: Layout) -> list[nn.Module]:
+    """The routed experts of each MoE layer, sharded over the expert replicas; none when
+    there is one replica (EP = DP)."""
+    if layout.dp // layout.ep == 1:
+        return []
+    return [layer.mlp.experts for layer in part.decoder_layers if layer.is_moe]
+
+
+def _shard(module: nn.Module, mesh: DeviceMesh) -> None:
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    module.set_gradient_divide_factor(1.0)  # a sum: the loss is already the global mean
+    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
 def apply_fsdp(part: CausalLM, layout: Layout, device: torch.device) -> set[str]:
-    """`fully_shard` each of `fsdp_modules` over the DP group; the names of the parameters
-    FSDP2 now manages (DTensors sharded on dim 0)."""
-    mesh = DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
-    ids = {id(p) for m in fsdp_modules(part) for p in m.parameters()}
+    """`fully_shard` each of `fsdp_modules` over the DP group and each of `expert_modules`
+    over the expert replicas; the names of the parameters FSDP2 now manages (DTensors
+    sharded on dim 0)."""
+    dp_mesh = DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
+    experts = expert_modules(part, layout)
+    ids = {id(p) for m in fsdp_modules(part) + experts for p in m.parameters()}
     names = {n for n, p in part.named_parameters() if id(p) in ids}
-    if any(is_expert_parameter(n) for n in names):
-        raise AssertionError("routed experts must stay off FSDP2 (deferred weight gradients)")
     for module in fsdp_modules(part):
-        fully_shard(module, mesh=mesh, reshard_after_forward=True)
-        module.set_gradient_divide_factor(1.0)  # sum over DP: the loss is already a mean
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        _shard(module, dp_mesh)
+    if getattr(part, "lm_head", None) is not None:
+        register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
+    if experts:
+        replica_mesh = DeviceMesh.from_group(
+            layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
+        )
+        for module in experts:
+            _shard(module, replica_mesh)
     return names
+
+
+def reduce_pending_gradients(part: nn.Module) -> int:
+    """Reduce-scatter the gradients still waiting in FSDP2's unsharded parameters: those
+    the W steps added after a module's last post-backward hook of the step (see the
+    module docstring). Collective over each module's mesh; a module with none does
+    nothing. Returns how many parameter groups it reduced.
+
+    FSDP2 has no public call for "reduce what has accumulated now". This runs the
+    module's post-backward hook again and then its root's end-of-backward callback,
+    which is what `torch.distributed.pipelining` does for its zero-bubble schedules
+    (``_PipelineStageBase.perform_reduce_grad``, torch 2.13): private API, kept to this
+    one function (torch is pinned).
+    """
+    reduced = 0
+    for module in part.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = fully_shard.state(module)
+        pending = [
+            group
+            for group in state._fsdp_param_groups
+            for param in group.fsdp_params
+            if getattr(param, "_unsharded_param", None) is not None  # gathered once
+            and param._unsharded_param.grad is not None
+        ]
+        for group in dict.fromkeys(pending):
+            group.post_backward()
+            reduced += 1
+        if pending:
+            state._root_post_backward_final_callback()
+    return reduced
 
 
 def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str]) -> None:
@@ -100,10 +175,12 @@ def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str
 
 def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float:
     """The runner's ``forward_backward`` with FSDP2 reducing the sharded gradients: the
-    same schedule step, then only the unsharded gradients all-reduced."""
+    same schedule step (its last W included), the W gradients still pending reduced, then
+    only the unsharded gradients all-reduced."""
     optimizer.zero_grad()
     layout = runner.layout
     batches = micro_batches_of(ids, labels, runner.parallel, layout.dp_rank)
     loss = runner.schedule.step(batches, token_count(labels))
+    reduce_pending_gradients(runner.part)
     reduce_unsharded_gradients(runner.part, layout, sharded)
     return share_loss(loss, layout)

@@ -7,9 +7,10 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    tiny next to activations, and the loss stays the mean over the global batch);
 2. the runner (`runner_class`, the optimized stack's `OptimizedPipeline`) runs the
    DualPipeV forward/backward and reduces gradients. With sharding on (``parallel.fsdp``,
-   default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.sharding`):
-   FSDP2 gathers their parameters and reduce-scatters their gradients, and only the
-   rest (routed experts, output layer) is all-reduced;
+   default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.sharding`),
+   routed experts over their expert replicas: FSDP2 gathers their parameters and
+   reduce-scatters their gradients (the zero-bubble W steps' included), and only the
+   rest (experts where EP = DP, a tied output layer) is all-reduced;
 3. `ShardedAdamW` takes float32 gradient slices, the global norm is checked (a NaN or
    inf stops the run naming the step and ranks, or skips the step), clipped, stepped;
 4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every

@@ -1,5 +1,6 @@
 """Parameter buckets, bytes, MoE patterns, MLA, MTP, sharding, the walk and the CLI."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from harness.cli import main as cli_main
 from models.model import CausalLM
 from models.presets import preset
 from optimized.estimator import EstimateConfig, compute_weight_and_optimizer_memory, estimate
-from optimized.estimator.params import attention_params, layer_params, model_params
+from optimized.estimator.params import attention_params, layer_params, model_params, shard
 from optimized.estimator.schedule import walk
 
 
@@ -150,28 +151,49 @@ def test_hf_config_json(tmp_path):
     assert cli_main(["estimate", "--model", str(path), "--pp", "2"]) == 0
 
 
-def test_fsdp_shards_non_expert_weights_and_gradients_by_hand():
-    from optimized.estimator.memory import rank_params, static_bytes
+def test_fsdp_shards_weights_and_gradients_by_hand():
+    from optimized.estimator.memory import (
+        _head_weight_numel,
+        layer_profile,
+        rank_params,
+        static_bytes,
+    )
 
-    # tiny-qwen3-moe at PP=1, DP=2, EP=2: routed experts 4 * 49,152 = 196,608, of which
-    # this rank holds half; everything else 314,048 - 196,608 = 117,440, of which the
-    # output layer (512 * 64 = 32,768) stays whole and the rest is split over the 2 DP ranks.
-    def bytes_for(fsdp):
-        config = cfg(pp=1, dp=2, ep=2, fsdp=fsdp)
+    # tiny-qwen3-moe at PP=1: routed experts 4 * 49,152 = 196,608, of which an EP=2 rank
+    # holds half; everything else 314,048 - 196,608 = 117,440, the output layer
+    # (512 * 64 = 32,768) included, is split over the 2 DP ranks.
+    def bytes_for(fsdp, ep=2):
+        config = cfg(pp=1, dp=2, ep=ep, fsdp=fsdp)
         stages = (0, 1)
         partition = [range(0, 2), range(2, 4)]
         count = rank_params(config, stages, partition)
-        return static_bytes(config, count, head_numel=32_768 if fsdp else 0)
+        return static_bytes(config, count)
 
     _, weights, gradients, optimizer = bytes_for(False)
     assert weights == gradients == 4 * (117_440 + 98_304)
     _, weights, gradients, fsdp_optimizer = bytes_for(True)
-    held = (117_440 - 32_768) // 2 + 32_768 + 98_304
-    assert weights == gradients == 4 * held
+    assert weights == gradients == 4 * (117_440 // 2 + 98_304)
     # Optimizer state: everything non-expert over DP=2, experts over their expert-DP group
     # (world 2 / EP 2 = 1), two float32 moments each, plus a float32 step per tensor.
     assert fsdp_optimizer == 8 * (117_440 // 2 + 98_304) + 4 * count_tensors()
     assert fsdp_optimizer < optimizer
+    # EP=1: each rank holds all 196,608 expert weights, FSDP2 splits them over the 2 replicas.
+    _, weights, gradients, _ = bytes_for(True, ep=1)
+    assert weights == gradients == 4 * (117_440 // 2 + 196_608 // 2)
+    # A tied output layer stays whole (its 32,768 weights are the embedding's); untied, none.
+    model = dataclasses.replace(preset("tiny-qwen3-moe"), tie_word_embeddings=True)
+    tied = EstimateConfig(model, pp=1, dp=2, ep=2, fsdp=True, num_microbatches=2, seq_len=64)
+    assert _head_weight_numel(tied, (0, 1)) == 32_768
+    assert _head_weight_numel(cfg(pp=1, dp=2, ep=2, fsdp=True), (0, 1)) == 0
+    count = rank_params(tied, (0, 1), [range(0, 2), range(2, 4)])
+    params = shard(count, tied)
+    dense = params["tensor_sharded"] + params["replicated"]
+    held = -(-(dense - 32_768) // 2) + 32_768 + 98_304
+    assert static_bytes(tied, count, 32_768)[1] == 4 * held
+    # Per layer: the expert gradient over the replicas, the rest over DP.
+    plain, sharded = (layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=f), 1) for f in (False, True))
+    assert sharded.expert_grad * 2 == plain.expert_grad > 0
+    assert sharded.dense_grad * 2 == plain.dense_grad > 0
 
 
 def count_tensors():

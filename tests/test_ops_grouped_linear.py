@@ -117,6 +117,24 @@ def test_store_defers_the_weight_gradient_until_pop(transposed):
     store.assert_empty()
 
 
+def test_the_backward_decides_whether_to_defer():
+    """A schedule enables the store around a zero-bubble backward, not around the forward
+    (which ran long before): the weight gradient waits for the pop all the same."""
+    store = WeightGradStore()
+    x, parameter, bias, offsets, grad_out = make_case(
+        30, 8, 12, [7, 7, 30], torch.float32, seed=50, transposed=True
+    )
+    parameter.requires_grad_()
+    out = grouped_linear(x, parameter.transpose(1, 2), offsets, None, store)
+    with store.deferring():
+        out.backward(grad_out)
+    assert parameter.grad is None and len(store) == 1
+    store.pop()
+    whole = parameter.detach().clone().requires_grad_()
+    grouped_linear(x, whole.transpose(1, 2), offsets).backward(grad_out)
+    assert torch.equal(parameter.grad, whole.grad)
+
+
 def test_deferred_gradient_accumulates_into_an_existing_grad():
     store = WeightGradStore()
     _, parameter, _, ref = deferred_backward(store)

@@ -17,6 +17,7 @@ from models.presets import resolve_model
 from models.training import OptimizerConfig
 from optimized import sharding, trainer
 from optimized.data import TokenDataset, TokenLoader, default_dataset
+from optimized.ops.grouped_linear import WeightGradStore
 from optimized.optimizer import ShardedAdamW, gather_slices
 from tests.test_train import REFERENCE_RUNNER, _reference_runner, config, train  # noqa: F401
 
@@ -24,7 +25,8 @@ OPTIMIZED_RUNNER = "optimized.pipeline:OptimizedPipeline"
 
 
 def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]) -> dict:
-    """One forward/backward of the trainer's first batch; whole gradients by name."""
+    """One forward/backward of the trainer's first batch; whole gradients by name, and how
+    many W steps ran and how many parameter groups still had W gradients at the end."""
     os.environ["TWINPIPE_RUNNER"] = runner_name
     cfg = config(*overrides, f"parallel.fsdp={str(fsdp).lower()}")
     model = resolve_model(cfg.model.name)
@@ -42,6 +44,18 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
     )  # fmt: skip
     batch = next(loader)
     ids, labels = trainer.global_batch(batch.inputs, batch.labels, layout)
+    counts = {"w_steps": 0, "pending_at_end": 0}
+    pop, pending = WeightGradStore.pop, sharding.reduce_pending_gradients
+
+    def counted_pop(store):
+        counts["w_steps"] += 1
+        pop(store)
+
+    def counted_pending(part):
+        counts["pending_at_end"] += pending(part)
+        return counts["pending_at_end"]
+
+    WeightGradStore.pop, sharding.reduce_pending_gradients = counted_pop, counted_pending
     if fsdp:
         loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
     else:
@@ -58,35 +72,82 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
     }  # fmt: skip
     state = sum(s.master.numel() for s in optimizer.shards)
     return {"loss": loss, "norm": norm, "grads": grads, "kinds": kinds, "sharded": sharded,
-            "master_elements": state}  # fmt: skip
+            "master_elements": state, "dp_rank": layout.dp_rank, **counts}  # fmt: skip
 
 
-@pytest.mark.parametrize("runner_name", [REFERENCE_RUNNER, OPTIMIZED_RUNNER])
-def test_fsdp_shards_leaf_modules_and_keeps_gradients(runner_name):
-    """DP=2 EP=2: FSDP2 holds half the rows of every non-expert parameter but the output
-    layer; experts stay whole (EP shards them); the reduced gradients equal the unsharded
-    run's."""
-    overrides = ("parallel.dp=2", "parallel.ep=2")
-    sharded = launch(_one_step_gradients, 2, (runner_name, True, overrides))
-    whole = launch(_one_step_gradients, 2, (runner_name, False, overrides))
-    for rank in range(2):
-        got, want = sharded[rank], whole[rank]
+def _check_sharded_like_unsharded(overrides: tuple[str, ...], runner_name: str) -> list[dict]:
+    """Run sharded and unsharded; check what FSDP2 shards, over which group, and that every
+    gradient, the loss and the norm equal the unsharded run's (float32 rounding)."""
+    dp = int(next(o for o in overrides if o.startswith("parallel.dp=")).split("=")[1])
+    ep = int(next(o for o in overrides if o.startswith("parallel.ep=")).split("=")[1])
+    pp = int(next((o for o in overrides if o.startswith("parallel.pp=")), "=1").split("=")[1])
+    sharded = launch(_one_step_gradients, pp * dp, (runner_name, True, overrides))
+    whole = launch(_one_step_gradients, pp * dp, (runner_name, False, overrides))
+    for got, want in zip(sharded, whole, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert got["norm"] == pytest.approx(want["norm"], rel=1e-6)
         for name, (is_dtensor, local, shape) in got["kinds"].items():
-            on_fsdp = not is_expert_parameter(name) and not name.startswith("lm_head.")
-            assert is_dtensor == on_fsdp == (name in got["sharded"]), name
-            if on_fsdp:
-                rows = -(-shape[0] // 2)
-                assert local == (min(rows, shape[0] - rank * rows),) + shape[1:], name
+            expert = is_expert_parameter(name)
+            # Experts are sharded over their replicas (DP / EP of them), the rest over DP.
+            size, index = (dp // ep, got["dp_rank"] // ep) if expert else (dp, got["dp_rank"])
+            assert is_dtensor == (size > 1) == (name in got["sharded"]), name
+            if is_dtensor:
+                rows = -(-shape[0] // size)
+                assert local == (min(rows, shape[0] - index * rows),) + shape[1:], name
         for name, grad in got["grads"].items():
             ref = want["grads"][name].double()
             cos = torch.nn.functional.cosine_similarity(
                 grad.double().flatten(), ref.flatten(), dim=0
             )
             assert 1 - float(cos) <= 1e-10, (name, float(cos))
-        # Optimizer state: the FSDP2 rows of this rank plus the whole experts and head.
+            assert torch.allclose(grad.double(), ref, rtol=1e-5, atol=1e-7), name
+        # Optimizer state: this rank's FSDP2 rows (plus whole experts where EP = DP).
         assert got["master_elements"] < 0.75 * sum(g.numel() for g in got["grads"].values())
+    return sharded
+
+
+@pytest.mark.parametrize("runner_name", [REFERENCE_RUNNER, OPTIMIZED_RUNNER])
+def test_fsdp_shards_leaf_modules_and_keeps_gradients(runner_name):
+    """DP=2 EP=2: FSDP2 holds half the rows of every non-expert parameter, the output layer
+    included; experts stay whole (EP shards them, one replica each); the reduced gradients
+    equal the unsharded run's."""
+    _check_sharded_like_unsharded(("parallel.dp=2", "parallel.ep=2"), runner_name)
+
+
+@pytest.mark.parametrize("runner_name", [REFERENCE_RUNNER, OPTIMIZED_RUNNER])
+def test_fsdp_shards_experts_over_their_replicas(runner_name):
+    """DP=2 EP=1, GPT-OSS (expert biases; every layer MoE, so stage 0 has experts): the
+    routed experts are FSDP2 DTensors sharded over their 2 replicas. The optimized
+    schedule defers stage 0's expert weight gradients to a W step after their last
+    backward; those are reduced once at the step's end, and every gradient equals the
+    unsharded run's (a W gradient reduced twice, or never, would not)."""
+    overrides = ("model.name=tiny-gpt-oss", "parallel.dp=2", "parallel.ep=1")
+    ranks = _check_sharded_like_unsharded(overrides, runner_name)
+    for got in ranks:
+        if runner_name == OPTIMIZED_RUNNER:
+            assert got["w_steps"] >= 1 and got["pending_at_end"] >= 1, got
+        else:
+            assert got["w_steps"] == got["pending_at_end"] == 0, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("parallel.pp=2", "parallel.dp=2", "parallel.ep=1", "data.micro_batches=4"),
+        ("parallel.pp=1", "parallel.dp=4", "parallel.ep=2", "data.micro_batches=2"),
+    ],
+    ids=["pp2-dp2-ep1", "pp1-dp4-ep2"],
+)
+def test_fsdp_reduces_w_gradients_at_4_ranks(overrides):
+    """Optimized, tiny-qwen3-moe. PP=2 DP=2 EP=1: W steps run between two backwards of the
+    same experts (nB1W1F1), so the next backward's reduce-scatter carries them; the rest
+    wait for the step's end. DP=4 EP=2: experts sharded over EP and FSDP2 over their 2
+    replicas at once. Every gradient equals the unsharded run's."""
+    ranks = _check_sharded_like_unsharded(("model.name=tiny-qwen3-moe",) + overrides,
+                                          OPTIMIZED_RUNNER)  # fmt: skip
+    for got in ranks:
+        assert got["w_steps"] >= 1, got
 
 
 def _losses_and_norms(tmp_path, name: str, *overrides: str) -> tuple[list, list]:

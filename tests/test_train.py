@@ -55,11 +55,13 @@ def test_loss_falls_over_50_steps(tmp_path):
     assert records[0]["peak_memory_source"] == "max-rss"
 
 
-def test_exact_resume_after_sigterm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ep", [2, 1])
+def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep):
     """2 steps, SIGTERM (checkpoint), resume to 4 == 4 uninterrupted steps, bit for bit,
-    with parameters, gradients and optimizer state sharded by FSDP2 over DP and experts
-    over EP; and the same losses and gradient norms as unsharded, up to float32 rounding."""
-    common = ("steps=4", "parallel.dp=2", "parallel.ep=2", "parallel.fsdp=true")
+    with parameters, gradients and optimizer state sharded by FSDP2 over DP (experts over
+    EP; at EP=1 over their 2 replicas by FSDP2 too); and the same losses and gradient
+    norms as unsharded, up to float32 rounding."""
+    common = ("steps=4", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true")
     whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}"))[0]["losses"]
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     norms = [json.loads(x)["gradient_norm"] for x in lines]
@@ -81,11 +83,13 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch):
         assert abs(a - b) <= 1e-6 * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
 
 
-def test_resume_at_another_layout(tmp_path, monkeypatch):
-    """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4: the same global batches and
+@pytest.mark.parametrize("ep", [(2, 4), (1, 2)], ids=["ep2-ep4", "ep1-ep2"])
+def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
+    """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4 (and EP=1 then EP=2, where
+    FSDP2 shards the experts over 2 replicas both times): the same global batches and
     the same losses, up to rounding, as one rank running all three steps."""
-    before = ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=4")
-    after = ("parallel.pp=1", "parallel.dp=4", "parallel.ep=4", "data.micro_batches=2")
+    before = ("parallel.pp=2", "parallel.dp=2", f"parallel.ep={ep[0]}", "data.micro_batches=4")
+    after = ("parallel.pp=1", "parallel.dp=4", f"parallel.ep={ep[1]}", "data.micro_batches=2")
     whole = train(config("data.micro_batches=8", "steps=3"))[0]["losses"]
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
     saved = train(config(*before, "steps=3", f"checkpoint.dir={tmp_path}"))[0]

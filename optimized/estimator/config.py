@@ -59,11 +59,12 @@ class EstimateConfig:
     / a distributed optimizer does; `twinpipe compare` runs unsharded AdamW."""
     fsdp: bool = False
     """Shard like `twinpipe train` at DP > 1: FSDP2 divides the parameters, gradients and
-    optimizer state of every non-expert module by DP, except the output layer (and an
-    embedding tied to it), whose optimizer state alone is sharded over DP; routed experts
-    keep whole parameters and gradients, their optimizer state sharded over the expert-DP
-    group. Implies ``shard_optimizer``. The module-sized all-gather buffer that FSDP2 holds
-    while one module runs is not counted."""
+    optimizer state of every non-expert module by DP, the output layer included, and those
+    of the routed experts by the expert-DP group (nothing when it is one rank); an output
+    layer tied to the embedding keeps whole parameters and gradients, its optimizer state
+    sharded over DP. Implies ``shard_optimizer``. The module-sized all-gather buffer that
+    FSDP2 holds while one module runs is not counted, nor are expert weight gradients that a
+    W step leaves unsharded until the experts' next backward."""
     shared_expert_gate: bool = False
     """A sigmoid gate (``hidden_size`` weights) on the shared experts (Megatron's
     ``moe_shared_expert_gate``; none of twinpipe's families has one)."""

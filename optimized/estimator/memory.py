@@ -92,9 +92,13 @@ def _grad_bytes(config: EstimateConfig, count: ParamCount) -> int:
     return sum(shard(count, config).values()) * config.grad_bytes
 
 
-def _fsdp_divisor(config: EstimateConfig) -> int:
-    """How many ways FSDP2 splits a non-expert module's parameters and gradients."""
-    return config.dp if config.fsdp else 1
+def _fsdp_divisor(config: EstimateConfig, experts: bool = False) -> int:
+    """How many ways FSDP2 splits a module's parameters and gradients: a non-expert
+    module's over DP, the routed experts' over their replicas (``expert_dp``; 1 when
+    EP = DP, where they stay off FSDP2)."""
+    if not config.fsdp:
+        return 1
+    return config.expert_dp if experts else config.dp
 
 
 def _embedding_grad_bytes(config: EstimateConfig) -> int:
@@ -104,10 +108,12 @@ def _embedding_grad_bytes(config: EstimateConfig) -> int:
 
 
 def _head_weight_numel(config: EstimateConfig, stages) -> int:
-    """The output layer's (or the tied embedding's) weight on a rank holding the last stage:
-    kept whole under FSDP (the fused loss reads it without calling the module)."""
+    """The output-layer weight FSDP leaves whole on a rank holding the last stage: only a
+    weight tied to the embedding (an untied output layer is sharded over DP like the rest;
+    the fused loss runs as its registered forward method)."""
     m = config.model
-    return m.vocab_size * m.hidden_size if config.num_stages - 1 in stages else 0
+    held = config.num_stages - 1 in stages and m.tie_word_embeddings
+    return m.vocab_size * m.hidden_size if held else 0
 
 
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
@@ -122,8 +128,8 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     inner = m.moe_intermediate_size // config.etp
     local = m.num_experts // (config.ep * config.etp) if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
-    expert_grad = weight_numel * config.grad_bytes
-    dense_grad = (sum(count.values()) * config.grad_bytes - expert_grad) // _fsdp_divisor(config)
+    expert_grad = weight_numel * config.grad_bytes // _fsdp_divisor(config, experts=True)
+    dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // _fsdp_divisor(config)
     if not is_moe:
         largest = max(item.nbytes for item in saved)
         return LayerProfile(attention, 0, 0, 0, dense_grad, 0, boundary, largest + boundary)
@@ -243,13 +249,15 @@ def static_bytes(
 ) -> tuple[dict[str, int], int, int, int]:
     """(per-rank params by bucket, weight, gradient, optimizer bytes) of one rank.
 
-    ``head_numel``: the output-layer weight this rank holds, which FSDP leaves whole."""
+    Under ``fsdp`` parameters and gradients are split like `_fsdp_divisor` (rows rounded
+    up); ``head_numel``: the output-layer weight this rank holds whole (`_head_weight_numel`)."""
     params = shard(count, config)
     dense = params["tensor_sharded"] + params["replicated"]
     experts = params["routed_experts"]
     held = dense + experts
     if config.fsdp:
-        held = -(-(dense - head_numel) // config.dp) + head_numel + experts
+        held = -(-(dense - head_numel) // config.dp) + head_numel
+        held += -(-experts // _fsdp_divisor(config, experts=True))
     weights = held * config.param_bytes
     gradients = held * config.grad_bytes
     if config.shard_optimizer or config.fsdp:

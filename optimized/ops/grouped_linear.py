@@ -161,20 +161,25 @@ class _GradDestination(NamedTuple):
     storage_offset: int
 
 
-def _grad_destination(weight: torch.Tensor) -> _GradDestination:
-    """The parameter behind ``weight`` (itself, or the base of a view of it)."""
+def _grad_destination(weight: torch.Tensor) -> _GradDestination | None:
+    """The parameter behind ``weight`` (itself, or the base of a view of it); None when
+    ``weight`` is computed (`_no_destination` names the problem)."""
     leaf = weight if weight.is_leaf else weight._base
     if leaf is None or not leaf.is_leaf or not leaf.requires_grad:
-        raise ValueError(
-            "grouped_linear with an enabled WeightGradStore needs weight to be a parameter "
-            "or a view of one (e.g. param.transpose(1, 2)); got a tensor computed by "
-            f"{type(weight.grad_fn).__name__}"
-        )
+        return None
     return _GradDestination(
         leaf,
         tuple(weight.shape),
         tuple(weight.stride()),
         weight.storage_offset() - leaf.storage_offset(),
+    )
+
+
+def _no_destination(weight_grad_fn: str) -> ValueError:
+    return ValueError(
+        "grouped_linear with an enabled WeightGradStore needs weight to be a parameter "
+        "or a view of one (e.g. param.transpose(1, 2)); got a tensor computed by "
+        f"{weight_grad_fn}"
     )
 
 
@@ -210,10 +215,15 @@ class GroupedLinear(torch.autograd.Function):
             padded_bias = torch.cat([bias, bias.new_zeros((1, bias.shape[1]))])
             out = out + padded_bias.index_select(0, row_groups)
         ctx.save_for_backward(x, weight, offsets, row_groups)
-        ctx.defer = store is not None and store.enabled and ctx.needs_input_grad[1]
-        if ctx.defer:
-            ctx.store = store
+        # Whether to defer is the backward's choice (a schedule enables the store around
+        # a zero-bubble backward, long after the forward): keep where the gradient goes.
+        ctx.store = store if ctx.needs_input_grad[1] else None
+        ctx.destination = None
+        if ctx.store is not None:
             ctx.destination = _grad_destination(weight)
+            ctx.weight_grad_fn = type(weight.grad_fn).__name__
+            if store.enabled and ctx.destination is None:
+                raise _no_destination(ctx.weight_grad_fn)
         return out
 
     @staticmethod
@@ -229,8 +239,11 @@ class GroupedLinear(torch.autograd.Function):
             sums = grad_out.new_zeros((num_groups + 1, grad_out.shape[1]), dtype=accumulate)
             sums.index_add_(0, row_groups, grad_out.to(accumulate))
             grad_bias = sums[:num_groups].to(grad_out.dtype)
-        if ctx.defer:
+        defer = ctx.store is not None and ctx.store.enabled
+        if defer:
             destination = ctx.destination
+            if destination is None:
+                raise _no_destination(ctx.weight_grad_fn)
             del ctx.destination
 
             def weight_grad_work() -> None:
