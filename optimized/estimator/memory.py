@@ -171,6 +171,8 @@ def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> Chun
         else:  # the fused loss writes its gradient over the logits it keeps
             head_bwd = 2 * logits * b
         head_grad = _grad_bytes(config, head_params(m))
+        if not m.tie_word_embeddings:  # FSDP2 shards the final norm and the output layer
+            head_grad //= _fsdp_divisor(config)
     return ChunkProfile(profiles, head_saved, head_fwd, head_bwd, head_grad, embedding_grad)
 
 
@@ -489,6 +491,10 @@ def _estimate_rank_optimized(
     profiles = [[step_profile(config, layer) for layer in c] for c in chunk_layers]
     grads = [[layer_profile(config, layer) for layer in c] for c in chunk_layers]
     head_weight = m.vocab_size * m.hidden_size * b
+    # Under FSDP2 the fused loss's whole-weight gradient buffer waits for the backward,
+    # which reduce-scatters it into a 1/DP shard; without, micro-batch 0's becomes the grad.
+    sharded_head = config.fsdp and not m.tie_word_embeddings
+    head_divisor = _fsdp_divisor(config) if sharded_head else 1
     # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
     # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
@@ -558,7 +564,7 @@ def _estimate_rank_optimized(
         if is_loss(chunk):
             state.moment(th)
             state.activations += head
-            if mb == 0:  # grad_weight becomes lm_head.grad in this micro-batch's backward
+            if mb == 0 and not sharded_head:  # grad_weight becomes lm_head.grad
                 state.grad((chunk, "head"), head_weight)
             else:
                 state.activations += head_weight
@@ -571,9 +577,13 @@ def _estimate_rank_optimized(
     def b_start(chunk, mb):
         if is_loss(chunk):
             state.moment(th)
-            state.activations -= head + (head_weight if mb else 0)
+            state.activations -= head + (head_weight if mb or sharded_head else 0)
             state.activations += th  # head_input.grad
-            state.grad((chunk, "norm"), m.hidden_size * config.grad_bytes)
+            if sharded_head:  # FSDP2 shards dim 0, rows rounded up
+                rows = -(-m.vocab_size // head_divisor)
+                state.grad((chunk, "head"), rows * m.hidden_size * config.grad_bytes)
+            norm = -(-m.hidden_size // head_divisor)
+            state.grad((chunk, "norm"), norm * config.grad_bytes)
         elif not (chunk == 0 and last):
             receive()  # the gradient
 

@@ -245,6 +245,9 @@ class GroupedLinear(torch.autograd.Function):
             if destination is None:
                 raise _no_destination(ctx.weight_grad_fn)
             del ctx.destination
+            # Only the values wait for the W step: a saved input's autograd history (its
+            # grad_fn, and through it the stage's leaves and their gradients) must not.
+            x = x.detach()
 
             def weight_grad_work() -> None:
                 _accumulate_into(destination, grouped_weight_grad(x, grad_out, offsets))
