@@ -10,7 +10,8 @@ these sums against `torch.autograd.graph.saved_tensors_hooks` on real forwards.
 
 Routed rows use their balanced expectation: ``N = tokens * top_k`` copies leave
 a rank and, with EP ranks sharing the load evenly, ``N`` arrive (real routing
-varies a few percent around it).
+varies a few percent around it). The optimized stack's per-expert padding uses
+the expected padded count of a binomial load (`routed_rows`).
 
 ``stack="optimized"`` differs where `optimized.ops` and the overlapped
 pipeline differ: the padded gather rounds the expert rows up to a multiple of
@@ -23,6 +24,7 @@ reader.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from optimized.estimator.config import EstimateConfig
@@ -132,13 +134,41 @@ def routed_rows(config: EstimateConfig) -> tuple[int, int]:
     """(copies sent, rows grouped by expert on the receiving rank) per micro-batch."""
     sent = config.tokens * config.model.num_experts_per_tok
     if config.stack == "optimized":
-        # Each local expert's group is padded to GROUPED_GEMM_ROW_ALIGNMENT rows; with the
-        # balanced load every local expert gets sent / local_experts rows (at least one).
+        # Each local expert's group is padded up to GROUPED_GEMM_ROW_ALIGNMENT rows. The
+        # padding depends on each expert's count, not on the total: near a multiple of
+        # the alignment, an expert a few rows over the balanced share pays a whole extra
+        # block. So use the expected padded count under routing that picks each expert
+        # with equal probability: the EP group's ``sent * ep`` copies land on one expert
+        # as Binomial(sent * ep, 1 / num_experts).
         local = max(config.model.num_experts // (config.ep * config.etp), 1)
-        per_expert = -(-sent // local)
-        groups = -(-per_expert // GROUPED_GEMM_ROW_ALIGNMENT) * GROUPED_GEMM_ROW_ALIGNMENT
-        return sent, local * groups
+        copies = sent * config.ep
+        per_expert = expected_padded_count(
+            copies, 1 / config.model.num_experts, GROUPED_GEMM_ROW_ALIGNMENT
+        )
+        return sent, round(local * per_expert)
     return sent, sent
+
+
+def expected_padded_count(trials: int, p: float, alignment: int) -> float:
+    """E[round_up(X, alignment)] for X ~ Binomial(trials, p) (an empty group takes no
+    rows), summed over the pmf within 12 standard deviations of the mean (the rest
+    weighs under 1e-30)."""
+    if p >= 1:
+        return -(-trials // alignment) * alignment
+    mean = trials * p
+    spread = 12 * math.sqrt(max(mean * (1 - p), 1.0))
+    low, high = max(0, int(mean - spread)), min(trials, int(mean + spread) + 1)
+    log_norm = math.lgamma(trials + 1)
+    total = weight = 0.0
+    for k in range(low, high + 1):
+        log_pmf = (
+            log_norm - math.lgamma(k + 1) - math.lgamma(trials - k + 1)
+            + (k * math.log(p) if k else 0.0) + (trials - k) * math.log1p(-p)
+        )  # fmt: skip
+        pmf = math.exp(log_pmf)
+        weight += pmf
+        total += pmf * (-(-k // alignment) * alignment)
+    return total / weight
 
 
 def moe_saved(config: EstimateConfig) -> list[Saved]:
