@@ -55,11 +55,13 @@ def stack_ops(name: str):
         from reference.ops import ReferenceOps  # noqa: PLC0415
 
         return ReferenceOps()
-    if name == "optimized":
+    if name in ("optimized", "optimized-fsdp"):
         from optimized.ops import OptimizedOps  # noqa: PLC0415
 
         return OptimizedOps()
-    raise ValueError(f"unknown stack {name!r}; expected oracle, reference or optimized")
+    raise ValueError(
+        f"unknown stack {name!r}; expected oracle, reference, optimized or optimized-fsdp"
+    )
 
 
 def _rel(candidate: torch.Tensor, baseline: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from models import build_model, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
@@ -33,6 +34,7 @@ from models.training import OptimizerConfig, synthetic_batch
 STACKS = {
     "reference": "reference.pipeline:ReferencePipeline",
     "optimized": "optimized.pipeline:OptimizedPipeline",
+    "optimized-fsdp": "optimized.sharding:ShardedOptimizedPipeline",
 }
 SIDES = ("oracle",) + tuple(STACKS)
 
@@ -71,7 +73,9 @@ def _rank_main(model, parallel, full_state, stacks, steps, optimizer, track_memo
             from harness.memory import MemoryTracker  # noqa: PLC0415
 
             tracker = MemoryTracker("cuda" if torch.cuda.is_available() else "cpu")
-            tracker.register(parameters=pipeline.part, optimizer_state=pipeline.optimizer)
+            # A stack whose optimizer is no torch Optimizer names its state tensors itself.
+            state = getattr(pipeline, "optimizer_state", pipeline.optimizer)
+            tracker.register(parameters=pipeline.part, optimizer_state=state)
             pipeline.observer = tracker.mark
         for step in range(steps):
             ids, labels = synthetic_batch(model, parallel, step)
@@ -105,6 +109,8 @@ def _named(part: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in part.named_parameters():
         tensor = param.grad if grads else param.detach()
+        if isinstance(tensor, DTensor):  # FSDP2's row shard: the whole tensor (a collective)
+            tensor = tensor.full_tensor()
         out[name] = tensor.detach().float().clone()
     return out
 
@@ -299,7 +305,12 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
     )  # fmt: skip
     for key, stack in zip(("baseline", "candidate"), sides):
         try:
-            report = estimate_for_compare(model, layout, stack)
+            if stack == "optimized-fsdp":
+                report = estimate_for_compare(
+                    model, layout, "optimized", fsdp=True, shard_optimizer=True
+                )
+            else:
+                report = estimate_for_compare(model, layout, stack)
         except (ValueError, TypeError) as error:
             print(f"  estimate for {stack} unavailable: {error}", file=sys.stderr)
             continue

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -379,6 +380,8 @@ class MemoryTracker:
 
     def _see(self, tensor: torch.Tensor, category: str | None = None) -> int | None:
         """Account for ``tensor``'s storage; returns its uid (None if not tracked here)."""
+        if isinstance(tensor, DTensor):  # an FSDP2 shard: this rank holds its local rows
+            tensor = tensor._local_tensor
         if tensor.device.type != "cpu":
             return None
         try:

@@ -184,3 +184,59 @@ def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float
     reduce_pending_gradients(runner.part)
     reduce_unsharded_gradients(runner.part, layout, sharded)
     return share_loss(loss, layout)
+
+
+class ShardedOptimizedPipeline:
+    """The optimized stack as `twinpipe train` runs it with DP > 1: FSDP2 on every leaf
+    module (`apply_fsdp`) and `ShardedAdamW`, behind the runner interface the harness
+    drives, so that ``twinpipe compare --baseline optimized --candidate optimized-fsdp``
+    shows that sharding changes nothing beyond rounding.
+
+    The harness reads ``.grad`` after the optimizer step (torch's AdamW leaves it);
+    `ShardedAdamW.step` clears it, so the step puts the reduced gradients back.
+    """
+
+    name = "optimized-fsdp"
+
+    def __init__(self, model, parallel, layout, full_state, optimizer) -> None:
+        from optimized.optimizer import ShardedAdamW  # noqa: PLC0415
+        from optimized.pipeline import OptimizedPipeline  # noqa: PLC0415
+
+        self.runner = OptimizedPipeline(model, parallel, layout, full_state, optimizer)
+        self.part, self.layout, self.parallel = self.runner.part, layout, parallel
+        self.schedule = self.runner.schedule
+        self.sharded = apply_fsdp(self.part, layout, next(self.part.parameters()).device)
+        self.optimizer = ShardedAdamW(
+            self.part, layout, optimizer.lr, optimizer.betas, optimizer.eps,
+            optimizer.weight_decay, True, self.sharded,
+        )  # fmt: skip
+        self.runner.optimizer = self.optimizer
+        self.lr = optimizer.lr
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """What the memory tracker counts as optimizer state (read at every mark): AdamW's
+        moments and the float32 masters that do not share the parameters' storage."""
+        state = [t for s in self.optimizer.optimizer.state.values() for t in s.values()]
+        masters = [s.master for s in self.optimizer.shards if not s.shares_storage]
+        return state + masters
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        return forward_backward(self.runner, self.optimizer, self.sharded, ids, labels)
+
+    def optimizer_step(self) -> None:
+        grads = [(p, p.grad) for p in self.part.parameters()]
+        self.optimizer.prepare_gradients()
+        self.optimizer.step(self.lr)
+        for param, grad in grads:
+            param.grad = grad
+
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        return self.runner.evaluate(ids, labels)
+
+    @property
+    def observer(self):
+        return self.runner.observer
+
+    @observer.setter
+    def observer(self, callback) -> None:
+        self.runner.observer = callback

@@ -90,3 +90,25 @@ def test_outside_the_tolerance_exits_1(monkeypatch, capsys):
 def test_bad_input_exits_2_before_any_rank_starts(argv, needle, capsys):
     assert main(["compare", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
+    """The harness holds `twinpipe train`'s sharded optimized stack (FSDP2 on every module,
+    the experts over their replicas: DP / EP = 2 here) beside the unsharded one: losses
+    and gradients within the pipeline tolerance, parameters and AdamW state halved."""
+    small = list(SMALL)
+    small[small.index("--ep") + 1] = "1"
+    code = main(
+        [
+            "compare", *small, "--baseline", "optimized", "--candidate", "optimized-fsdp",
+            "--json", str(tmp_path / "out.json"),
+        ]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert code == 0 and report["passed"] is True
+    assert max(report["loss"]["rel_error"]) <= 1e-5
+    for rank in report["memory"]["ranks"]:
+        whole, sharded = rank["baseline"], rank["candidate"]
+        for category in ("parameters", "optimizer_state"):
+            assert sharded[category] <= 0.51 * whole[category], (rank["rank"], category)
