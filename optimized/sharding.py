@@ -65,7 +65,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 
 from models.distributed import Layout
 from models.model import CausalLM, is_expert_parameter
-from models.training import micro_batches_of, share_loss, token_count
+from models.training import PipelineRunner, micro_batches_of, share_loss, token_count
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
@@ -186,7 +186,7 @@ def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float
     return share_loss(loss, layout)
 
 
-class ShardedOptimizedPipeline:
+class ShardedOptimizedPipeline(PipelineRunner):
     """The optimized stack as `twinpipe train` runs it with DP > 1: FSDP2 on every leaf
     module (`apply_fsdp`) and `ShardedAdamW`, behind the runner interface the harness
     drives, so that ``twinpipe compare --baseline optimized --candidate optimized-fsdp``
@@ -229,14 +229,3 @@ class ShardedOptimizedPipeline:
         self.optimizer.step(self.lr)
         for param, grad in grads:
             param.grad = grad
-
-    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
-        return self.runner.evaluate(ids, labels)
-
-    @property
-    def observer(self):
-        return self.runner.observer
-
-    @observer.setter
-    def observer(self, callback) -> None:
-        self.runner.observer = callback
