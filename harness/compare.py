@@ -306,9 +306,11 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
     for key, stack in zip(("baseline", "candidate"), sides):
         try:
             if stack == "optimized-fsdp":
+                # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
                 report = estimate_for_compare(
-                    model, layout, "optimized", fsdp=True, shard_optimizer=True
-                )
+                    model, layout, "optimized", fsdp=True, shard_optimizer=True,
+                    optimizer_state_dtype="float32", master_weights=True,
+                )  # fmt: skip
             else:
                 report = estimate_for_compare(model, layout, stack)
         except (ValueError, TypeError) as error:

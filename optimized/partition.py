@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.memory import largest_peak
+from optimized.estimator.memory import estimate_rank, largest_peak
 
 EXHAUSTIVE_LIMIT = 3000
 """Search every partition when there are at most this many."""
@@ -69,8 +69,19 @@ def choose_partition(config: EstimateConfig) -> list[range]:
     layers, stages = config.model.num_hidden_layers, config.num_stages
     config = config.replace(layers_per_stage=None)
 
+    # A rank's estimate depends only on its own two stages' layer ranges, and the search
+    # revisits the same pairs many times: remember each rank's peak by that pair.
+    peaks: dict[tuple[int, range, range], int] = {}
+
+    def rank_peak(rank: int, partition: list[range]) -> int:
+        key = (rank, partition[rank], partition[stages - 1 - rank])
+        if key not in peaks:
+            peaks[key] = estimate_rank(config, rank, partition).peak_bytes
+        return peaks[key]
+
     def cost(counts: list[int]) -> tuple[int, list[int]]:
-        return largest_peak(config, _ranges(counts)), counts
+        partition = _ranges(counts)
+        return max(rank_peak(rank, partition) for rank in range(config.pp)), counts
 
     if math.comb(layers - 1, stages - 1) <= EXHAUSTIVE_LIMIT:
         return _ranges(min(cost(c) for c in _compositions(layers, stages))[1])

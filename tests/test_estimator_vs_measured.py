@@ -50,23 +50,29 @@ def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def _rank_both(model, parallel, state, optimizer):
-    """Both stacks as `twinpipe compare` measures them."""
-    return _rank_main(model, parallel, state, list(STACKS), 2, optimizer, True, False)
+def _rank_all(models, parallel, states, optimizer):
+    """Both stacks on every model, as `twinpipe compare` measures them (one launch per
+    layout: starting the ranks costs more than a tiny model's steps)."""
+    return {
+        name: _rank_main(model, parallel, states[name], list(STACKS), 2, optimizer, True, False)
+        for name, model in models.items()
+    }
 
 
 def _measure(name, layout):
-    if (name, layout) not in _RESULTS:
+    if layout not in _RESULTS:
         pp, dp, ep = layout
-        model = preset(name)
         parallel = ParallelConfig(
             pp=pp, dp=dp, ep=ep, micro_batches=2 * pp if pp > 1 else 2,
             micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
         )  # fmt: skip
-        state = build_model(model).state_dict()
-        args = (model, parallel, state, OptimizerConfig())
-        _RESULTS[name, layout] = (model, parallel, launch(_rank_both, parallel.world_size, args))
-    return _RESULTS[name, layout]
+        models = {n: preset(n) for n in MODELS}
+        states = {n: build_model(m).state_dict() for n, m in models.items()}
+        args = (models, parallel, states, OptimizerConfig())
+        per_rank = launch(_rank_all, parallel.world_size, args)
+        _RESULTS[layout] = (models, parallel, per_rank)
+    models, parallel, per_rank = _RESULTS[layout]
+    return models[name], parallel, [result[name] for result in per_rank]
 
 
 def _cases():

@@ -24,6 +24,7 @@ reader.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,10 +150,12 @@ def routed_rows(config: EstimateConfig) -> tuple[int, int]:
     return sent, sent
 
 
+@functools.lru_cache(maxsize=256)
 def expected_padded_count(trials: int, p: float, alignment: int) -> float:
     """E[round_up(X, alignment)] for X ~ Binomial(trials, p) (an empty group takes no
     rows), summed over the pmf within 12 standard deviations of the mean (the rest
-    weighs under 1e-30)."""
+    weighs under 1e-30). Cached: the partition search asks the same figure for every layer
+    of every candidate."""
     if p >= 1:
         return -(-trials // alignment) * alignment
     mean = trials * p

@@ -53,7 +53,8 @@ class EstimateConfig:
     """AdamW's ``exp_avg``/``exp_avg_sq`` dtype: ``param`` (what `torch.optim.AdamW` creates:
     ``zeros_like(param)``) or ``float32``."""
     master_weights: bool = False
-    """Keep a float32 master copy of 16-bit parameters in the optimizer (twinpipe does not)."""
+    """Keep a float32 master copy of 16-bit parameters in the optimizer (`twinpipe train`'s
+    `ShardedAdamW` does, with float32 moments; `twinpipe compare`'s plain AdamW does not)."""
     shard_optimizer: bool = False
     """Shard optimizer state over the DP group (experts over the expert-DP group), as FSDP2
     / a distributed optimizer does; `twinpipe compare` runs unsharded AdamW."""

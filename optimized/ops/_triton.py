@@ -23,6 +23,24 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU tensors)."""
 
 
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """``x`` (float32) cast to ``dtype``, rounding to nearest even as torch does.
+
+    Triton's interpreter converts float32 to bfloat16 by truncation (toward zero),
+    unlike torch and compiled Triton (round to nearest even). Truncation is a biased
+    rounding: its errors do not cancel in later sums, and it made every bfloat16
+    result of the CPU path half an ulp low on average. For bfloat16 the value is
+    rounded here on its float32 bits first, so the conversion that follows is exact
+    on both paths (on CUDA the same rounding happens twice, which changes nothing).
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, leaving no memory behind on the interpreter.
 
@@ -47,4 +65,4 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         gc.collect(0)
 
 
-__all__ = ["INTERPRETED", "launch", "tl", "triton"]
+__all__ = ["INTERPRETED", "cast_rne", "launch", "tl", "triton"]

@@ -5,14 +5,15 @@ intermediates for backward (the gate and up slices, the sigmoid, products) and
 runs one pass over memory per elementwise op. Here one kernel reads the
 ``[..., 2I]`` input and writes the ``[..., I]`` output; backward saves only
 the input and recomputes everything in one more kernel. Values are loaded in
-their storage dtype, computed in float32 and stored back in it.
+their storage dtype, computed in float32 and stored back in it, rounded to nearest even as torch
+rounds (`optimized.ops._triton.cast_rne`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import launch, tl, triton
+from optimized.ops._triton import cast_rne, launch, tl, triton
 
 BLOCK = 1024
 
@@ -25,7 +26,7 @@ def _silu_and_mul_forward_kernel(x_ptr, out_ptr, n_elements, inner, BLOCK: tl.co
     gate = tl.load(x_ptr + gate_index, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + gate_index + inner, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + index, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + index, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -42,8 +43,8 @@ def _silu_and_mul_backward_kernel(
     grad_gate = grad_out * up * sig * (1.0 + gate * (1.0 - sig))
     grad_up = grad_out * gate * sig
     dtype = grad_x_ptr.dtype.element_ty
-    tl.store(grad_x_ptr + gate_index, grad_gate.to(dtype), mask=mask)
-    tl.store(grad_x_ptr + gate_index + inner, grad_up.to(dtype), mask=mask)
+    tl.store(grad_x_ptr + gate_index, cast_rne(grad_gate, dtype), mask=mask)
+    tl.store(grad_x_ptr + gate_index + inner, cast_rne(grad_up, dtype), mask=mask)
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def _clamped_swiglu_forward_kernel(x_ptr, out_ptr, n_elements, alpha, limit, BLO
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-    tl.store(out_ptr + index, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + index, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -76,8 +77,8 @@ def _clamped_swiglu_backward_kernel(
     grad_gate = tl.where(gate_raw <= limit, grad_gate, 0.0)
     grad_up = tl.where((up_raw >= -limit) & (up_raw <= limit), grad_out * glu, 0.0)
     dtype = grad_x_ptr.dtype.element_ty
-    tl.store(grad_x_ptr + 2 * index, grad_gate.to(dtype), mask=mask)
-    tl.store(grad_x_ptr + 2 * index + 1, grad_up.to(dtype), mask=mask)
+    tl.store(grad_x_ptr + 2 * index, cast_rne(grad_gate, dtype), mask=mask)
+    tl.store(grad_x_ptr + 2 * index + 1, cast_rne(grad_up, dtype), mask=mask)
 
 
 def _grid(n_elements: int) -> tuple[int]:

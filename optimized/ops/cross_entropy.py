@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import launch, tl, triton
+from optimized.ops._triton import cast_rne, launch, tl, triton
 
 VALID_REDUCTIONS = ("mean", "sum")
 MAX_BLOCK = 8192
@@ -82,7 +82,7 @@ def _cross_entropy_kernel(
             grad = grad * scale
             tl.store(
                 row_ptr + cols * stride_col,
-                grad.to(logits_ptr.dtype.element_ty),
+                cast_rne(grad, logits_ptr.dtype.element_ty),
                 mask=mask,
             )
 
