@@ -37,6 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "over DP, as `twinpipe train` does at dp > 1",
     )
     parser.add_argument(
+        "--optimizer-state-dtype",
+        choices=("param", "float32"),
+        default=None,
+        help="AdamW moments' dtype (default: float32 with --fsdp, as `twinpipe train`'s "
+        "ShardedAdamW keeps them; else the parameters' dtype, as torch's AdamW)",
+    )
+    parser.add_argument(
+        "--master-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a float32 master copy of 16-bit parameters (default: on with --fsdp, as "
+        "`twinpipe train` keeps one)",
+    )
+    parser.add_argument(
         "--layers-per-stage",
         type=lambda text: [int(part) for part in text.split(",")],
         default=None,
@@ -49,6 +63,9 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
     from models.presets import resolve_model
 
     shard = args.shard_optimizer if args.shard_optimizer is not None else args.dp > 1
+    # --fsdp asks for the trainer's layout, so its optimizer's precision comes with it.
+    state_dtype = args.optimizer_state_dtype or ("float32" if args.fsdp else "param")
+    master = args.master_weights if args.master_weights is not None else args.fsdp
     return EstimateConfig(
         resolve_model(args.model),
         pp=args.pp,
@@ -63,6 +80,8 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         stack=args.stack,
         shard_optimizer=shard,
         fsdp=args.fsdp,
+        optimizer_state_dtype=state_dtype,
+        master_weights=master,
         layers_per_stage=args.layers_per_stage,
     )
 

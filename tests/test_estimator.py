@@ -225,3 +225,11 @@ def test_estimate_cli_counts_fsdp(capsys):
     assert cli_main([*args, "--fsdp"]) == 0
     sharded = json.loads(capsys.readouterr().out)
     assert sharded["ranks"][0]["weights_bytes"] < plain["ranks"][0]["weights_bytes"]
+    # The trainer's optimizer precision comes with --fsdp: float32 moments and masters of
+    # the bfloat16 parameters, 12 bytes per sharded parameter instead of 4.
+    assert (
+        cli_main([*args, "--fsdp", "--optimizer-state-dtype", "param", "--no-master-weights"]) == 0
+    )
+    bf16_state = json.loads(capsys.readouterr().out)["ranks"][0]["optimizer_bytes"]
+    tensors = count_tensors()
+    assert sharded["ranks"][0]["optimizer_bytes"] - 4 * tensors == 3 * (bf16_state - 4 * tensors)

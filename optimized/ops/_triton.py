@@ -23,8 +23,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU tensors)."""
 
 
-@triton.jit
-def cast_rne(x, dtype: tl.constexpr):
+def _cast_rne(x, dtype: tl.constexpr):
     """``x`` (float32) cast to ``dtype``, rounding to nearest even as torch does.
 
     Triton's interpreter converts float32 to bfloat16 by truncation (toward zero),
@@ -39,6 +38,11 @@ def cast_rne(x, dtype: tl.constexpr):
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+# The interpreter runs kernels as Python, so it calls the helper as a plain function: as a
+# jit device function it would re-patch triton.language on every call (about 1 ms each).
+cast_rne = _cast_rne if INTERPRETED else triton.jit(_cast_rne)
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

@@ -3,9 +3,10 @@
 `F.cross_entropy` on ``[tokens, vocab]`` logits keeps the logits for backward,
 makes a softmax of the same size, and in backward a gradient of the same size
 again (and a float32 upcast of the logits doubles each of those). Here one
-Triton program per row runs an online softmax in float32 over vocabulary
-blocks, then writes ``softmax - onehot(target)`` (already scaled for ``mean``)
-into the logits buffer itself. Backward only multiplies that buffer by the
+Triton program per row (a block of rows on the CPU interpreter) runs an online
+softmax in float32 over vocabulary blocks, then writes
+``softmax - onehot(target)`` (already scaled for ``mean``) into the logits
+buffer itself. Backward only multiplies that buffer by the
 incoming scalar gradient and hands it on: no logits-sized tensor is ever made.
 
 The price is that the logits are consumed. The forward bumps their autograd
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import cast_rne, launch, tl, triton
+from optimized.ops._triton import INTERPRETED, cast_rne, launch, tl, triton
 
 VALID_REDUCTIONS = ("mean", "sum")
 MAX_BLOCK = 8192
 """Largest vocabulary block one program loads at a time."""
+INTERPRETER_ELEMENTS = 1 << 16
+"""Logits one program reads per vocabulary block on the interpreter (`_rows_per_program`)."""
 
 
 @triton.jit
@@ -36,55 +39,54 @@ def _cross_entropy_kernel(
     target_ptr,
     loss_ptr,
     grad_scale_ptr,
+    n_rows,
     n_cols,
     ignore_index,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    target = tl.load(target_ptr + row).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
+    valid = row_mask & (target != ignore_index)
+    row_ptrs = logits_ptr + rows[:, None] * stride_row
     offsets = tl.arange(0, BLOCK)
 
-    if target == ignore_index:
-        tl.store(loss_ptr + row, 0.0)
-        if WRITE_GRAD:
-            zeros = tl.zeros([BLOCK], dtype=logits_ptr.dtype.element_ty)
-            for start in range(0, n_cols, BLOCK):
-                cols = start + offsets
-                tl.store(row_ptr + cols * stride_col, zeros, mask=cols < n_cols)
-        return
-
-    # Pass 1: running max and running sum of exponentials, in float32.
-    running_max = float("-inf")
-    running_sum = 0.0
+    # Pass 1: running max and running sum of exponentials per row, in float32. An ignored
+    # row is read like any other (its values are finite) and its results are dropped.
+    running_max = tl.full([ROWS], float("-inf"), tl.float32)
+    running_sum = tl.zeros([ROWS], tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
-        x = tl.load(row_ptr + cols * stride_col, mask=cols < n_cols, other=float("-inf"))
-        x = x.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        col_mask = cols[None, :] < n_cols
+        x = tl.load(row_ptrs + cols[None, :] * stride_col, mask=row_mask[:, None] & col_mask,
+                    other=0.0)  # fmt: skip
+        x = tl.where(col_mask, x.to(tl.float32), float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(x, axis=1))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
-            tl.exp(x - new_max), axis=0
+            tl.exp(x - new_max[:, None]), axis=1
         )
         running_max = new_max
     log_sum_exp = running_max + tl.log(running_sum)
-    target_logit = tl.load(row_ptr + target * stride_col).to(tl.float32)
-    tl.store(loss_ptr + row, log_sum_exp - target_logit)
+    target_logit = tl.load(logits_ptr + rows * stride_row + target * stride_col, mask=valid,
+                           other=0.0).to(tl.float32)  # fmt: skip
+    tl.store(loss_ptr + rows, tl.where(valid, log_sum_exp - target_logit, 0.0), mask=row_mask)
 
-    # Pass 2: d loss / d logits = (softmax - onehot) * scale, written in place.
+    # Pass 2: d loss / d logits = (softmax - onehot) * scale, written in place (zeros on an
+    # ignored row).
     if WRITE_GRAD:
         scale = tl.load(grad_scale_ptr)
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
-            mask = cols < n_cols
-            x = tl.load(row_ptr + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
-            grad = grad * scale
-            tl.store(
-                row_ptr + cols * stride_col,
-                cast_rne(grad, logits_ptr.dtype.element_ty),
-                mask=mask,
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            ptrs = row_ptrs + cols[None, :] * stride_col
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(x - log_sum_exp[:, None]) - tl.where(
+                cols[None, :] == target[:, None], 1.0, 0.0
             )
+            grad = tl.where(valid[:, None], grad * scale, 0.0)
+            tl.store(ptrs, cast_rne(grad, logits_ptr.dtype.element_ty), mask=mask)
 
 
 def check_inputs(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> None:
@@ -126,6 +128,16 @@ def grad_scale_for(
     return torch.ones((), dtype=torch.float32, device=target.device), num_valid
 
 
+def _rows_per_program(tokens: int, block: int) -> int:
+    """One row per program when compiled. On Triton's interpreter (CPU) a program costs
+    milliseconds of Python whatever its size while numpy does the arithmetic, so there a
+    program takes as many rows as fit in ``INTERPRETER_ELEMENTS`` (same values: every row
+    is still reduced on its own)."""
+    if not INTERPRETED:
+        return 1
+    return max(1, min(triton.next_power_of_2(tokens), INTERPRETER_ELEMENTS // block))
+
+
 def launch_cross_entropy_kernel(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -139,17 +151,20 @@ def launch_cross_entropy_kernel(
     if tokens == 0:
         return
     block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
+    rows = _rows_per_program(tokens, block)
     launch(
         _cross_entropy_kernel,
-        (tokens,),
+        (triton.cdiv(tokens, rows),),
         logits,
         logits.stride(0),
         logits.stride(1),
         target,
         losses,
         grad_scale,
+        tokens,
         vocab,
         ignore_index,
+        ROWS=rows,
         BLOCK=block,
         WRITE_GRAD=write_grad,
         num_warps=8 if block >= 4096 else 4,
