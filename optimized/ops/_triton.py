@@ -22,6 +22,11 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU tensors)."""
 
+INTERPRETER_ELEMENTS = 1 << 16
+"""Elements one program handles on the interpreter. There each program costs milliseconds
+of Python whatever its size while numpy does the arithmetic, so kernels give a program
+this many elements (a block of rows, a long stretch) instead of what suits a GPU."""
+
 
 def _cast_rne(x, dtype: tl.constexpr):
     """``x`` (float32) cast to ``dtype``, rounding to nearest even as torch does.
@@ -69,4 +74,4 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         gc.collect(0)
 
 
-__all__ = ["INTERPRETED", "cast_rne", "launch", "tl", "triton"]
+__all__ = ["INTERPRETED", "INTERPRETER_ELEMENTS", "cast_rne", "launch", "tl", "triton"]

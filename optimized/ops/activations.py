@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import INTERPRETED, cast_rne, launch, tl, triton
+from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, cast_rne, launch, tl, triton
 
 BLOCK = 1024
-"""Elements per program of a compiled launch."""
-INTERPRETER_BLOCK = 1 << 16
-"""Elements per program on Triton's interpreter (CPU), where each program costs ~10 ms of
-Python whatever its size and numpy does the elementwise work: a few large programs
-instead of one per 1024 elements (30x faster at the tiny presets' shapes; same values,
-the kernels are elementwise)."""
+"""Elements per program of a compiled launch; `INTERPRETER_ELEMENTS` on the interpreter
+(elementwise kernels: the same values, 30x faster at the tiny presets' shapes)."""
 
 
 @triton.jit
@@ -88,7 +84,7 @@ def _clamped_swiglu_backward_kernel(
 
 
 def _block() -> int:
-    return INTERPRETER_BLOCK if INTERPRETED else BLOCK
+    return INTERPRETER_ELEMENTS if INTERPRETED else BLOCK
 
 
 def _grid(n_elements: int) -> tuple[int]:

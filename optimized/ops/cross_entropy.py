@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from optimized.ops._triton import INTERPRETED, cast_rne, launch, tl, triton
+from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, cast_rne, launch, tl, triton
 
 VALID_REDUCTIONS = ("mean", "sum")
 MAX_BLOCK = 8192
 """Largest vocabulary block one program loads at a time."""
-INTERPRETER_ELEMENTS = 1 << 16
-"""Logits one program reads per vocabulary block on the interpreter (`_rows_per_program`)."""
 
 
 @triton.jit
@@ -129,10 +127,8 @@ def grad_scale_for(
 
 
 def _rows_per_program(tokens: int, block: int) -> int:
-    """One row per program when compiled. On Triton's interpreter (CPU) a program costs
-    milliseconds of Python whatever its size while numpy does the arithmetic, so there a
-    program takes as many rows as fit in ``INTERPRETER_ELEMENTS`` (same values: every row
-    is still reduced on its own)."""
+    """One row per program when compiled; on the interpreter as many rows as fit in
+    `INTERPRETER_ELEMENTS` per vocabulary block (every row is still reduced on its own)."""
     if not INTERPRETED:
         return 1
     return max(1, min(triton.next_power_of_2(tokens), INTERPRETER_ELEMENTS // block))
