@@ -28,7 +28,7 @@ def plain_silu_and_mul(x):
 def plain_clamped_swiglu(x, alpha=1.702, limit=7.0):
     gate = x[..., ::2].clamp(max=limit)
     up = x[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 ACTIVATIONS = {

@@ -7,6 +7,13 @@ ranks; the oracle runs in this process. Per step the harness compares the loss,
 every parameter's gradient (gathered across expert shards), the parameters after
 AdamW, and, per rank, the peak memory broken down by category.
 
+Two pipeline sides compare at the same expert choices (``--routing pinned``, the
+default): the candidate replays the baseline's routing, and every choice it would
+have made differently must be a near-tie (`models.routing`). Top-k is
+discontinuous; without this a single bfloat16 rounding at a near-tie swaps a
+token's expert and moves the router's gradient by a whole expert's contribution.
+``--routing free`` lets each side route itself, to see that effect.
+
 With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2,
 DP=2, EP=2 on CPU, reference against optimized.
 """
@@ -59,15 +66,28 @@ def _stack_class(name: str):
 
 
 # -------------------------------------------------------------- on each rank
-def _rank_main(model, parallel, full_state, stacks, steps, optimizer, track_memory, progress):
-    """One rank of the launched world: run each pipeline stack for ``steps`` steps."""
+def _rank_main(
+    model, parallel, full_state, stacks, steps, optimizer, track_memory, progress, pin_routing=False
+):
+    """One rank of the launched world: run each pipeline stack for ``steps`` steps.
+
+    With ``pin_routing`` the first stack records its routers' choices and the second
+    replays them (`models.routing`); the second's record carries the replay's result.
+    """
+    from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
+
     layout = make_layout(parallel)
     results: dict[str, Any] = {}
     results["coords"] = (layout.pp_rank, layout.dp_rank, layout.ep_rank)
-    for stack in stacks:
+    tape = RoutingTape() if pin_routing and len(stacks) == 2 else None
+    for index, stack in enumerate(stacks):
         torch.manual_seed(parallel.seed)
         pipeline = _stack_class(stack)(model, parallel, layout, full_state, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+        replay = None
+        if tape is not None:
+            replay = tape if index == 0 else tape.replay()
+            attach_routing_tape(pipeline.part, replay)
         tracker = None
         if track_memory:
             from harness.memory import MemoryTracker  # noqa: PLC0415
@@ -100,6 +120,8 @@ def _rank_main(model, parallel, full_state, stacks, steps, optimizer, track_memo
         pipeline.observer = None
         ids, labels = synthetic_batch(model, parallel, steps)
         record["eval"] = pipeline.evaluate(ids, labels)
+        if replay is not None and index == 1:
+            record["routing"] = replay.result()
         results[stack] = record
         del pipeline
     return results
@@ -205,11 +227,13 @@ def build_report(args, model, parallel, records: dict[str, dict], memory_ranks) 
         param_rel.append(max(r[1] for r in prow))
     eval_rel = abs(cand["eval"] - base["eval"]) / abs(base["eval"])
     finite = all(math.isfinite(x) for x in base["loss"] + cand["loss"] + grad_cos + grad_rel)
+    routing = cand.get("routing")
     passed = (
         finite
         and max(loss_rel) <= tol["loss_rel"]
         and max(grad_cos) <= tol["grad_one_minus_cos"]
         and eval_rel <= tol["loss_rel"]
+        and not (routing and routing["problems"])
     )
     report = {
         "passed": bool(passed),
@@ -241,9 +265,25 @@ def build_report(args, model, parallel, records: dict[str, dict], memory_ranks) 
         "git_commit": _git_commit(),
         "machine": f"{platform.node()} {platform.machine()} torch {torch.__version__}",
     }
+    report["routing"] = routing or {"mode": "free"}
     if memory_ranks:
         report["memory"] = {"ranks": memory_ranks}
     return report
+
+
+def _routing_summary(per_rank: list[dict], stack: str) -> dict | None:
+    """The candidate's replay over all ranks: choices, swaps, worst gap, problems."""
+    results = [r[stack]["routing"] for r in per_rank if "routing" in r[stack]]
+    if not results:
+        return None
+    return {
+        "mode": "pinned",
+        "choices": sum(r.choices for r in results),
+        "swaps": sum(len(r.swaps) for r in results),
+        "max_gap": max(r.max_gap() for r in results),
+        "near_tie_limit": results[0].near_tie_limit,
+        "problems": [f"rank {rank}: {p}" for rank, r in enumerate(results) for p in r.problems()],
+    }
 
 
 def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[dict]:
@@ -378,6 +418,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when the stacks disagree, name the first layer, stage and tensor that diverges",
     )
+    parser.add_argument(
+        "--routing",
+        choices=("pinned", "free"),
+        default="pinned",
+        help="pinned: the candidate replays the baseline's expert choices and may differ only "
+        "at near-ties (two pipeline sides); free: each side routes itself",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -432,14 +479,16 @@ def run(args: argparse.Namespace) -> int:
                 _rank_main,
                 parallel.world_size,
                 (model, parallel, full_state, stacks, args.steps, optimizer,
-                 not args.no_memory, True),
+                 not args.no_memory, True, args.routing == "pinned"),
                 timeout_s=args.timeout,
             )  # fmt: skip
         except RankFailed as error:
             print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
             return 1
         for stack in stacks:
+            routing = _routing_summary(per_rank, stack)
             records[stack] = {
+                **({"routing": routing} if routing else {}),
                 "loss": per_rank[0][stack]["loss"],
                 "eval": per_rank[0][stack]["eval"],
                 "time": [max(r[stack]["time"][s] for r in per_rank) for s in range(args.steps)],

@@ -226,6 +226,22 @@ def _worst_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["parameter", "rel err", "1-cos"], rows
 
 
+def _routing_lines(report: dict[str, Any]) -> list[str]:
+    """How the two sides routed: pinned (with the replay's swaps) or free."""
+    routing = report.get("routing")
+    if not routing:
+        return []
+    if routing.get("mode") != "pinned":
+        return ["routing: free (each side chose its own experts)"]
+    line = (
+        f"routing: pinned: {routing['choices']:,} expert choices replayed from the baseline; "
+        f"the candidate would have chosen {routing['swaps']} differently, worst score gap "
+        f"{format_number(routing['max_gap'])} (near-tie limit "
+        f"{format_number(routing['near_tie_limit'])})"
+    )
+    return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
+
+
 def _verdict(report: dict[str, Any]) -> str:
     base, cand = _names(report)
     word = "PASSED" if report.get("passed") else "FAILED"
@@ -247,6 +263,9 @@ def format_table(report: dict[str, Any]) -> str:
     tolerance = report.get("tolerance")
     if tolerance:
         lines += ["", "tolerance: " + ", ".join(f"{k}={v}" for k, v in tolerance.items())]
+    routing = _routing_lines(report)
+    if routing:
+        lines += ["", *routing]
     return "\n".join(lines)
 
 
@@ -263,6 +282,9 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
         lines += ["", "## Tolerance", ""]
         rows = [[str(k), str(v)] for k, v in report["tolerance"].items()]
         lines += _table(["check", "limit"], rows, True)
+    routing = _routing_lines(report)
+    if routing:
+        lines += ["", "## Routing", ""] + [f"- {line}" for line in routing]
     header, rows = _step_rows(report)
     if rows:
         lines += ["", "## Per step", "", *_table(header, rows, True)]

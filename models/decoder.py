@@ -95,9 +95,13 @@ class DecoderLayer(nn.Module):
         self.config, self.layer = config, layer
         self.is_moe = config.is_moe_layer(layer)
         self.ep = ep
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.model_type == "gpt_oss"
+        )
         self.self_attn = build_attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.model_type == "gpt_oss"
+        )
         if not self.is_moe:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         else:

@@ -17,17 +17,22 @@ from models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back before the weight (as HF does)."""
+    """RMSNorm computed in float32, as HF does. DeepSeek-V2 and Qwen3-MoE (Llama's way)
+    cast back to the input dtype before the weight; GPT-OSS (``float_weight``) multiplies
+    by the weight in float32 and casts after, which rounds differently in bfloat16."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, float_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.float_weight = float_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float_weight:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -302,6 +307,13 @@ class OutputLayer(nn.Linear):
         return fused(hidden, self.weight, labels)
 
 
+def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[t, index[t, j]]``: by indexing, which saves the indices for backward (the
+    ``[T, k]`` index and a ``[T, 1]`` row index), not ``values`` as ``gather`` would."""
+    rows = torch.arange(values.shape[0], device=values.device).unsqueeze(1)
+    return values[rows, index]
+
+
 class Router(nn.Module):
     """Top-k routing of each family. Returns ``(weights [T, k], experts [T, k])``.
 
@@ -321,25 +333,46 @@ class Router(nn.Module):
         self.topk_method, self.n_group, self.topk_group = c.topk_method, c.n_group, c.topk_group
         self.scale = c.routed_scaling_factor
         self.norm_topk_prob = c.norm_topk_prob
+        self.tape = None
+        """A `models.routing.RoutingTape` recording or replaying the choices (harness, tests)."""
+        self.tape_key = ""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.family == "gpt_oss":
             logits = F.linear(x, self.weight, self.bias)
-            top_values, top_index = torch.topk(logits, self.top_k, dim=-1)
-            return F.softmax(top_values, dim=-1, dtype=top_values.dtype), top_index
-        logits = F.linear(x.float(), self.weight.float())
+            index = self._routed(torch.topk(logits.detach(), self.top_k, dim=-1)[1], logits, x)
+            top_values = _at(logits, index)
+            return F.softmax(top_values, dim=-1, dtype=top_values.dtype), index
+        if self.family == "qwen3_moe":  # HF: logits in the model's dtype, softmax in float32
+            logits = F.linear(x, self.weight)
+        else:  # DeepSeek-V2 upcasts input and weight
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1, dtype=torch.float32)
         if self.family == "qwen3_moe":
-            weights, index = torch.topk(scores, self.top_k, dim=-1)
+            index = self._routed(torch.topk(scores.detach(), self.top_k, dim=-1)[1], scores, x)
+            weights = _at(scores, index)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights.to(x.dtype), index
+        ranked = scores.detach()  # selection only: nothing of it is saved for backward
         if self.topk_method == "group_limited_greedy":
             per_group = self.num_experts // self.n_group
-            group_scores = scores.view(-1, self.n_group, per_group).max(dim=-1).values
+            group_scores = ranked.view(-1, self.n_group, per_group).max(dim=-1).values
             groups = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
             keep = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(-1, self.num_experts)
-            scores = scores.masked_fill(~keep.bool(), 0.0)
-        weights, index = torch.topk(scores, self.top_k, dim=-1, sorted=False)
-        return weights * self.scale, index
+            ranked = ranked.masked_fill(~keep.bool(), 0.0)
+        index = self._routed(torch.topk(ranked, self.top_k, dim=-1, sorted=False)[1], scores, x)
+        return _at(scores, index) * self.scale, index
+
+    def _routed(self, own: torch.Tensor, scores: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The expert indices used: this router's own top-k, unless a tape replays others.
+
+        The weights are always this router's scores gathered at the indices used, so the
+        gradient path is the same whether the indices are its own or replayed.
+        """
+        if self.tape is None:
+            return own
+        if self.family == "gpt_oss":  # compare swaps on the probability scale
+            scores = scores.detach().float().softmax(dim=-1)
+        return self.tape.route(self.tape_key, scores, own, x.dtype)

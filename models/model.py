@@ -35,7 +35,9 @@ class Backbone(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, ep) for i in layers})
         if head:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, config.rms_norm_eps, config.model_type == "gpt_oss"
+            )
 
 
 class CausalLM(nn.Module):

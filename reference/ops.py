@@ -68,7 +68,7 @@ class ReferenceOps:
         gate, up = x[..., ::2], x[..., 1::2]
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # HF's order: same bf16 roundings
 
     def all_to_all(self, x, output_split_sizes, input_split_sizes, group):
         return all_to_all(x, output_split_sizes, input_split_sizes, group)

@@ -52,6 +52,7 @@ def test_reference_against_oracle_passes_and_writes_the_report(tmp_path):
     assert max(report["loss"]["rel_error"]) <= 1e-6
     assert max(report["grads"]["max_one_minus_cos"]) <= report["tolerance"]["grad_one_minus_cos"]
     assert report["config"]["dp"] == 2 and report["config"]["ep"] == 2
+    assert report["routing"] == {"mode": "free"}  # the oracle's routing cannot be replayed
     for name in ("report.json", "report.md", "loss.png"):
         assert (out / name).stat().st_size > 0
 
@@ -108,7 +109,30 @@ def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
     report = json.loads((tmp_path / "out.json").read_text())
     assert code == 0 and report["passed"] is True
     assert max(report["loss"]["rel_error"]) <= 1e-5
+    routing = report["routing"]  # float32: the replay finds no choice made differently
+    assert routing["mode"] == "pinned" and routing["choices"] > 0 and routing["swaps"] == 0
     for rank in report["memory"]["ranks"]:
         whole, sharded = rank["baseline"], rank["candidate"]
         for category in ("parameters", "optimizer_state"):
             assert sharded[category] <= 0.51 * whole[category], (rank["rank"], category)
+
+
+@pytest.mark.multiprocess
+def test_bfloat16_compares_at_the_baselines_expert_choices(tmp_path, capsys):
+    """bfloat16, reference against optimized on the preset whose router is most sensitive:
+    the optimized side replays the reference's routing; the choices it would have made
+    differently are counted and are all near-ties; report.md says so."""
+    out = tmp_path / "report"
+    code = main(
+        ["compare", *SMALL, "--dtype", "bfloat16", "--no-memory", "--json",
+         str(tmp_path / "out.json"), "--out", str(out)]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert code == 0 and report["passed"] is True
+    routing = report["routing"]
+    assert routing["mode"] == "pinned" and routing["problems"] == []
+    # ranks x M x tokens x top-k x MoE layers, for 2 training steps and the evaluation
+    assert routing["choices"] == 2 * 2 * 16 * 2 * 4 * (2 + 1)
+    assert routing["max_gap"] <= routing["near_tie_limit"]
+    assert "routing: pinned" in capsys.readouterr().out
+    assert "## Routing" in (out / "report.md").read_text()

@@ -143,7 +143,12 @@ def test_float32_logits_and_gradients_match_transformers(name, tmp_path):
 
 
 @pytest.mark.parametrize("preset_name", ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe"])
-def test_bfloat16_logits_close_to_transformers(preset_name, tmp_path):
+def test_bfloat16_logits_match_transformers(preset_name, tmp_path):
+    """GPT-OSS and Qwen3-MoE round where HF rounds (GPT-OSS's norm weight in float32,
+    Qwen3's router logits in the model dtype, HF's SwiGLU order): bit-equal logits.
+    DeepSeek-V2 differs in two roundings, left as they are: the routing weight is cast to
+    bfloat16 before it scales the expert output (HF multiplies in float32), and the shared
+    experts join the residual before the routed sum (HF: residual + (routed + shared))."""
     config = preset(preset_name)
     hf = hf_model(config).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
@@ -153,7 +158,10 @@ def test_bfloat16_logits_close_to_transformers(preset_name, tmp_path):
     with torch.no_grad():
         expected, got = hf(input_ids=ids).logits, ours(ids)
     assert torch.isfinite(got).all()
-    assert rel(got, expected) <= 2e-2  # measured <= 8.6e-3
+    if preset_name == "tiny-deepseek-v2":
+        assert rel(got, expected) <= 2e-2  # measured 6e-3 to 8e-3
+    else:
+        assert torch.equal(got, expected), rel(got, expected)
 
 
 @pytest.mark.parametrize(

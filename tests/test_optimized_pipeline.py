@@ -2,10 +2,12 @@
 
 Both stacks run inside one launched world (process start-up dominates), on the
 same weights and the same data; losses and every gradient are compared under
-DESIGN.md's policy. Further tests: the early frees happen and nothing freed is
-read again (EP = 1 included, where buffers share storage), the weight-gradient
-store is drained at the end of each step, forward-only evaluation, determinism,
-and the saved-tensor profile.
+DESIGN.md's policy, at the same expert choices: the optimized run replays the
+reference's routing, and every choice it would have made differently must be a
+near-tie (`models.routing`; in float32 there must be none). Further tests: the
+early frees happen and nothing freed is read again (EP = 1 included, where
+buffers share storage), the weight-gradient store is drained at the end of each
+step, forward-only evaluation, determinism, and the saved-tensor profile.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from models.distributed import ParallelConfig, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
-TOLERANCE = {"float32": (1e-5, 1e-8), "bfloat16": (1e-2, 1e-2)}
+TOLERANCE = {"float32": (1e-5, 1e-8), "bfloat16": (1e-4, 2e-3)}
+"""(loss relative error, gradient 1 - cos). float32 is DESIGN.md's policy. bfloat16 is
+tighter than its 1e-2 (DESIGN: tighten where the code allows): at the same expert
+choices the measured worst is 2.2e-5 and 5.5e-4 over every preset and layout here."""
 STEPS = 1
 
 
@@ -46,6 +51,7 @@ def _run(pipeline, model, parallel) -> dict:
 def _compare_worker(names, parallel, states, repeat_optimized):
     """Every dtype of ``states`` (float32, bfloat16) and every model, in one launched world:
     starting the ranks costs more than the tiny models' steps."""
+    from models.routing import RoutingTape, attach_routing_tape
     from optimized.pipeline import OptimizedPipeline
     from reference.pipeline import ReferencePipeline
 
@@ -56,12 +62,17 @@ def _compare_worker(names, parallel, states, repeat_optimized):
         for name in names:
             model, state = preset(name), dtype_states[name]
             reference = ReferencePipeline(model, at_dtype, layout, state, OptimizerConfig())
+            tape = RoutingTape()
+            attach_routing_tape(reference.part, tape)
             results[dtype, name, "reference"] = _run(reference, model, at_dtype)
             runs = []
             for _ in range(2 if (dtype, name) in repeat_optimized else 1):
                 optimized = OptimizedPipeline(model, at_dtype, layout, state, OptimizerConfig())
                 optimized.schedule.record_frees = True
+                replay = tape.replay()
+                attach_routing_tape(optimized.part, replay)
                 runs.append(_run(optimized, model, at_dtype))
+                runs[-1]["routing"] = replay.result()
                 context = optimized.schedule.context
                 runs[-1]["store_empty"] = len(context.weight_grads) == 0
                 runs[-1]["freed"] = [
@@ -103,6 +114,11 @@ def _check(results, names, dtype):
                 assert optimized["store_empty"], name
                 # Every early free really released its storage.
                 assert all(nbytes == 0 for _, nbytes in optimized["freed"]), name
+                # Same expert choices (replayed), and each choice the optimized stack would
+                # have made differently is a near-tie (models.routing).
+                optimized["routing"].check()
+                if dtype == "float32":
+                    assert not optimized["routing"].swaps, (name, optimized["routing"].as_dict())
 
 
 LAYOUTS = {"pp2-dp1-ep1": (2, 1, 1), "pp1-dp2-ep2": (1, 2, 2), "pp2-dp2-ep2": (2, 2, 2),
@@ -137,23 +153,10 @@ def test_optimized_matches_reference_float32(layout_id):
         assert not kinds & {"sorted_tokens", "expert_output"}  # still read downstream
 
 
-BF16_MISS = pytest.mark.xfail(
-    strict=False,
-    reason="missed target (issue 5): tiny-qwen3-moe's router-gate weight gradient differs "
-    "between the stacks in bfloat16 by 1 - cos = 1.2e-2 to 1.7e-2 (limit 1e-2) at these "
-    "layouts; every other tensor, and both other presets everywhere, are within 1e-2. The "
-    "reference's own bfloat16-vs-float32 error on the same gradient is 1.2e-2 to 1.5e-2: "
-    "with normalised top-k over a near-uniform random router the gate's gradient is a "
-    "difference of two nearly equal expert-output products, so 1-ulp differences in the "
-    "expert outputs are amplified. The bound is kept, not loosened.",
-)
-
-
 @pytest.mark.parametrize(
     ("layout_id", "name"),
     [
-        pytest.param(layout_id, name, id=f"{layout_id}-{name}",
-                     marks=[BF16_MISS] if name == "tiny-qwen3-moe" else [])
+        pytest.param(layout_id, name, id=f"{layout_id}-{name}")
         for layout_id in LAYOUTS
         for name in PRESETS
     ],

@@ -47,13 +47,16 @@ class Saved:
     """Needed only by a weight gradient (kept until W when weight gradients are deferred)."""
 
 
-def _norm(name: str, rows: int, width: int, b: int, consumer_saves_output: bool) -> list[Saved]:
+def _norm(
+    name: str, rows: int, width: int, b: int, consumer_saves_output: bool, float_weight=False
+) -> list[Saved]:
     """RMSNorm: float32 input (a copy when the run dtype is 16-bit), rsqrt, the normalised
-    value in the run dtype (saved by ``weight * x``), and its output if a linear reads it."""
+    value saved by ``weight * x`` (in the run dtype, or in float32 for GPT-OSS's
+    ``float_weight`` norm), and its output if a linear reads it."""
     out = [
         Saved(f"{name}.float_input", rows * width * F32),
         Saved(f"{name}.rsqrt", rows * F32),
-        Saved(f"{name}.normalized", rows * width * b),
+        Saved(f"{name}.normalized", rows * width * (F32 if float_weight else b)),
     ]
     if consumer_saves_output:
         out.append(Saved(f"{name}.output", rows * width * b, weight_input=True))
@@ -66,7 +69,7 @@ def attention_saved(config: EstimateConfig, layer: int) -> list[Saved]:
     batch, seq, tokens = config.micro_batch_size, config.seq_len, config.tokens
     heads = m.num_attention_heads // config.tp
     hidden = m.hidden_size
-    saved = _norm("input_layernorm", tokens, hidden, b, True)
+    saved = _norm("input_layernorm", tokens, hidden, b, True, m.model_type == "gpt_oss")
     if m.model_type == "deepseek_v2":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is not None:
@@ -185,23 +188,23 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     )
     sent, grouped = routed_rows(config)
     saved: list[Saved] = []
+    # The weights are the scores indexed at the chosen experts (models.layers._at): the
+    # ``[T, k]`` expert index and a ``[T, 1]`` row index are saved; the selection is detached.
+    routed_index = [
+        Saved("router.topk_indices", tokens * top_k * I64),
+        Saved("router.row_index", tokens * I64),
+    ]
     if m.model_type == "gpt_oss":
-        saved += [
-            Saved("router.topk_indices", tokens * top_k * I64),
-            Saved("router.softmax", tokens * top_k * b),
-        ]
+        saved += routed_index + [Saved("router.softmax", tokens * top_k * b)]
     else:
-        if b != F32:  # linear(x.float(), weight.float()): both copies are saved
+        if b != F32 and m.model_type == "deepseek_v2":
+            # linear(x.float(), weight.float()): both copies are saved. Qwen3-MoE's router
+            # runs in the model dtype (as HF's) and saves the norm's output itself.
             saved += [
                 Saved("router.float_input", tokens * hidden * F32, weight_input=True),
                 Saved("router.float_weight", experts * hidden * F32),
             ]
-        saved += [
-            Saved("router.softmax", tokens * experts * F32),
-            Saved("router.topk_indices", tokens * top_k * I64),
-        ]
-        if m.model_type == "deepseek_v2" and m.topk_method == "group_limited_greedy":
-            saved.append(Saved("router.group_mask", tokens * experts))
+        saved += [Saved("router.softmax", tokens * experts * F32)] + routed_index
         if m.model_type == "qwen3_moe" and m.norm_topk_prob:
             saved += [
                 Saved("router.topk_weights", tokens * top_k * F32),
@@ -242,10 +245,20 @@ def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) 
     if is_moe is None:
         is_moe = config.moe_layers()[layer]
     saved = attention_saved(config, layer)
-    # The post-attention norm's output is saved by the dense MLP, the shared experts or
-    # GPT-OSS's router; a float32-only router saves its own float copy in 16-bit runs.
-    output_saved = b == F32 or not is_moe or m.model_type == "gpt_oss" or bool(m.n_shared_experts)
-    saved += _norm("post_attention_layernorm", tokens, m.hidden_size, b, output_saved)
+    # The post-attention norm's output is saved by the dense MLP, the shared experts or a
+    # router in the model dtype (GPT-OSS, Qwen3-MoE); DeepSeek-V2's float32 router saves its
+    # own float copy in 16-bit runs.
+    output_saved = (
+        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(m.n_shared_experts)
+    )
+    saved += _norm(
+        "post_attention_layernorm",
+        tokens,
+        m.hidden_size,
+        b,
+        output_saved,
+        m.model_type == "gpt_oss",
+    )
     if is_moe:
         saved += moe_saved(config)
     else:
@@ -266,7 +279,7 @@ def head_saved(config: EstimateConfig) -> list[Saved]:
     """Final norm, output layer input and the loss's saved state."""
     m, b, tokens = config.model, config.param_bytes, config.tokens
     vocab = m.vocab_size // config.tp
-    saved = _norm("norm", tokens, m.hidden_size, b, True)
+    saved = _norm("norm", tokens, m.hidden_size, b, True, m.model_type == "gpt_oss")
     if config.stack == "reference":
         # F.cross_entropy(logits.float()): log_softmax keeps its float32 result.
         saved.append(Saved("loss.log_softmax", tokens * vocab * F32))
