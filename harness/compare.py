@@ -8,8 +8,9 @@ every parameter's gradient (gathered across expert shards), the parameters after
 AdamW, and, per rank, the peak memory broken down by category.
 
 Two pipeline sides compare at the same expert choices (``--routing pinned``, the
-default): the candidate replays the baseline's routing, and every choice it would
-have made differently must be a near-tie (`models.routing`). Top-k is
+default): the candidate replays the baseline's routing; its router scores must agree
+with the baseline's within the dtype's bound, and every choice it would have made
+differently must be a near-tie that their difference explains (`models.routing`). Top-k is
 discontinuous; without this a single bfloat16 rounding at a near-tie swaps a
 token's expert and moves the router's gradient by a whole expert's contribution.
 ``--routing free`` lets each side route itself, to see that effect.
@@ -281,7 +282,8 @@ def _routing_summary(per_rank: list[dict], stack: str) -> dict | None:
         "choices": sum(r.choices for r in results),
         "swaps": sum(len(r.swaps) for r in results),
         "max_gap": max(r.max_gap() for r in results),
-        "near_tie_limit": results[0].near_tie_limit,
+        "score_drift": max(r.worst_drift[0] for r in results),
+        "drift_limit": results[0].drift_limit,
         "problems": [f"rank {rank}: {p}" for rank, r in enumerate(results) for p in r.problems()],
     }
 
@@ -422,8 +424,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing",
         choices=("pinned", "free"),
         default="pinned",
-        help="pinned: the candidate replays the baseline's expert choices and may differ only "
-        "at near-ties (two pipeline sides); free: each side routes itself",
+        help="pinned: the candidate replays the baseline's expert choices; its router scores "
+        "must agree and its own choices may differ only at near-ties (two pipeline sides); "
+        "free: each side routes itself",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")

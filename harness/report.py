@@ -235,10 +235,13 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
         return ["routing: free (each side chose its own experts)"]
     line = (
         f"routing: pinned: {routing['choices']:,} expert choices replayed from the baseline; "
-        f"the candidate would have chosen {routing['swaps']} differently, worst score gap "
-        f"{format_number(routing['max_gap'])} (near-tie limit "
-        f"{format_number(routing['near_tie_limit'])})"
+        f"router scores agree to {format_number(routing['score_drift'])} (limit "
+        f"{format_number(routing['drift_limit'])}); the candidate would have chosen "
+        f"{routing['swaps']} differently, all near-ties (worst gap "
+        f"{format_number(routing['max_gap'])})"
     )
+    if routing.get("problems"):
+        line = line.replace(", all near-ties (", " (")
     return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
 
 

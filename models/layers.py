@@ -354,25 +354,29 @@ class Router(nn.Module):
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights.to(x.dtype), index
-        ranked = scores.detach()  # selection only: nothing of it is saved for backward
+        ranked, masked = scores.detach(), None  # selection only: nothing of it is saved
         if self.topk_method == "group_limited_greedy":
             per_group = self.num_experts // self.n_group
             group_scores = ranked.view(-1, self.n_group, per_group).max(dim=-1).values
             groups = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
             keep = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(-1, self.num_experts)
-            ranked = ranked.masked_fill(~keep.bool(), 0.0)
-        index = self._routed(torch.topk(ranked, self.top_k, dim=-1, sorted=False)[1], scores, x)
+            ranked = masked = ranked.masked_fill(~keep.bool(), 0.0)
+        own = torch.topk(ranked, self.top_k, dim=-1, sorted=False)[1]
+        index = self._routed(own, scores, x, masked)
         return _at(scores, index) * self.scale, index
 
-    def _routed(self, own: torch.Tensor, scores: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _routed(
+        self, own: torch.Tensor, scores: torch.Tensor, x: torch.Tensor, ranked=None
+    ) -> torch.Tensor:
         """The expert indices used: this router's own top-k, unless a tape replays others.
 
         The weights are always this router's scores gathered at the indices used, so the
-        gradient path is the same whether the indices are its own or replayed.
+        gradient path is the same whether the indices are its own or replayed. ``ranked``:
+        what the top-k ranked, when not ``scores`` (group-limited routing masks groups).
         """
         if self.tape is None:
             return own
-        if self.family == "gpt_oss":  # compare swaps on the probability scale
+        if self.family == "gpt_oss":  # the tape compares probabilities over all experts
             scores = scores.detach().float().softmax(dim=-1)
-        return self.tape.route(self.tape_key, scores, own, x.dtype)
+        return self.tape.route(self.tape_key, scores, own, x.dtype, ranked)

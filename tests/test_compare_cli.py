@@ -120,8 +120,9 @@ def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
 @pytest.mark.multiprocess
 def test_bfloat16_compares_at_the_baselines_expert_choices(tmp_path, capsys):
     """bfloat16, reference against optimized on the preset whose router is most sensitive:
-    the optimized side replays the reference's routing; the choices it would have made
-    differently are counted and are all near-ties; report.md says so."""
+    the optimized side replays the reference's routing; its router scores agree within
+    bf16's bound, the choices it would have made differently are counted and are all
+    near-ties; report.md says so."""
     out = tmp_path / "report"
     code = main(
         ["compare", *SMALL, "--dtype", "bfloat16", "--no-memory", "--json",
@@ -133,6 +134,6 @@ def test_bfloat16_compares_at_the_baselines_expert_choices(tmp_path, capsys):
     assert routing["mode"] == "pinned" and routing["problems"] == []
     # ranks x M x tokens x top-k x MoE layers, for 2 training steps and the evaluation
     assert routing["choices"] == 2 * 2 * 16 * 2 * 4 * (2 + 1)
-    assert routing["max_gap"] <= routing["near_tie_limit"]
+    assert 0 < routing["score_drift"] <= routing["drift_limit"] == 1e-2
     assert "routing: pinned" in capsys.readouterr().out
     assert "## Routing" in (out / "report.md").read_text()
