@@ -318,8 +318,10 @@ class Router(nn.Module):
     """Top-k routing of each family. Returns ``(weights [T, k], experts [T, k])``.
 
     DeepSeek-V2: float32 softmax over all experts, greedy or group-limited top-k,
-    times ``routed_scaling_factor``. Qwen3-MoE: float32 softmax, top-k, optional
-    renormalisation. GPT-OSS: linear with bias, top-k on raw logits, softmax over the k.
+    times ``routed_scaling_factor``. Qwen3-MoE: logits in the model dtype, float32
+    softmax, top-k, optional renormalisation. GPT-OSS: linear with bias, top-k on raw
+    logits, softmax over the k. A routing tape (`models.routing`) can record the choices
+    or replay another stack's.
     """
 
     def __init__(self, config: ModelConfig) -> None:
