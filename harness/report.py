@@ -240,7 +240,9 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
         f"{routing['swaps']} differently, all near-ties (worst gap "
         f"{format_number(routing['max_gap'])})"
     )
-    if routing.get("problems"):
+    if not routing["swaps"]:
+        line = line.split("; the candidate would")[0] + "; the candidate chose the same everywhere"
+    elif routing.get("problems"):
         line = line.replace(", all near-ties (", " (")
     return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
 

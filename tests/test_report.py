@@ -100,3 +100,21 @@ def test_load_report_names_the_file_when_it_is_not_a_report(tmp_path):
 )
 def test_format_bytes(nbytes, text):
     assert format_bytes(nbytes) == text
+
+
+def test_routing_lines_say_how_the_sides_routed():
+    from harness.report import _routing_lines
+
+    assert _routing_lines({}) == []
+    assert _routing_lines({"routing": {"mode": "free"}}) == [
+        "routing: free (each side chose its own experts)"
+    ]
+    pinned = {"mode": "pinned", "choices": 1000, "swaps": 0, "max_gap": 0.0,
+              "score_drift": 1e-7, "drift_limit": 1e-5, "problems": []}  # fmt: skip
+    (line,) = _routing_lines({"routing": pinned})
+    assert "1,000 expert choices" in line and line.endswith("chose the same everywhere")
+    swapped = dict(pinned, swaps=3, max_gap=0.002, problems=["rank 0: scores differ"])
+    lines = _routing_lines({"routing": swapped})
+    assert "would have chosen 3 differently (worst gap 0.002)" in lines[0]
+    assert "near-ties" not in lines[0]  # not claimed when the replay found problems
+    assert lines[1] == "routing problem: rank 0: scores differ"
