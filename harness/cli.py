@@ -19,10 +19,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("harness.diff", "compare two compare/bench reports; exit 1 on a regression"),
     "bench": ("harness.bench", "run the benchmarks and append the results to a history"),
     "dashboard": ("harness.dashboard", "render a static HTML dashboard from a history"),
-    "estimate": ("optimized.estimator_cli", "estimate per-rank memory from the configs alone"),
-    "train": ("optimized.train", "train a model on the optimized stack"),
-    "prepare-data": ("optimized.data_cli", "turn text files into a memory-mapped token file"),
-    "export": ("optimized.export", "export a training checkpoint as a Hugging Face checkpoint"),
+    "estimate": ("optimized.estimator.cli", "estimate per-rank memory from the configs alone"),
+    "train": ("optimized.train.cli", "train a model on the optimized stack"),
+    "prepare-data": ("optimized.train.data_cli", "turn text files into a memory-mapped token file"),
+    "export": (
+        "optimized.train.export",
+        "export a training checkpoint as a Hugging Face checkpoint",
+    ),
 }
 
 

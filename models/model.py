@@ -47,6 +47,10 @@ class CausalLM(nn.Module):
     A pipeline rank builds a *part*: only some ``layers``, and the embedding and
     the head (final norm, output layer) only where its stages need them. Parameter
     names stay those of the whole model, so parts and the whole compare by name.
+
+    ``ops`` comes from the caller (`reference.ops.ReferenceOps` or
+    `optimized.ops.OptimizedOps`): `models` imports neither stack. A model built
+    without ops holds and loads weights, and refuses to run.
     """
 
     def __init__(
@@ -59,12 +63,8 @@ class CausalLM(nn.Module):
         head: bool = True,
     ) -> None:
         super().__init__()
-        if ops is None:
-            from reference.ops import ReferenceOps  # noqa: PLC0415 - the default truth
-
-            ops = ReferenceOps()
         self.config = config
-        self.ops = ops
+        self._ops = ops
         self.ep = ep
         self.has_embedding, self.has_head = embedding, head
         if layers is None:
@@ -76,6 +76,20 @@ class CausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         if embedding and head and len(layers) == config.num_hidden_layers:
             self.init_weights(torch.Generator().manual_seed(0))
+
+    @property
+    def ops(self):
+        """The `models.ops.Ops` the layers run with; set by the caller."""
+        if self._ops is None:
+            raise RuntimeError(
+                "this CausalLM was built without ops: pass ops=ReferenceOps() (reference.ops) "
+                "or ops=OptimizedOps() (optimized.ops) to build it, or set model.ops"
+            )
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops) -> None:
+        self._ops = ops
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -145,9 +145,12 @@ class ReferenceDualPipeV:
             self._send_gradient(chunk, leaf.grad)
 
     def W(self) -> None:
-        """Deferred weight gradients: none in the reference, which computes them in B."""
+        """Deferred weight gradients: none in the reference, which computes them in B.
 
-    def _observe(self, action: str, micro_batch: int) -> None:
+        The step still reports itself, so both stacks mark the same sequence of actions."""
+        self._observe("W", None)
+
+    def _observe(self, action: str, micro_batch: int | None) -> None:
         if self.observer is not None:
             self.observer(f"{self.phase}:{action}", micro_batch)
 

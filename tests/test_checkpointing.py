@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from models.config import ModelConfig
 from models.model import CausalLM
-from optimized.checkpointing import load_model_state, newest_valid
-from optimized.data import TokenDataset, TokenLoader, default_dataset
-from optimized.export import export
+from optimized.train import TokenDataset, TokenLoader, default_dataset
+from optimized.train.checkpointing import load_model_state, newest_valid
+from optimized.train.export import export
+from reference.ops import ReferenceOps
 from tests.test_train import _reference_runner, config, train  # noqa: F401 - fixture
 
 
@@ -59,7 +60,7 @@ def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
     hf_loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
 
     model_config = ModelConfig.from_hf(str(folder / "config.json"))
-    ours = CausalLM(model_config)
+    ours = CausalLM(model_config, ReferenceOps())
     ours.load_state_dict(load_model_state(folder, model_config))
     with torch.no_grad():
         our_loss = float(ours.loss(ids, labels))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.cli import main as cli_main
-from optimized.data import (
+from optimized.train import (
     INDEX_FILE,
     TOKENS_FILE,
     ByteTokenizer,

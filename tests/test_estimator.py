@@ -153,7 +153,7 @@ def test_hf_config_json(tmp_path):
 
 def test_fsdp_shards_weights_and_gradients_by_hand():
     from optimized.estimator.memory import (
-        _head_weight_numel,
+        head_weight_numel,
         layer_profile,
         rank_params,
         static_bytes,
@@ -183,8 +183,8 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
     # A tied output layer stays whole (its 32,768 weights are the embedding's); untied, none.
     model = dataclasses.replace(preset("tiny-qwen3-moe"), tie_word_embeddings=True)
     tied = EstimateConfig(model, pp=1, dp=2, ep=2, fsdp=True, num_microbatches=2, seq_len=64)
-    assert _head_weight_numel(tied, (0, 1)) == 32_768
-    assert _head_weight_numel(cfg(pp=1, dp=2, ep=2, fsdp=True), (0, 1)) == 0
+    assert head_weight_numel(tied, (0, 1)) == 32_768
+    assert head_weight_numel(cfg(pp=1, dp=2, ep=2, fsdp=True), (0, 1)) == 0
     count = rank_params(tied, (0, 1), [range(0, 2), range(2, 4)])
     params = shard(count, tied)
     dense = params["tensor_sharded"] + params["replicated"]
@@ -197,7 +197,7 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
 
 
 def count_tensors():
-    from optimized.estimator.memory import rank_params
+    from optimized.estimator import rank_params
 
     config = cfg(pp=1, dp=2, ep=2)
     return rank_params(config, (0, 1), [range(0, 2), range(2, 4)]).num_tensors

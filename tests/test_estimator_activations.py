@@ -66,8 +66,8 @@ def measured_optimized_held(model, layer_index, batch, seq, dtype) -> int:
     import os
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from optimized.execution import ExecutionContext
-    from optimized.overlap import FORWARD_STEPS, LayerRun
+    from optimized.pipeline.execution import ExecutionContext
+    from optimized.pipeline.overlap import FORWARD_STEPS, LayerRun
     from tests._memtrack import StorageTracker
 
     torch.manual_seed(1234)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models import from_pretrained, preset, save_pretrained
+from reference.ops import ReferenceOps
 
 transformers = pytest.importorskip("transformers")
 # transformers' DeepSeek-V2 without shared experts initialises zero-width ones, and says so.
@@ -112,7 +113,7 @@ def parity(name: str, tmp_path) -> dict[str, float]:
     config = preset(preset_name, **overrides)
     hf = hf_model(config)
     hf.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path, ops=ReferenceOps())
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator())
 
     hf_out = hf(input_ids=ids, labels=ids)
@@ -152,7 +153,7 @@ def test_bfloat16_logits_match_transformers(preset_name, tmp_path):
     config = preset(preset_name)
     hf = hf_model(config).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = from_pretrained(tmp_path, dtype=torch.bfloat16, ops=ReferenceOps())
     assert ours.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     with torch.no_grad():
@@ -177,7 +178,7 @@ def test_transformers_loads_our_checkpoint(name, max_shard_bytes, tmp_path):
     """Our `save_pretrained` writes what transformers' `from_pretrained` reads, bit for bit."""
     preset_name, overrides = CASES[name]
     config = preset(preset_name, **overrides)
-    ours = from_pretrained(_saved_hf(config, tmp_path / "hf"))
+    ours = from_pretrained(_saved_hf(config, tmp_path / "hf"), ops=ReferenceOps())
     save_pretrained(ours, tmp_path / "ours", max_shard_bytes=max_shard_bytes)
     assert (tmp_path / "ours" / "model.safetensors.index.json").exists() == bool(max_shard_bytes)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")

@@ -175,7 +175,7 @@ def test_optimized_is_deterministic_bfloat16():
 
 def test_saved_tensor_profile_splits_parameters_and_activations():
     from optimized.ops import OptimizedOps
-    from optimized.profile import STAGES, profile_part
+    from optimized.pipeline.profile import STAGES, profile_part
 
     model = build_model(preset("tiny-deepseek-v2"))
     hidden = torch.randn(1, 16, model.config.hidden_size)

@@ -3,9 +3,8 @@
 import itertools
 
 from models.presets import preset
-from optimized.estimator import EstimateConfig
-from optimized.estimator.memory import largest_peak
-from optimized.partition import (
+from optimized.estimator import EstimateConfig, largest_peak
+from optimized.pipeline.partition import (
     choose_partition,
     even_partition,
     heuristic_partition,

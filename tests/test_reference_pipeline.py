@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from harness.compare import _assemble, _rank_main, _run_oracle, compare_tensors
+from harness.compare import _assemble, _rank_main, _run_oracle
+from harness.compare_checks import compare_tensors
 from models import build_model, preset
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch

@@ -16,9 +16,9 @@ from models.model import is_expert_parameter
 from models.presets import resolve_model
 from models.training import OptimizerConfig
 from optimized import sharding, trainer
-from optimized.data import TokenDataset, TokenLoader, default_dataset
 from optimized.ops.grouped_linear import WeightGradStore
-from optimized.optimizer import ShardedAdamW, gather_slices
+from optimized.train import TokenDataset, TokenLoader, default_dataset
+from optimized.train.optimizer import ShardedAdamW, gather_slices
 from tests.test_train import REFERENCE_RUNNER, _reference_runner, config, train  # noqa: F401
 
 OPTIMIZED_RUNNER = "optimized.pipeline:OptimizedPipeline"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from models.distributed import RankFailed, launch
-from optimized.train import _rank_main
-from optimized.train_config import TrainConfig, apply_overrides, validate_config
+from optimized.train import TrainConfig, apply_overrides, validate_config
+from optimized.train.cli import _rank_main
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
@@ -180,7 +180,7 @@ def test_the_trainer_drives_the_optimized_pipeline(monkeypatch):
     cfg = config("steps=2", "optim.warmup_steps=1")
     reference = train(cfg)[0]["losses"]
     monkeypatch.delenv("TWINPIPE_RUNNER")
-    from optimized.trainer import runner_class
+    from optimized.train.trainer import runner_class
 
     assert runner_class().__name__ == "OptimizedPipeline"
     optimized = train(cfg)[0]["losses"]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from optimized.train_config import (
+from optimized.train import (
     FIELDS,
     TrainConfig,
     add_config_arguments,
@@ -236,7 +236,7 @@ def test_lr_schedule_values():
 def test_the_shipped_example_config_loads():
     import pathlib
 
-    from optimized.train_config import load_config
+    from optimized.train import load_config
 
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tiny-deepseek-v2.toml"
     cfg = load_config(path)

@@ -7,6 +7,13 @@ stack keeps per layer and micro-batch, times the micro-batches each chunk
 holds at each action of the DualPipeV walk, with the phase where each rank
 peaks. Beside it, what Megatron's published formulas would say.
 
+Modules: `config` (`EstimateConfig`), `params` (parameter counts), `activations` (what a
+layer saves), `steps` (the optimized stage functions' transients), `schedule` (the
+DualPipeV walk), `memory` (what both walks share), `reference_walk` and `optimized_walk`,
+`ranks` (per-rank estimates), `megatron` (the published formulas), `cli`
+(``twinpipe estimate``). May import `models` only (and `optimized.pipeline.partition`
+lazily, to pick the partition it estimates); never `reference` or `harness`.
+
 The API keeps the names of Megatron's ``theoretical_memory_utils``:
 `compute_weight_and_optimizer_memory`, `compute_activation_memory`,
 `report_theoretical_memory`; ``config`` is an `EstimateConfig`.
@@ -22,13 +29,24 @@ from optimized.estimator.megatron import (
     megatron_activation_bytes,
     megatron_weight_and_optimizer_bytes,
 )
-from optimized.estimator.memory import RankEstimate, estimate_ranks
+from optimized.estimator.memory import RankEstimate, layer_profile, rank_params, static_bytes
 from optimized.estimator.params import BUCKETS, active_params, model_params
+from optimized.estimator.ranks import estimate_rank, estimate_ranks, largest_peak
+from optimized.estimator.schedule import send_completions, walk
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 __all__ = [
     "EstimateConfig",
+    "RankEstimate",
+    "estimate_rank",
+    "estimate_ranks",
+    "largest_peak",
+    "layer_profile",
+    "rank_params",
+    "send_completions",
+    "static_bytes",
+    "walk",
     "compute_activation_memory",
     "compute_weight_and_optimizer_memory",
     "estimate",
@@ -38,7 +56,7 @@ __all__ = [
 
 
 def _partition(config: EstimateConfig):
-    from optimized.partition import stage_layers
+    from optimized.pipeline.partition import stage_layers
 
     return stage_layers(config)
 
@@ -141,7 +159,7 @@ def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str,
         },
     }
     if with_partitions:
-        from optimized.partition import partition_report
+        from optimized.pipeline.partition import partition_report
 
         report["partitions"] = partition_report(config)
     return report

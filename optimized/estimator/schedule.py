@@ -146,7 +146,7 @@ def comm_events(rank: int, pp: int, num_microbatches: int) -> Iterator[CommEvent
     A forward receives its input first and sends its output last; a backward receives the
     output gradient first and sends the input gradient last; an overlapped F&B receives
     the forward's input, then the backward's gradient, and sends the forward's output,
-    then the backward's gradient (`optimized.dualpipev.DualPipeV.FB`).
+    then the backward's gradient (`optimized.pipeline.dualpipev.DualPipeV.FB`).
     """
     for step in walk(rank, pp, num_microbatches):
         action = step.action

@@ -1,4 +1,4 @@
-"""The optimized stack, one decoder layer as the fourteen steps of `optimized.overlap`.
+"""The optimized stack, one decoder layer as the fourteen steps of `optimized.pipeline.overlap`.
 
 The optimized schedule runs each layer as seven forward and seven backward
 steps (`FORWARD_STEPS`, `BACKWARD_STEPS`) and DualPipeV's F&B interleaves a
@@ -7,7 +7,7 @@ Each step here is what it leaves held (``delta``), how far above the level it
 started from it climbs while it runs (``transient``, measured from the step's
 start, not its end: a forward step's peak is its kept bytes plus its
 temporaries), and the gradient bytes it creates. Read off the code (stage records, early frees in
-`optimized.execution`, saved tensors of the optimized ops) and checked against
+`optimized.pipeline.execution`, saved tensors of the optimized ops) and checked against
 the tracker by ``tests/test_estimator_activations.py``:
 
 - stage 1 runs the attention block under non-reentrant checkpoint: only the

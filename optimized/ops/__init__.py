@@ -2,6 +2,8 @@
 
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.
+
+May import `models` only: never another `optimized` subpackage, `reference` or `harness`.
 """
 
 from models.distributed import all_to_all

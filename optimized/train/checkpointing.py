@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from models.config import ModelConfig
 from models.distributed import Layout
 from models.model import is_expert_parameter
-from optimized.optimizer import ParamShard, ShardedAdamW, gather_slices
+from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"

@@ -18,7 +18,7 @@ that while one side's all-to-all is in flight the other side computes
 
 Records keep only what backward needs: the comm stages keep their split sizes
 and group, not tensors. Stage-boundary storage nobody reads again is freed
-early through the `ExecutionContext` (see `optimized.execution`).
+early through the `ExecutionContext` (see `optimized.pipeline.execution`).
 
 A dense layer is asked once (``is_moe``): its attention stage is the whole
 layer and the other stages do nothing.
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from models.decoder import AttentionOut, CombineOut, DecoderLayer, DispatchOut
-from optimized.execution import Exchange, ExecutionContext, start_exchange
+from optimized.pipeline.execution import Exchange, ExecutionContext, start_exchange
 
 
 def leaf(tensor: torch.Tensor) -> torch.Tensor:

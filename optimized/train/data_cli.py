@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from optimized.data import load_tokenizer, prepare_data, resolve_inputs
+from optimized.train.preparation import prepare_data, resolve_inputs
+from optimized.train.tokenizers import load_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,10 +16,10 @@ from models.training import (
     PipelineRunner,
     rank_chunks,
 )
-from optimized.dualpipev import OptimizedDualPipeV
 from optimized.estimator.config import EstimateConfig
 from optimized.ops import OptimizedOps
-from optimized.partition import choose_partition
+from optimized.pipeline.dualpipev import OptimizedDualPipeV
+from optimized.pipeline.partition import choose_partition
 
 
 def default_partition(model: ModelConfig, parallel: ParallelConfig) -> list[list[int]]:

@@ -199,8 +199,8 @@ class ShardedOptimizedPipeline(PipelineRunner):
     name = "optimized-fsdp"
 
     def __init__(self, model, parallel, layout, full_state, optimizer) -> None:
-        from optimized.optimizer import ShardedAdamW  # noqa: PLC0415
-        from optimized.pipeline import OptimizedPipeline  # noqa: PLC0415
+        from optimized.pipeline.runner import OptimizedPipeline  # noqa: PLC0415
+        from optimized.train.optimizer import ShardedAdamW  # noqa: PLC0415
 
         self.runner = OptimizedPipeline(model, parallel, layout, full_state, optimizer)
         self.part, self.layout, self.parallel = self.runner.part, layout, parallel

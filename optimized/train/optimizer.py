@@ -1,6 +1,6 @@
 """AdamW with float32 state sharded over data-parallel replicas, and global clipping.
 
-Parameters come in two kinds (`optimized.sharding` says which and why):
+Parameters come in two kinds (`optimized.pipeline.sharding` says which and why):
 
 - *FSDP2* parameters (``fully_shard``-ed modules, DTensors sharded on dim 0 over their
   *replica group*: the DP group, or for routed experts the expert-replica group, size

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.memory import estimate_rank, largest_peak
+from optimized.estimator.ranks import estimate_rank, largest_peak
 
 EXHAUSTIVE_LIMIT = 3000
 """Search every partition when there are at most this many."""

@@ -34,7 +34,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
     """Write the newest complete checkpoint under ``checkpoint`` to ``out``; return its folder."""
     from models.checkpoint import save_pretrained  # noqa: PLC0415
     from models.model import CausalLM  # noqa: PLC0415
-    from optimized.checkpointing import load_model_state, newest_valid  # noqa: PLC0415
+    from optimized.train.checkpointing import load_model_state, newest_valid  # noqa: PLC0415
 
     folder = newest_valid(checkpoint)
     if folder is None:

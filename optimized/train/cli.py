@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from optimized.train_config import add_config_arguments, config_from_args, print_config
+from optimized.train.config_io import add_config_arguments, config_from_args, print_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank_main(cfg) -> dict:
-    from optimized.trainer import train  # noqa: PLC0415
+    from optimized.train.trainer import train  # noqa: PLC0415
 
     return train(cfg)
 

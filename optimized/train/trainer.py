@@ -7,7 +7,7 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    tiny next to activations, and the loss stays the mean over the global batch);
 2. the runner (`runner_class`, the optimized stack's `OptimizedPipeline`) runs the
    DualPipeV forward/backward and reduces gradients. With sharding on (``parallel.fsdp``,
-   default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.sharding`),
+   default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.pipeline.sharding`),
    routed experts over their expert replicas: FSDP2 gathers their parameters and
    reduce-scatters their gradients (the zero-bubble W steps' included), and only the
    rest (experts where EP = DP, a tied output layer) is all-reduced;
@@ -45,9 +45,11 @@ from models.model import build_model
 from models.presets import resolve_model
 from models.training import OptimizerConfig
 from optimized import checkpointing, sharding
-from optimized.data import TokenDataset, TokenLoader, default_dataset
-from optimized.optimizer import ShardedAdamW
-from optimized.train_config import TrainConfig, config_to_toml, lr_at
+from optimized.train.config import TrainConfig, lr_at
+from optimized.train.config_io import config_to_toml
+from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.train.optimizer import ShardedAdamW
+from optimized.train.preparation import default_dataset
 
 RUNNER = "optimized.pipeline:OptimizedPipeline"
 """The one seam between the trainer and the stack it drives (``module:Class``)."""

@@ -7,14 +7,14 @@ so the two can be held side by side. What differs:
 - **F&B overlap.** In the main phase (and the F1&B0 of nB1F1B0) one
   micro-batch's forward on one chunk runs interleaved, stage by stage, with
   another micro-batch's backward on the other chunk
-  (`optimized.overlap.OVERLAPPED_LAYER_STEPS`): while one side's dispatch or
+  (`optimized.pipeline.overlap.OVERLAPPED_LAYER_STEPS`): while one side's dispatch or
   combine all-to-all is in flight, the other side computes.
 - **Zero bubble.** In nB1W1F1, the second half of nB1B0 and nWB0, a backward
   defers the expert weight gradients into the step's `WeightGradStore` and the
   W steps run them. Overlapped pairs never defer: their expert weight
   gradients run while the pair's all-to-alls are in flight.
 - **Memory.** Stages run on detached leaves with early frees of stage-boundary
-  storage (`optimized.overlap`), the loss uses the fused in-place
+  storage (`optimized.pipeline.overlap`), the loss uses the fused in-place
   cross-entropy, experts the padded gather and grouped GEMM of the optimized ops.
 
 Point-to-point traffic: one tagged stream per direction and chunk, sends posted
@@ -40,9 +40,9 @@ import torch.distributed as dist
 from models.distributed import Layout
 from models.model import IGNORE_INDEX
 from optimized.estimator.schedule import send_completions
-from optimized.execution import ExecutionContext
 from optimized.ops import linear_cross_entropy
-from optimized.overlap import (
+from optimized.pipeline.execution import ExecutionContext
+from optimized.pipeline.overlap import (
     LayerRun,
     backward_layers,
     backward_stage,

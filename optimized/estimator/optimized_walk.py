@@ -1,0 +1,231 @@
+"""The optimized schedule's walk, step by step over the overlapped stage functions
+(`optimized.estimator.steps`): early frees, deferred weight gradients, F&B pairs
+interleaved layer by layer. Shared pieces live in `optimized.estimator.memory`.
+"""
+
+from __future__ import annotations
+
+from optimized.estimator.activations import (
+    F32,
+)
+from optimized.estimator.config import EstimateConfig
+from optimized.estimator.memory import (
+    RankEstimate,
+    WalkState,
+    action_label,
+    batch_bytes,
+    buffer_bytes,
+    embedding_grad_bytes,
+    fsdp_divisor,
+    head_weight_numel,
+    layer_profile,
+    rank_params,
+    static_bytes,
+    timeline_moment,
+)
+from optimized.estimator.schedule import send_completions, walk
+from optimized.estimator.steps import step_profile
+
+TRACE: list | None = None
+"""Set to a list to record each step of the optimized walk: (layer, step, start, peak)."""
+
+
+def estimate_rank_optimized(
+    config: EstimateConfig, rank: int, partition: list[range]
+) -> RankEstimate:
+    """The optimized schedule, step by step (`optimized.estimator.steps`)."""
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    stages = (rank, config.num_stages - 1 - rank)
+    count = rank_params(config, stages, partition)
+    params, weights, all_gradients, optimizer = static_bytes(
+        config, count, head_weight_numel(config, stages)
+    )
+    chunk_layers = [list(partition[s]) for s in stages]
+    weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
+    th = tokens * m.hidden_size * b
+    first, last = rank == 0, rank == config.pp - 1
+    profiles = [[step_profile(config, layer) for layer in c] for c in chunk_layers]
+    grads = [[layer_profile(config, layer) for layer in c] for c in chunk_layers]
+    head_weight = m.vocab_size * m.hidden_size * b
+    # Under FSDP2 the fused loss's whole-weight gradient buffer waits for the backward,
+    # which reduce-scatters it into a 1/DP shard; without, micro-batch 0's becomes the grad.
+    sharded_head = config.fsdp and not m.tie_word_embeddings
+    head_divisor = fsdp_divisor(config) if sharded_head else 1
+    # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
+    # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
+    head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
+    head += th + tokens * F32 + 8
+    state = WalkState()
+    # Sends held until this rank has received the peer's reply that proves them taken
+    # (`send_completions`; None: to the end of the step): [bytes, receives needed].
+    completions = iter(send_completions(rank, config.pp, config.num_microbatches))
+    sends: list[tuple[int, int | None]] = []
+    received = [0]
+    deferred: list[int] = []
+    local_out: list[int] = []
+    peak, peak_step, timeline = -1, None, []
+
+    late_held = [0]
+
+    def hold_late(chunk, index, name):
+        """The last layer of a chunk whose output root is kept (not the loss chunk)."""
+        if index == len(profiles[chunk]) - 1 and not is_loss(chunk):
+            extra = profiles[chunk][index].held_to_action_end.get(name, 0)
+            state.activations += extra
+            late_held[0] += extra
+
+    def release_late():
+        state.activations -= late_held[0]
+        late_held[0] = 0
+
+    def run_step(chunk, index, mb, step, defer=False):
+        if TRACE is not None:
+            level = state.activations + state.gradients
+            TRACE.append((chunk_layers[chunk][index], step.name, level, level + step.transient))
+        state.moment(step.transient)
+        state.activations += step.delta
+        if step.grad == "dense":
+            state.grad((chunk, index, "dense"), grads[chunk][index].dense_grad)
+        elif step.grad == "experts":
+            if defer:
+                inputs = grads[chunk][index].deferred_inputs
+                state.activations += inputs
+                deferred[-1] += inputs
+            else:
+                state.grad((chunk, index, "experts"), grads[chunk][index].expert_grad)
+        state.moment()
+
+    def is_loss(chunk):
+        return chunk == 1 and first
+
+    def send(nbytes):
+        sends.append((nbytes, next(completions)))
+
+    def receive():
+        """One received tensor; the sends it proves complete are waited and freed."""
+        state.activations += th
+        state.moment()
+        received[0] += 1
+        for item in [x for x in sends if x[1] is not None and x[1] <= received[0]]:
+            sends.remove(item)
+            state.activations -= item[0]
+
+    def f_start(chunk):
+        if chunk == 0 and first:
+            state.activations += th  # the embedding's output
+        elif not (chunk == 1 and last):
+            receive()
+
+    def f_end(chunk, mb):
+        if is_loss(chunk):
+            state.moment(th)
+            state.activations += head
+            if mb == 0 and not sharded_head:  # grad_weight becomes lm_head.grad
+                state.grad((chunk, "head"), head_weight)
+            else:
+                state.activations += head_weight
+            state.moment()
+        elif chunk == 0 and last:
+            local_out.append(th)
+        else:
+            send(th)
+
+    def b_start(chunk, mb):
+        if is_loss(chunk):
+            state.moment(th)
+            state.activations -= head + (head_weight if mb or sharded_head else 0)
+            state.activations += th  # head_input.grad
+            if sharded_head:  # FSDP2 shards dim 0, rows rounded up
+                rows = -(-m.vocab_size // head_divisor)
+                state.grad((chunk, "head"), rows * m.hidden_size * config.grad_bytes)
+            norm = -(-m.hidden_size // head_divisor)
+            state.grad((chunk, "norm"), norm * config.grad_bytes)
+        elif not (chunk == 0 and last):
+            receive()  # the gradient
+
+    def b_end(chunk):
+        if not (chunk == 1 and last):  # there the input is chunk 0's output, kept until B0
+            state.activations -= th  # the chunk's input (received or embedded), its root
+        if chunk == 0 and first:
+            state.grad((chunk, "embedding"), embedding_grad_bytes(config))
+            state.activations -= th
+        elif chunk == 1 and last:
+            # The input gradient is handed to B0 locally: held until B0 has used it (B0 then
+            # frees it as any chunk frees its received gradient).
+            state.activations += th
+        else:
+            send(th)  # the sent gradient
+        state.moment()
+
+    fsteps = ("attention_forward", "dispatch_start", "dispatch_wait", "experts_forward",
+              "combine_start", "combine_wait", "aggregate_forward")  # fmt: skip
+    bsteps = ("aggregate_backward", "combine_backward_start", "combine_backward_wait",
+              "experts_backward", "dispatch_backward_start", "dispatch_backward_wait",
+              "attention_backward")  # fmt: skip
+    order = (("B", 0), ("B", 1), ("F", 0), ("F", 1), ("B", 2), ("B", 3), ("B", 4), ("F", 2),
+             ("F", 3), ("F", 4), ("B", 5), ("B", 6), ("F", 5), ("F", 6))  # fmt: skip
+
+    def forward(chunk, mb):
+        f_start(chunk)
+        for i, p in enumerate(profiles[chunk]):
+            for name in fsteps:
+                run_step(chunk, i, mb, p.forward[name])
+        f_end(chunk, mb)
+
+    def backward(chunk, mb, defer):
+        if defer:
+            deferred.append(0)
+        b_start(chunk, mb)
+        for i in reversed(range(len(profiles[chunk]))):
+            for name in bsteps:
+                run_step(chunk, i, mb, profiles[chunk][i].backward[name], defer)
+                hold_late(chunk, i, name)
+        release_late()
+        b_end(chunk)
+
+    def overlapped(fc, fmb, bc, bmb):
+        f_start(fc)
+        b_start(bc, bmb)
+        fl, bl = profiles[fc], list(reversed(range(len(profiles[bc]))))
+        for k in range(max(len(fl), len(bl))):
+            for side, n in order:
+                if side == "F" and k < len(fl):
+                    run_step(fc, k, fmb, fl[k].forward[fsteps[n]])
+                elif side == "B" and k < len(bl):
+                    run_step(bc, bl[k], bmb, profiles[bc][bl[k]].backward[bsteps[n]])
+                    hold_late(bc, bl[k], bsteps[n])
+        f_end(fc, fmb)
+        release_late()
+        b_end(bc)
+
+    for step in walk(rank, config.pp, config.num_microbatches):
+        action = step.action
+        before = state.peak
+        state.peak = (-1, 0, 0)
+        state.moment()
+        if action.kind == "F":
+            forward(action.chunk, step.forward_micro_batch)
+        elif action.kind == "B":
+            backward(action.chunk, step.backward_micro_batch, action.deferred)
+        elif action.kind == "W":
+            if deferred:
+                inputs = deferred.pop(0)
+                state.moment()
+                state.activations -= inputs
+        else:
+            overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
+                       step.backward_micro_batch)  # fmt: skip
+        during = state.peak
+        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        if during[0] > peak:
+            peak, peak_step, peak_split = during[0], step, during
+        state.peak = max(before, during)
+    _, activations_at_peak, gradients_at_peak = peak_split
+    return RankEstimate(
+        rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
+        weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
+        activation_bytes=activations_at_peak + batch_bytes(config),
+        peak_phase=peak_step.action.phase, peak_action=action_label(peak_step.action),
+        in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
+        all_gradients_bytes=all_gradients, timeline=timeline,
+    )  # fmt: skip

@@ -1,0 +1,202 @@
+"""The reference schedule's walk: a literal DualPipeV whose overlapped pairs run as F, then
+B, and whose backwards compute weight gradients at once (nothing deferred, nothing freed
+early). Shared pieces live in `optimized.estimator.memory`.
+"""
+
+from __future__ import annotations
+
+from optimized.estimator.config import EstimateConfig
+from optimized.estimator.memory import (
+    LayerProfile,
+    RankEstimate,
+    WalkState,
+    action_label,
+    batch_bytes,
+    buffer_bytes,
+    chunk_profile,
+    head_weight_numel,
+    rank_params,
+    static_bytes,
+    timeline_moment,
+)
+from optimized.estimator.schedule import walk
+
+
+def estimate_rank_reference(
+    config: EstimateConfig, rank: int, partition: list[range]
+) -> RankEstimate:
+    """One pp-rank of the reference stack, action by action over the DualPipeV walk."""
+    stages = (rank, config.num_stages - 1 - rank)
+    count = rank_params(config, stages, partition)
+    params, weights, all_gradients, optimizer = static_bytes(
+        config, count, head_weight_numel(config, stages)
+    )
+    layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
+    weights += buffer_bytes(config, layers)
+    chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
+    boundary = config.tokens * config.model.hidden_size * config.param_bytes
+    optimized = config.stack == "optimized"
+    first, last = rank == 0, rank == config.pp - 1
+    state = WalkState()
+    deferred: list[tuple[int, int]] = []  # (chunk, micro-batch) awaiting W
+    peak, peak_step, timeline, most = -1, None, [], [0, 0]
+
+    def forward_start(chunk: int) -> None:
+        if chunk == 1 and last:
+            state.activations -= boundary  # the input is chunk 0's output, already held
+
+    def forward_end(chunk: int) -> None:
+        # The output stays: as the backward's root, and in the pending send (to the step's
+        # end) or the local hand-over to chunk 1 (until B0 frees it).
+        if not (chunk == 1 and first):
+            state.activations += boundary
+
+    def forward_layer(chunk: int, layer: LayerProfile, part: str = "all") -> None:
+        if part in ("all", "attention"):
+            state.activations += layer.attention
+        if part in ("all", "experts"):
+            state.activations += layer.experts
+            state.moment(layer.forward_transient)
+        if part in ("all", "aggregate"):
+            state.activations += layer.aggregate
+
+    def forward(chunk: int) -> None:
+        c = chunks[chunk]
+        forward_start(chunk)
+        for layer in c.layers:
+            state.activations += layer.saved
+            state.moment(layer.forward_transient)
+        if c.head_saved:
+            # log_softmax writes what the loss keeps while the logits are still alive
+            state.moment(c.head_forward_transient + c.head_saved)
+            state.activations += c.head_saved
+        forward_end(chunk)
+        state.moment()
+
+    def backward_start(chunk: int) -> int:
+        c = chunks[chunk]
+        received = 0
+        if c.head_saved:
+            state.moment(c.head_backward_transient)
+            state.activations -= c.head_saved
+            state.grad((chunk, "head"), c.head_grad)
+        elif not (chunk == 0 and last):
+            received = boundary  # the incoming gradient, freed with the backward
+            state.activations += received
+        return received
+
+    def backward_layer(chunk: int, index: int, layer: LayerProfile, defer: bool, part="all"):
+        if part in ("all", "experts"):
+            state.activations -= layer.aggregate
+            state.moment(layer.backward_transient)
+            state.activations -= layer.experts
+            if defer and layer.deferred_inputs:
+                state.activations += layer.deferred_inputs
+            else:
+                state.grad((chunk, index, "experts"), layer.expert_grad)
+        if part in ("all", "attention"):
+            state.activations -= layer.attention
+            state.grad((chunk, index, "dense"), layer.dense_grad)
+
+    def backward_end(chunk: int, received: int) -> None:
+        c = chunks[chunk]
+        state.activations -= received
+        if chunk == 0 and last:  # the gradient B1 handed over, and chunk 0's output
+            state.activations -= 2 * boundary
+        if chunk == 1 and last:  # chunk 1's input lives on as chunk 0's output until B0
+            state.activations += boundary
+        if c.embedding_grad:
+            state.grad((chunk, "embedding"), c.embedding_grad)
+        else:
+            state.activations += boundary  # the gradient sent (or handed to B0) stays
+        state.moment()
+
+    def backward(chunk: int, defer: bool) -> None:
+        c = chunks[chunk]
+        received = backward_start(chunk)
+        for index in reversed(range(len(c.layers))):
+            backward_layer(chunk, index, c.layers[index], defer)
+            state.moment()
+        backward_end(chunk, received)
+
+    def overlapped(f_chunk: int, b_chunk: int) -> None:
+        fc, bc = chunks[f_chunk], chunks[b_chunk]
+        forward_start(f_chunk)
+        received = backward_start(b_chunk)
+        b_layers = list(reversed(range(len(bc.layers))))
+        for step in range(max(len(fc.layers), len(b_layers))):
+            f = fc.layers[step] if step < len(fc.layers) else None
+            b = bc.layers[b_layers[step]] if step < len(b_layers) else None
+            if f is not None:
+                forward_layer(f_chunk, f, "attention")
+            if b is not None:
+                backward_layer(b_chunk, b_layers[step], b, False, "experts")
+            if f is not None:
+                forward_layer(f_chunk, f, "experts")
+            if b is not None:
+                backward_layer(b_chunk, b_layers[step], b, False, "attention")
+            if f is not None:
+                forward_layer(f_chunk, f, "aggregate")
+            state.moment()
+        if fc.head_saved:
+            state.moment(fc.head_forward_transient)
+            state.activations += fc.head_saved
+        forward_end(f_chunk)
+        backward_end(b_chunk, received)
+
+    def weight_step() -> None:
+        if not deferred:
+            return
+        chunk, index = deferred.pop(0)
+        for i, layer in enumerate(chunks[chunk].layers):
+            if layer.deferred_inputs:
+                state.moment(layer.expert_grad)
+                state.activations -= layer.deferred_inputs
+                state.grad((chunk, i, "experts"), layer.expert_grad)
+        state.moment()
+
+    for step in walk(rank, config.pp, config.num_microbatches):
+        action = step.action
+        before = state.peak
+        state.peak = (-1, 0, 0)
+        if action.kind == "F":
+            forward(action.chunk)
+        elif action.kind == "B":
+            defer = optimized and action.deferred
+            backward(action.chunk, defer)
+            if defer:
+                deferred.append((action.chunk, step.backward_micro_batch))
+        elif action.kind == "W":
+            if optimized:
+                weight_step()
+            state.moment()
+        elif optimized:
+            overlapped(action.chunk, action.backward_chunk)
+        else:  # the reference runs the F, then the B
+            forward(action.chunk)
+            backward(action.backward_chunk, False)
+        during = state.peak
+        most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
+        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        if during[0] > peak:
+            peak, peak_step, peak_split = during[0], step, during
+        state.peak = max(before, during)
+    # The optimizer step: every gradient, the state AdamW creates, a parameter-sized pair of
+    # temporaries for the largest tensor.
+    _, activations_at_peak, gradients_at_peak = peak_split
+    return RankEstimate(
+        rank=rank,
+        stages=stages,
+        layers=(list(partition[stages[0]]), list(partition[stages[1]])),
+        params=params,
+        weights_bytes=weights,
+        gradients_bytes=gradients_at_peak,
+        optimizer_bytes=optimizer,
+        activation_bytes=activations_at_peak + batch_bytes(config),
+        peak_phase=peak_step.action.phase if peak_step else "",
+        peak_action=action_label(peak_step.action) if peak_step else "",
+        in_flight_at_peak=peak_step.in_flight if peak_step else (0, 0),
+        max_in_flight=tuple(most),
+        all_gradients_bytes=all_gradients,
+        timeline=timeline,
+    )

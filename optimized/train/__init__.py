@@ -1,0 +1,85 @@
+"""The training product around the engine: config, data, optimizer, checkpoints, export.
+
+- `config` (dataclasses, fields, validation) and `config_io` (TOML, ``--set``, flags);
+- `tokenizers`, `preparation` (the memory-mapped token format, the default data set)
+  and `loader` (windows and the resumable DP-sharded sampler);
+- `optimizer`: AdamW over sharded parameters with float32 state;
+- `checkpointing`: DCP checkpoints, atomic, layout-free; `export`: Hugging Face out;
+- `trainer`: the training loop on one rank;
+- `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
+  (``twinpipe export``).
+
+May import `models`, `optimized.ops`, `optimized.estimator` and `optimized.pipeline`;
+never `reference` or `harness`.
+"""
+
+from optimized.train.checkpointing import (
+    list_checkpoints,
+    load_checkpoint,
+    load_model_state,
+    newest_valid,
+    save_checkpoint,
+)
+from optimized.train.config import FIELDS, TrainConfig, lr_at, validate_config
+from optimized.train.config_io import (
+    add_config_arguments,
+    apply_overrides,
+    config_from_args,
+    config_from_dict,
+    config_to_toml,
+    load_config,
+    print_config,
+)
+from optimized.train.export import export
+from optimized.train.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
+from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
+from optimized.train.preparation import (
+    INDEX_FILE,
+    TOKENS_FILE,
+    default_dataset,
+    prepare_data,
+    read_index,
+    resolve_inputs,
+    token_dtype,
+)
+from optimized.train.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from optimized.train.trainer import runner_class, train
+
+__all__ = [
+    "FIELDS",
+    "INDEX_FILE",
+    "TOKENS_FILE",
+    "add_config_arguments",
+    "print_config",
+    "resolve_inputs",
+    "token_dtype",
+    "Batch",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "ParamShard",
+    "ShardedAdamW",
+    "ShardedSampler",
+    "TokenDataset",
+    "TokenLoader",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_args",
+    "config_from_dict",
+    "config_to_toml",
+    "default_dataset",
+    "export",
+    "gather_slices",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_config",
+    "load_model_state",
+    "load_tokenizer",
+    "lr_at",
+    "newest_valid",
+    "prepare_data",
+    "read_index",
+    "runner_class",
+    "save_checkpoint",
+    "train",
+    "validate_config",
+]
