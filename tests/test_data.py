@@ -217,7 +217,7 @@ def test_wide_vocabulary_uses_uint32(tmp_path, corpus):
 
 
 def test_progress_lines(tmp_path, corpus, capsys, monkeypatch):
-    from optimized import data
+    from optimized.train import preparation as data
 
     clock = iter(range(0, 1000, 2))  # every call is two seconds later
     monkeypatch.setattr(data.time, "monotonic", lambda: next(clock))

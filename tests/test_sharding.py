@@ -15,9 +15,9 @@ from models.distributed import launch, make_layout
 from models.model import is_expert_parameter
 from models.presets import resolve_model
 from models.training import OptimizerConfig
-from optimized import sharding, trainer
 from optimized.ops.grouped_linear import WeightGradStore
-from optimized.train import TokenDataset, TokenLoader, default_dataset
+from optimized.pipeline import sharding
+from optimized.train import TokenDataset, TokenLoader, default_dataset, trainer
 from optimized.train.optimizer import ShardedAdamW, gather_slices
 from tests.test_train import REFERENCE_RUNNER, _reference_runner, config, train  # noqa: F401
 

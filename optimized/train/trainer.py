@@ -44,7 +44,8 @@ from models.distributed import Layout, ParallelConfig, make_layout
 from models.model import build_model
 from models.presets import resolve_model
 from models.training import OptimizerConfig
-from optimized import checkpointing, sharding
+from optimized.pipeline import sharding
+from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
