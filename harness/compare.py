@@ -1,180 +1,87 @@
 """`twinpipe compare`: run two stacks side by side on the same weights and data.
 
 Sides are ``oracle`` (the whole model on one process, the whole global batch),
-``reference`` (plain DualPipeV) and ``optimized`` (the production stack). Both
-pipeline sides run inside one launched world, one after the other, on the same
-ranks; the oracle runs in this process. Per step the harness compares the loss,
-every parameter's gradient (gathered across expert shards), the parameters after
-AdamW, and, per rank, the peak memory broken down by category.
+``reference`` (plain DualPipeV), ``optimized`` (the production stack) and
+``optimized-fsdp`` (the optimized stack sharded as `twinpipe train` runs it). Both
+sides run inside one launched world, step by step, on the same ranks
+(`harness.lockstep`); each rank compares what it holds and only scalars come back
+(`harness.inplace`). Per step the harness compares the loss, every parameter's
+gradient, the router scores, the parameters after the update, and, per rank, each
+stack's peak memory broken down by category, with the five largest tensors at the peak.
+
+Two pipeline sides run in lockstep (``--trajectory lockstep``, the default): the candidate
+starts each step from the baseline's parameters and optimizer state, so each step's
+verdict measures that step's arithmetic. In bfloat16 a float32 run of the same step is the
+truth, and the candidate passes when its error against it is at most k times the
+reference's (`harness.noise_floor`); DESIGN.md's fixed bounds stay as a backstop.
+``--trajectory free`` lets each side follow its own trajectory: its later steps are
+information. Against the oracle the trajectory is always free.
 
 Two pipeline sides compare at the same expert choices (``--routing pinned``, the
-default): the candidate replays the baseline's routing; its router scores must agree
-with the baseline's within the dtype's bound, and every choice it would have made
-differently must be a near-tie that their difference explains (`models.routing`). Top-k is
-discontinuous; without this a single bfloat16 rounding at a near-tie swaps a
-token's expert and moves the router's gradient by a whole expert's contribution.
-``--routing free`` lets each side route itself, to see that effect.
+default): later stacks replay the first one's routing (`models.routing`). ``--routing
+free`` lets each side route itself, to see the effect of top-k's discontinuity.
 
 With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2,
-DP=2, EP=2 on CPU, reference against optimized.
+DP=2, EP=2 on CPU, reference against optimized, float32.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-import time
-from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
-from harness.compare_checks import (
-    _add_estimates,
-    _memory_ranks,
-    _routing_summary,
-    build_report,
-    format_estimates,
-)
+from harness.compare_checks import format_estimates
+from harness.lockstep import RankPlan, run_rank
+from harness.planted import PLANTS
+from harness.stacks import SIDES, STACKS
+from harness.verdict import build_report
 from models import build_model, resolve_model
-from models.distributed import ParallelConfig, RankFailed, launch, make_layout
-from models.model import is_expert_parameter
-from models.training import OptimizerConfig, synthetic_batch
+from models.distributed import ParallelConfig, RankFailed, launch
+from models.training import OptimizerConfig, even_partition
 
-STACKS = {
-    "reference": "reference.pipeline:ReferencePipeline",
-    "optimized": "optimized.pipeline:OptimizedPipeline",
-    "optimized-fsdp": "optimized.sharding:ShardedOptimizedPipeline",
-}
-SIDES = ("oracle",) + tuple(STACKS)
+__all__ = ["SIDES", "STACKS", "add_arguments", "run"]
 
 
-def _stack_class(name: str):
-    module, cls = STACKS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
+    """Layers per stage for both stacks, or None when each stack's own choice is the same.
+
+    In-place comparison needs each parameter on the same rank in both stacks; where the
+    optimized stack's memory-chosen partition differs from the reference's even one, both
+    run the optimized stack's."""
+    pipelines = [s for s in sides if s != "oracle"]
+    if not any(s.startswith("optimized") for s in pipelines) or len(pipelines) < 2:
+        return None
+    from optimized.pipeline.runner import default_partition  # noqa: PLC0415
+
+    chosen = default_partition(model, parallel)
+    even = even_partition(model.num_hidden_layers, 2 * parallel.pp)
+    if "reference" not in pipelines or chosen == even:
+        return None
+    return chosen
 
 
-# -------------------------------------------------------------- on each rank
-def _rank_main(
-    model, parallel, full_state, stacks, steps, optimizer, track_memory, progress, pin_routing=False
-):
-    """One rank of the launched world: run each pipeline stack for ``steps`` steps.
+def _weights(args: argparse.Namespace, model, parallel: ParallelConfig):
+    if args.checkpoint:
+        from models import from_pretrained  # noqa: PLC0415
 
-    With ``pin_routing`` the first stack records its routers' choices and the second
-    replays them (`models.routing`); the second's record carries the replay's result.
-    """
-    from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
-
-    layout = make_layout(parallel)
-    results: dict[str, Any] = {}
-    results["coords"] = (layout.pp_rank, layout.dp_rank, layout.ep_rank)
-    tape = RoutingTape() if pin_routing and len(stacks) == 2 else None
-    for index, stack in enumerate(stacks):
-        torch.manual_seed(parallel.seed)
-        pipeline = _stack_class(stack)(model, parallel, layout, full_state, optimizer)
-        record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
-        replay = None
-        if tape is not None:
-            replay = tape if index == 0 else tape.replay()
-            attach_routing_tape(pipeline.part, replay)
-        tracker = None
-        if track_memory:
-            from harness.memory import MemoryTracker  # noqa: PLC0415
-
-            tracker = MemoryTracker("cuda" if torch.cuda.is_available() else "cpu")
-            # A stack whose optimizer is no torch Optimizer names its state tensors itself.
-            state = getattr(pipeline, "optimizer_state", pipeline.optimizer)
-            tracker.register(parameters=pipeline.part, optimizer_state=state)
-            pipeline.observer = tracker.mark
-        for step in range(steps):
-            ids, labels = synthetic_batch(model, parallel, step)
-            start = time.perf_counter()
-            if tracker is not None:
-                with tracker.step():
-                    loss = pipeline.forward_backward(ids, labels)
-                    pipeline.optimizer_step()
-                summary = dict(tracker.breakdown())
-                summary["total"] = tracker.peak_bytes
-                summary["peak_moment"] = tracker.peak_moment
-                record["memory"].append(summary)
-            else:
-                loss = pipeline.forward_backward(ids, labels)
-                pipeline.optimizer_step()
-            record["time"].append(time.perf_counter() - start)
-            record["loss"].append(loss)
-            record["grads"].append(_named(pipeline.part, grads=True))
-            record["params"].append(_named(pipeline.part, grads=False))
-            if progress and layout.rank == 0:
-                print(f"  [{stack}] step {step + 1}/{steps}  loss {loss:.6f}", file=sys.stderr)
-        pipeline.observer = None
-        ids, labels = synthetic_batch(model, parallel, steps)
-        record["eval"] = pipeline.evaluate(ids, labels)
-        if replay is not None and index == 1:
-            record["routing"] = replay.result()
-        results[stack] = record
-        del pipeline
-    return results
+        state = from_pretrained(args.checkpoint).state_dict()
+    else:
+        state = build_model(model, seed=args.seed).state_dict()
+    return {k: v.to(parallel.torch_dtype) for k, v in state.items()}
 
 
-def _named(part: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, param in part.named_parameters():
-        tensor = param.grad if grads else param.detach()
-        if isinstance(tensor, DTensor):  # FSDP2's row shard: the whole tensor (a collective)
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach().float().clone()
-    return out
-
-
-def _assemble(per_rank: list[dict], stack: str, key: str, step: int, ep: int) -> dict:
-    """Whole-model tensors from rank shards: experts from dp-block 0 by ep-rank, the rest
-    from dp-rank 0."""
-    full: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for result in per_rank:
-        _, dp_rank, ep_rank = result["coords"]
-        for name, tensor in result[stack][key][step].items():
-            if is_expert_parameter(name):
-                if dp_rank < ep:
-                    shards.setdefault(name, {})[ep_rank] = tensor
-            elif dp_rank == 0:
-                full[name] = tensor
-    for name, parts in shards.items():
-        full[name] = torch.cat([parts[r] for r in sorted(parts)], dim=0)
-    return full
-
-
-# ---------------------------------------------------------------- the oracle
-def _run_oracle(model, parallel, full_state, steps, optimizer) -> dict:
-    from reference.oracle import Oracle  # noqa: PLC0415
-
-    oracle = Oracle(model, full_state, optimizer, parallel.torch_dtype)
-    record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
-    for step in range(steps):
-        ids, labels = synthetic_batch(model, parallel, step)
-        start = time.perf_counter()
-        loss = oracle.forward_backward(ids, labels)
-        oracle.optimizer_step()
-        record["time"].append(time.perf_counter() - start)
-        record["loss"].append(loss)
-        record["grads"].append(_named(oracle.model, grads=True))
-        record["params"].append(_named(oracle.model, grads=False))
-    record["eval"] = oracle.evaluate(*synthetic_batch(model, parallel, steps))
-    return record
-
-
-def _bisect(args, model, parallel, full_state) -> dict | None:
-    """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops."""
+def _bisect(args, model, parallel, weights) -> dict | None:
+    """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops (tiny models)."""
     from harness.bisect import bisect, stack_ops  # noqa: PLC0415
+    from models.training import synthetic_batch  # noqa: PLC0415
 
     ids, labels = synthetic_batch(model, parallel, 0)
     size = parallel.micro_batch_size
     tol = 1e-5 if parallel.dtype == "float32" else 1e-2
     print("  bisecting micro-batch 0 stage by stage ...", file=sys.stderr)
     found = bisect(
-        model, full_state, stack_ops(args.baseline), stack_ops(args.candidate),
+        model, weights, stack_ops(args.baseline), stack_ops(args.candidate),
         ids[:size], labels[:size], tolerance=tol, seed=parallel.seed,
     )  # fmt: skip
     if found is None:
@@ -218,6 +125,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "must agree and its own choices may differ only at near-ties (two pipeline sides); "
         "free: each side routes itself",
     )
+    parser.add_argument(
+        "--trajectory",
+        choices=("lockstep", "free"),
+        default="lockstep",
+        help="lockstep: the candidate starts every step from the baseline's parameters and "
+        "optimizer state, and every step is judged (two pipeline sides); free: each side "
+        "follows its own trajectory, judged at step 0 only (always so against the oracle)",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        choices=("on", "off"),
+        default="on",
+        help="bfloat16 lockstep: run each step in float32 too and judge the candidate's error "
+        "against it relative to the reference's (off: DESIGN.md's fixed bounds only)",
+    )
+    parser.add_argument(
+        "--plant",
+        choices=PLANTS,
+        help="plant a known bug in the optimized stack (harness.planted): the run must fail",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -227,7 +154,8 @@ def _bad(message: str) -> int:
     return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace) -> tuple[RankPlan, object] | int:
+    """The run every rank does, or exit code 2 with the bad input named."""
     for side in ("baseline", "candidate"):
         if getattr(args, side) not in SIDES:
             return _bad(f"--{side}={getattr(args, side)!r} is not one of {SIDES}")
@@ -235,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         return _bad(f"--baseline and --candidate are both {args.baseline!r}; pick two stacks")
     if args.steps < 1:
         return _bad(f"--steps={args.steps} must be at least 1")
+    if args.plant and "optimized" not in args.baseline + args.candidate:
+        return _bad(f"--plant={args.plant!r} plants a bug in the optimized stack; compare it")
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
@@ -244,63 +174,45 @@ def run(args: argparse.Namespace) -> int:
         parallel.validate(model)
     except (ValueError, FileNotFoundError) as error:
         return _bad(str(error))
-    optimizer = OptimizerConfig(lr=args.lr)
-    if args.checkpoint:
-        from models import from_pretrained  # noqa: PLC0415
+    sides = (args.baseline, args.candidate)
+    plan = RankPlan(
+        model=model, parallel=parallel, weights=None, baseline=args.baseline,
+        candidate=args.candidate, steps=args.steps, optimizer=OptimizerConfig(lr=args.lr),
+        trajectory=args.trajectory, routing=args.routing,
+        noise_floor=args.noise_floor == "on" and parallel.dtype != "float32",
+        track_memory=not args.no_memory, progress=True,
+        stages=shared_partition(model, parallel, sides), plant=args.plant,
+    )  # fmt: skip
+    return plan, model
 
-        full_state = from_pretrained(args.checkpoint).state_dict()
-    else:
-        full_state = build_model(model, seed=args.seed).state_dict()
-    full_state = {k: v.to(parallel.torch_dtype) for k, v in full_state.items()}
 
-    stacks = [s for s in (args.baseline, args.candidate) if s != "oracle"]
+def run(args: argparse.Namespace) -> int:
+    planned = _plan(args)
+    if isinstance(planned, int):
+        return planned
+    plan, model = planned
+    parallel = plan.parallel
+    plan.weights = _weights(args, model, parallel)
     print(
         f"twinpipe compare: {args.model} PP={parallel.pp} DP={parallel.dp} EP={parallel.ep} "
         f"M={parallel.micro_batches} mbs={parallel.micro_batch_size} seq={parallel.seq_len} "
-        f"{parallel.dtype}, {args.steps} steps: {args.baseline} vs {args.candidate}",
+        f"{parallel.dtype}, {args.steps} steps: {args.baseline} vs {args.candidate}"
+        + (f", bug planted: {args.plant}" if args.plant else ""),
         file=sys.stderr,
     )
-    records: dict[str, dict] = {}
-    memory_ranks: list[dict] = []
-    if "oracle" in (args.baseline, args.candidate):
-        print("  [oracle] running on one process", file=sys.stderr)
-        records["oracle"] = _run_oracle(model, parallel, full_state, args.steps, optimizer)
-    if stacks:
-        print(f"  launching {parallel.world_size} ranks for {', '.join(stacks)}", file=sys.stderr)
-        try:
-            per_rank = launch(
-                _rank_main,
-                parallel.world_size,
-                (model, parallel, full_state, stacks, args.steps, optimizer,
-                 not args.no_memory, True, args.routing == "pinned"),
-                timeout_s=args.timeout,
-            )  # fmt: skip
-        except RankFailed as error:
-            print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
-            return 1
-        for stack in stacks:
-            routing = _routing_summary(per_rank, stack)
-            records[stack] = {
-                **({"routing": routing} if routing else {}),
-                "loss": per_rank[0][stack]["loss"],
-                "eval": per_rank[0][stack]["eval"],
-                "time": [max(r[stack]["time"][s] for r in per_rank) for s in range(args.steps)],
-                "grads": [
-                    _assemble(per_rank, stack, "grads", s, parallel.ep) for s in range(args.steps)
-                ],
-                "params": [
-                    _assemble(per_rank, stack, "params", s, parallel.ep) for s in range(args.steps)
-                ],
-            }
-        if len(stacks) == 2 and not args.no_memory:
-            memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
-            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
-    report = build_report(args, model, parallel, records, memory_ranks)
+    print(f"  launching {parallel.world_size} ranks", file=sys.stderr)
+    try:
+        per_rank = launch(run_rank, parallel.world_size, (plan,), timeout_s=args.timeout)
+    except RankFailed as error:
+        print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
+        return 3
+    report = build_report(args, model, plan, per_rank)
     if args.bisect and not report["passed"]:
-        report["bisect"] = _bisect(args, model, parallel, full_state)
+        report["bisect"] = _bisect(args, model, parallel, plan.weights)
     from harness.report import format_table, write_report  # noqa: PLC0415
 
     print(format_table(report))
+    memory_ranks = (report.get("memory") or {}).get("ranks") or []
     if memory_ranks:
         estimates = format_estimates(memory_ranks, (args.baseline, args.candidate))
         if estimates:

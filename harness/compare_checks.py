@@ -1,16 +1,12 @@
-"""What `twinpipe compare` checks and reports: the tolerance policy, per-parameter errors,
-the verdict, the routing and memory sections, and the estimates beside measured peaks.
+"""The tolerance policy of `twinpipe compare`, a whole-tensor comparison for one process,
+and the memory estimates put beside measured peaks (the verdict: `harness.verdict`).
 """
 
 from __future__ import annotations
 
-import math
-import platform
 import sys
 
-import torch
-
-from harness.report import git_commit
+from harness.inplace import Row, compare_sums, pair_sums
 
 # DESIGN.md's numerics policy: (loss relative error, gradient 1 - cos).
 TOLERANCES = {
@@ -28,144 +24,22 @@ def tolerance(baseline: str, candidate: str, dtype: str) -> dict[str, float]:
 
 
 # ------------------------------------------------------------- comparisons
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    denom = b.norm().item()
-    diff = (a - b).norm().item()
-    if denom == 0:
-        return 0.0 if diff == 0 else math.inf
-    return diff / denom
-
-
-def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    na, nb = a.norm().item(), b.norm().item()
-    if na == 0 and nb == 0:
-        return 0.0
-    if na == 0 or nb == 0:
-        return 1.0
-    return max(0.0, 1.0 - (a @ b).item() / (na * nb))
-
-
-def compare_tensors(base: dict, cand: dict) -> list[tuple[str, float, float]]:
-    """Per parameter: (name, relative L2 error, 1 - cos), worst first by 1 - cos."""
+def compare_tensors(base: dict, cand: dict) -> list[Row]:
+    """Per parameter of two whole-tensor dicts in one process: (name, relative L2 error,
+    1 - cos), worst first (`harness.inplace.rows_worst_first`). The harness itself never
+    holds whole models; this is for tests and one-process tools."""
     missing = sorted(set(base) ^ set(cand))
     if missing:
         raise RuntimeError(f"the two stacks hold different parameters: {missing[:5]}")
-    rows = []
-    for name in base:
-        a, b = cand[name], base[name]
-        if not torch.isfinite(a).all() or not torch.isfinite(b).all():
-            rows.append((name, math.inf, math.inf))
-            continue
-        rows.append((name, _rel(a, b), _one_minus_cos(a, b)))
-    return sorted(rows, key=lambda row: (row[2], row[1]), reverse=True)
+    return compare_sums({name: pair_sums(cand[name], base[name]) for name in base})
 
 
-def build_report(args, model, parallel, records: dict[str, dict], memory_ranks) -> dict:
-    base, cand = records[args.baseline], records[args.candidate]
-    tol = tolerance(args.baseline, args.candidate, parallel.dtype)
-    loss_rel = [
-        abs(c - b) / abs(b) if b != 0 else abs(c) for b, c in zip(base["loss"], cand["loss"])
-    ]
-    grad_rel, grad_cos, param_rel, worst = [], [], [], {}
-    for step in range(args.steps):
-        rows = compare_tensors(base["grads"][step], cand["grads"][step])
-        grad_rel.append(max(r[1] for r in rows))
-        grad_cos.append(max(r[2] for r in rows))
-        for name, rel, cos in rows[:5]:
-            if name not in worst or cos > worst[name][2]:
-                worst[name] = (name, rel, cos)
-        prow = compare_tensors(base["params"][step], cand["params"][step])
-        param_rel.append(max(r[1] for r in prow))
-    eval_rel = abs(cand["eval"] - base["eval"]) / abs(base["eval"])
-    finite = all(math.isfinite(x) for x in base["loss"] + cand["loss"] + grad_cos + grad_rel)
-    routing = cand.get("routing")
-    passed = (
-        finite
-        and max(loss_rel) <= tol["loss_rel"]
-        and max(grad_cos) <= tol["grad_one_minus_cos"]
-        and eval_rel <= tol["loss_rel"]
-        and not (routing and routing["problems"])
-    )
-    report = {
-        "passed": bool(passed),
-        "config": {
-            "model": args.model,
-            "pp": parallel.pp,
-            "dp": parallel.dp,
-            "ep": parallel.ep,
-            "micro_batches": parallel.micro_batches,
-            "micro_batch_size": parallel.micro_batch_size,
-            "seq_len": parallel.seq_len,
-            "dtype": parallel.dtype,
-            "steps": args.steps,
-            "seed": parallel.seed,
-            "lr": args.lr,
-        },
-        "baseline": args.baseline,
-        "candidate": args.candidate,
-        "loss": {"baseline": base["loss"], "candidate": cand["loss"], "rel_error": loss_rel},
-        "eval_loss": {"baseline": base["eval"], "candidate": cand["eval"], "rel_error": eval_rel},
-        "grads": {
-            "max_rel_error": grad_rel,
-            "max_one_minus_cos": grad_cos,
-            "worst": [list(w) for w in sorted(worst.values(), key=lambda w: -w[2])[:8]],
-        },
-        "params": {"max_rel_error": param_rel},
-        "time": {"baseline": base["time"], "candidate": cand["time"]},
-        "tolerance": tol,
-        "git_commit": git_commit(),
-        "machine": f"{platform.node()} {platform.machine()} torch {torch.__version__}",
-    }
-    report["routing"] = routing or {"mode": "free"}
-    if memory_ranks:
-        report["memory"] = {"ranks": memory_ranks}
-    return report
-
-
-def _routing_summary(per_rank: list[dict], stack: str) -> dict | None:
-    """The candidate's replay over all ranks: choices, swaps, worst gap, problems."""
-    results = [r[stack]["routing"] for r in per_rank if "routing" in r[stack]]
-    if not results:
-        return None
-    return {
-        "mode": "pinned",
-        "choices": sum(r.choices for r in results),
-        "swaps": sum(len(r.swaps) for r in results),
-        "max_gap": max(r.max_gap() for r in results),
-        "score_drift": max(r.worst_drift[0] for r in results),
-        "drift_limit": results[0].drift_limit,
-        "problems": [f"rank {rank}: {p}" for rank, r in enumerate(results) for p in r.problems()],
-    }
-
-
-def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[dict]:
-    ranks = []
-    for rank, result in enumerate(per_rank):
-        if baseline not in result or candidate not in result:
-            return []
-        b = max(result[baseline]["memory"], key=lambda m: m["total"], default=None)
-        c = max(result[candidate]["memory"], key=lambda m: m["total"], default=None)
-        if b is None or c is None:
-            return []
-        ranks.append(
-            {
-                "rank": rank,
-                "baseline": b,
-                "candidate": c,
-                "ratio": c["total"] / b["total"] if b["total"] else None,
-                "activation_ratio": c["activations"] / b["activations"]
-                if b["activations"]
-                else None,
-            }
-        )
-    return ranks
-
-
-def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, str]) -> None:
+def _add_estimates(
+    memory_ranks: list[dict], model, parallel, sides: tuple[str, str], stages=None
+) -> None:
     """Put the memory estimator's per-rank peak (and Megatron's formula) beside each measured
-    peak, with the relative error of each."""
+    peak, with the relative error of each. ``stages``: the layers per stage both stacks ran
+    (None: each stack's own choice)."""
     try:
         from optimized.estimator import estimate_for_compare  # noqa: PLC0415
     except ImportError:
@@ -174,6 +48,7 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
         pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
+        layers_per_stage=[len(stage) for stage in stages] if stages else None,
     )  # fmt: skip
     for key, stack in zip(("baseline", "candidate"), sides):
         try:

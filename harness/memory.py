@@ -142,6 +142,8 @@ class MemoryTracker:
         self._peak_bytes = 0
         self._peak_moment: dict[str, Any] = dict(self._moment)
         self._breakdown: dict[str, int] = {}
+        self._start_bytes = 0
+        self._end_bytes = 0
         if self.device.type == "cuda":
             from harness.memory_cuda import CudaStatistics  # noqa: PLC0415
 
@@ -209,12 +211,14 @@ class MemoryTracker:
                 gc.enable()
             raise
         start = self._backend.current_bytes()
+        self._start_bytes = start
         self._timeline = [{**self._moment, "start_bytes": start, "peak_bytes": start}]
         try:
             yield self
         finally:
             try:
                 self._backend.exit()
+                self._end_bytes = self._backend.current_bytes()
             finally:
                 self._in_step = False
                 self._steps_done += 1
@@ -237,6 +241,28 @@ class MemoryTracker:
         """Bytes by category at the peak of the last step, plus ``total`` (== peak_bytes)."""
         self._require_step()
         return dict(self._breakdown)
+
+    @property
+    def start_bytes(self) -> int:
+        """Bytes in use when the last step started (what it inherited)."""
+        self._require_step()
+        return self._start_bytes
+
+    @property
+    def end_bytes(self) -> int:
+        """Bytes in use when the last step ended (what it leaves behind)."""
+        self._require_step()
+        return self._end_bytes
+
+    def top_tensors(self) -> list[dict[str, Any]]:
+        """The five largest storages live at the last step's peak, largest first: ``what``
+        (a registered tensor's name, e.g. ``grad of model.layers.1.mlp.experts.down_proj``,
+        or the aten op that produced it), ``shape`` and ``dtype`` of the tensor it was first
+        seen through, ``bytes`` at the peak and ``category``. CPU only (the CUDA allocator
+        does not say what its blocks hold): empty on CUDA."""
+        self._require_step()
+        top = getattr(self._backend, "top_tensors", None)
+        return top() if top is not None else []
 
     def summary(self) -> dict[str, Any]:
         """Breakdown plus ``peak_moment``: the per-rank memory entry of a compare report."""

@@ -26,6 +26,9 @@ from harness.memory import CATEGORIES, _grads_of, _iter_parameters, _iter_source
 if TYPE_CHECKING:
     from harness.memory import MemoryTracker
 
+TOP_TENSORS = 5
+"""How many of the largest live storages at the peak the tracker names."""
+
 # Only one CPU tracker may wrap UntypedStorage.resize_ at a time.
 _ACTIVE_LOCK = threading.Lock()
 _ACTIVE: list[CpuAccounting] = []
@@ -38,6 +41,13 @@ class _Storage:
     uid: int
     nbytes: int
     ref: weakref.ref
+    what: str = ""
+    """Where it came from: a registered tensor's name, or the aten op that made it."""
+    shape: tuple[int, ...] = ()
+    """The shape of the tensor it was first seen through."""
+    dtype: str = ""
+    named: bool = False
+    """Whether ``what`` is a registered name (an op's name gives way to it)."""
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -52,6 +62,10 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(item)
 
 
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).replace("torch.", "")
+
+
 class _AccountingMode(TorchDispatchMode):
     """Sees every aten op of the step and reports storages to the tracker."""
 
@@ -64,10 +78,10 @@ class _AccountingMode(TorchDispatchMode):
         tracker = self.tracker
         # Inputs first: a storage born outside the dispatcher counts from now.
         for tensor in itertools.chain(_iter_tensors(args), _iter_tensors(kwargs)):
-            tracker._see(tensor)
+            tracker._see(tensor, what=func)
         result = func(*args, **kwargs)
         for tensor in _iter_tensors(result):
-            tracker._see(tensor)
+            tracker._see(tensor, what=func)
         # In-place size changes (Tensor.resize_, set_) show on the inputs.
         if func.overloadpacket in _RESIZING_OPS:
             for tensor in itertools.chain(_iter_tensors(args), _iter_tensors(kwargs)):
@@ -94,6 +108,11 @@ class CpuAccounting:
         self._uids = itertools.count()
         self._pending_frees: list[_Storage] = []
         self._categories: dict[int, str] = {}
+        self._described: dict[int, _Storage] = {}
+        """Every storage seen during the step, by uid (what the top-tensor list names)."""
+        self._names: dict[int, str] = {}
+        """Registered tensors' names by ``id`` (parameters, their gradients, optimizer state)."""
+        self._top: list[dict[str, Any]] = []
         self._events: list[tuple[int, int]] = []
         self._current = 0
         self._peak_event = 0
@@ -131,8 +150,10 @@ class CpuAccounting:
         self._drain_frees()
         self._events = []
         self._categories = {}
+        self._described = {}
         # Storages alive from earlier steps are in use now: they start the log.
         for info in self._live.values():
+            self._described[info.uid] = info
             if info.nbytes:
                 self._events.append((info.uid, info.nbytes))
         self._current = sum(info.nbytes for info in self._live.values())
@@ -163,8 +184,17 @@ class CpuAccounting:
         self._scan_sources()
         self.tracker._breakdown = self._replay_breakdown()
 
-    def _see(self, tensor: torch.Tensor, category: str | None = None) -> int | None:
-        """Account for ``tensor``'s storage; returns its uid (None if not tracked here)."""
+    def top_tensors(self) -> list[dict[str, Any]]:
+        """The largest storages live at the last step's peak (see `MemoryTracker`)."""
+        return [dict(entry) for entry in self._top]
+
+    def _see(
+        self, tensor: torch.Tensor, category: str | None = None, what: Any = None
+    ) -> int | None:
+        """Account for ``tensor``'s storage; returns its uid (None if not tracked here).
+
+        ``what``: the aten op it passed through (named when first seen) or, for a
+        registered tensor, nothing: its registered name is looked up."""
         if isinstance(tensor, DTensor):  # an FSDP2 shard: this rank holds its local rows
             tensor = tensor._local_tensor
         if tensor.device.type != "cpu":
@@ -174,7 +204,19 @@ class CpuAccounting:
         except (RuntimeError, NotImplementedError):  # sparse, nested, storage-less subclasses
             return None
         uid = self._see_storage(storage)
-        if category is not None and uid is not None:
+        if uid is None:
+            return None
+        info = self._live.get(storage._cdata)
+        if info is not None and info.uid == uid:
+            self._described[uid] = info
+            if not info.what:
+                info.shape, info.dtype = tuple(tensor.shape), _dtype_name(tensor)
+                info.what = str(what) if what is not None else "tensor"
+            name = self._names.get(id(tensor)) if category is not None else None
+            if name is not None and not info.named:
+                info.what, info.named = name, True
+                info.shape, info.dtype = tuple(tensor.shape), _dtype_name(tensor)
+        if category is not None:
             self._categories.setdefault(uid, category)
         return uid
 
@@ -237,7 +279,30 @@ class CpuAccounting:
             self._peak_event = len(self._events)
             self.tracker._peak_moment = dict(self.tracker._moment)
 
+    def _learn_names(self) -> None:
+        """Names of the registered tensors: parameters by their module names, their
+        gradients as ``grad of NAME``, optimizer state as ``KEY of NAME``."""
+        names: dict[int, str] = {}
+        by_parameter: dict[int, str] = {}
+        for source in self.tracker._sources["parameters"]:
+            if isinstance(source, torch.nn.Module):
+                for name, param in source.named_parameters():
+                    names[id(param)] = by_parameter[id(param)] = name
+                    if param.grad is not None:
+                        names[id(param.grad)] = f"grad of {name}"
+                for name, buffer in source.named_buffers():
+                    names[id(buffer)] = name
+        for source in self.tracker._sources["optimizer_state"]:
+            if isinstance(source, torch.optim.Optimizer):
+                for param, state in source.state.items():
+                    owner = by_parameter.get(id(param), "a parameter")
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor):
+                            names[id(value)] = f"{key} of {owner}"
+        self._names = names
+
     def _scan_sources(self) -> None:
+        self._learn_names()
         for category, sources in self.tracker._sources.items():
             for source in sources:
                 for tensor in _iter_source(source, category):
@@ -253,6 +318,9 @@ class CpuAccounting:
         def on_grad(parameter: torch.Tensor) -> None:
             tracker = tracker_ref()
             if tracker is not None and tracker._in_step and parameter.grad is not None:
+                owner = tracker._names.get(id(parameter))
+                if owner is not None:
+                    tracker._names[id(parameter.grad)] = f"grad of {owner}"
                 tracker._see(parameter.grad, "gradients")
 
         for parameter in _iter_parameters(source):
@@ -293,6 +361,21 @@ class CpuAccounting:
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for uid, nbytes in live.items():
             breakdown[self._categories.get(uid, "activations")] += nbytes
+        largest = sorted(
+            ((nbytes, uid) for uid, nbytes in live.items() if nbytes > 0), reverse=True
+        )[:TOP_TENSORS]
+        self._top = []
+        for nbytes, uid in largest:
+            info = self._described.get(uid)
+            self._top.append(
+                {
+                    "what": info.what if info is not None else "?",
+                    "shape": list(info.shape) if info is not None else [],
+                    "dtype": info.dtype if info is not None else "",
+                    "bytes": nbytes,
+                    "category": self._categories.get(uid, "activations"),
+                }
+            )
         breakdown["total"] = sum(breakdown[category] for category in CATEGORIES)
         peak = self.tracker._peak_bytes
         if breakdown["total"] != peak:  # pragma: no cover - an accounting bug

@@ -235,10 +235,12 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
         return []
     if routing.get("mode") != "pinned":
         return ["routing: free (each side chose its own experts)"]
+    source = "the float32 truth" if routing.get("recorded_by") == "truth" else "the baseline"
+    limit = "the noise floor" if routing.get("recorded_by") == "truth" else None
     line = (
-        f"routing: pinned: {routing['choices']:,} expert choices replayed from the baseline; "
+        f"routing: pinned: {routing['choices']:,} expert choices replayed from {source}; "
         f"router scores agree to {format_number(routing['score_drift'])} (limit "
-        f"{format_number(routing['drift_limit'])}); the candidate would have chosen "
+        f"{limit or format_number(routing['drift_limit'])}); the candidate would have chosen "
         f"{routing['swaps']} differently, all near-ties (worst gap "
         f"{format_number(routing['max_gap'])})"
     )
@@ -257,7 +259,12 @@ def _verdict(report: dict[str, Any]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The side-by-side table a compare run prints in the terminal."""
-    lines = [_verdict(report)]
+    from harness import report_sections as sections  # noqa: PLC0415 (it builds on this module)
+
+    lines = [_verdict(report), *sections.problem_lines(report)]
+    trajectory = sections.trajectory_line(report)
+    if trajectory:
+        lines += ["", trajectory]
     header, rows = _step_rows(report)
     if rows:
         lines += ["", *_table(header, rows, markdown=False)]
@@ -273,14 +280,27 @@ def format_table(report: dict[str, Any]) -> str:
     routing = _routing_lines(report)
     if routing:
         lines += ["", *routing]
+    floor = sections.noise_floor_lines(report, markdown=False)
+    if floor:
+        lines += ["", *floor]
+    header, rows = sections.harness_rows(report)
+    if rows:
+        lines += ["", "memory the harness held beside the running stack", *_table(header, rows, False)]
     return "\n".join(lines)
 
 
 def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     """``report.md``: the verdict, configuration, per-step and per-rank tables, the plots."""
+    from harness import report_sections as sections  # noqa: PLC0415 (it builds on this module)
+
     lines = [f"# twinpipe compare: {_verdict(report)}", ""]
     facts = [("commit", report.get("git_commit")), ("machine", report.get("machine"))]
     lines += [f"- {key}: `{value}`" for key, value in facts if value]
+    if report.get("problems"):
+        lines += ["", "## Why it failed", "", *sections.problem_lines(report)]
+    trajectory = sections.trajectory_line(report)
+    if trajectory:
+        lines += ["", f"- {trajectory}"]
     if report.get("config"):
         config = report["config"]
         lines += ["", "## Configuration", ""]
@@ -301,6 +321,15 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "## Worst gradients", "", *_table(header, rows, True)]
+    floor = sections.noise_floor_lines(report, markdown=True)
+    if floor:
+        lines += ["", "## Noise floor", "", *floor]
+    header, rows = sections.harness_rows(report)
+    if rows:
+        lines += ["", "## Memory the harness held", "", *_table(header, rows, True)]
+    top = sections.top_tensor_lines(report)
+    if top:
+        lines += ["", "## Largest tensors at each rank's peak", *top]
     if images:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(image).stem}]({image})" for image in images]

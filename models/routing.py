@@ -45,6 +45,7 @@ records nothing).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +98,8 @@ class RoutingTape:
     """Routed choices (tokens x k) the replay has served."""
     worst_drift: tuple[float, str, int] = (0.0, "", 0)
     """The largest relative L2 score difference of one call, with its router and call."""
+    router_drift: dict[str, float] = field(default_factory=dict)
+    """The largest relative L2 score difference of each router's calls."""
     dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -155,6 +158,7 @@ class RoutingTape:
         drift = float((mine - theirs).norm() / theirs.norm().clamp_min(1e-30))
         if drift > self.worst_drift[0]:
             self.worst_drift = (drift, key, number)
+        self.router_drift[key] = max(drift, self.router_drift.get(key, 0.0))
         if ranked is not None:
             mine = ranked.detach().float().cpu()
             theirs = torch.from_numpy(call.ranked if call.ranked is not None else call.scores)
@@ -188,7 +192,12 @@ class RoutingTape:
             raise ValueError("RoutingTape.result: only a replaying tape has swaps to report")
         limit = DRIFT_LIMIT.get(self.dtype or torch.float32, DRIFT_LIMIT[torch.bfloat16])
         return ReplayResult(
-            self.choices, list(self.swaps), self.unreplayed(), self.worst_drift, limit
+            self.choices,
+            list(self.swaps),
+            self.unreplayed(),
+            self.worst_drift,
+            limit,
+            dict(self.router_drift),
         )
 
 
@@ -206,6 +215,8 @@ class ReplayResult:
     unreplayed: dict[str, int]
     worst_drift: tuple[float, str, int]
     drift_limit: float
+    router_drift: dict[str, float] = field(default_factory=dict)
+    """Each router's largest score difference over its calls (relative L2)."""
 
     def max_gap(self) -> float:
         return max((s.gap for s in self.swaps), default=0.0)
@@ -220,19 +231,31 @@ class ReplayResult:
             "unreplayed_calls": sum(self.unreplayed.values()),
         }
 
-    def problems(self) -> list[str]:
+    def problems(self, limits: Mapping[str, float] | None = None) -> list[str]:
         """Why the replay does not hold (empty when it does): calls never replayed, router
         scores further apart than the dtype allows, or a swap larger than the scores'
-        difference explains."""
+        difference explains.
+
+        ``limits``: a score-drift limit per router instead of the dtype's fixed one (the
+        harness's noise floor: k times the reference's own drift from float32). Whether
+        swaps are explained does not depend on it."""
         found = []
         if self.unreplayed:
             found.append(f"recorded router calls never replayed: {self.unreplayed}")
         drift, router, call = self.worst_drift
-        if drift > self.drift_limit:
+        if limits is None and drift > self.drift_limit:
             found.append(
                 f"router scores differ from the baseline's by {drift:.3g} (relative L2) at "
                 f"router {router}, call {call}; the limit is {self.drift_limit:.3g}"
             )
+        checked = self.router_drift if limits is not None else {}
+        for name, drift in sorted(checked.items()):
+            limit = limits.get(name, self.drift_limit) if limits is not None else 0.0
+            if drift > limit:
+                found.append(
+                    f"router scores differ from the recorded ones by {drift:.3g} (relative "
+                    f"L2) at router {name}; the limit is {limit:.3g}"
+                )
         far = [s for s in self.swaps if not -TIE_SLACK <= s.gap <= s.drift + TIE_SLACK]
         if far:
             worst = max(far, key=lambda s: max(s.gap - s.drift, -s.gap))

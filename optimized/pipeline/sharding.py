@@ -198,11 +198,11 @@ class ShardedOptimizedPipeline(PipelineRunner):
 
     name = "optimized-fsdp"
 
-    def __init__(self, model, parallel, layout, full_state, optimizer) -> None:
+    def __init__(self, model, parallel, layout, full_state, optimizer, stages=None) -> None:
         from optimized.pipeline.runner import OptimizedPipeline  # noqa: PLC0415
         from optimized.train.optimizer import ShardedAdamW  # noqa: PLC0415
 
-        self.runner = OptimizedPipeline(model, parallel, layout, full_state, optimizer)
+        self.runner = OptimizedPipeline(model, parallel, layout, full_state, optimizer, stages)
         self.part, self.layout, self.parallel = self.runner.part, layout, parallel
         self.schedule = self.runner.schedule
         self.sharded = apply_fsdp(self.part, layout, next(self.part.parameters()).device)

@@ -1,0 +1,354 @@
+"""One rank of `twinpipe compare`: the stacks step by step, compared where they live.
+
+**Lockstep** (the default for two pipeline stacks). Before each step the candidate
+takes the baseline's parameters and optimizer state, so each step's verdict measures
+that step's arithmetic: the loss, every gradient, the router scores, and the
+parameters after the update. Free-running, AdamW turns rounding-level gradient
+differences into parameter differences of order ``lr`` in its first steps; at real
+widths in bfloat16 every check after the first update then measures that compounding,
+and calls a correct stack wrong. How the state is shared or copied: `harness.stacks`.
+
+**Free** (``--trajectory free``, and always against the oracle): each stack follows its
+own trajectory; the comparison of its later steps is information.
+
+**The noise floor** (bfloat16 lockstep): the reference stack in float32 computes the
+same step first (the same weights, batch and routing: it records the routing both
+bfloat16 stacks replay), and each bfloat16 stack's error against that float32 truth is
+measured per quantity (`harness.noise_floor` judges them).
+
+Each step on a rank, shared state (reference and optimized):
+
+1. the truth's forward and backward (bfloat16 only); its gradients are held aside;
+2. the baseline's forward and backward; its gradients are moved aside;
+3. the candidate's forward and backward on the same parameters;
+4. gradients compared in place (`harness.inplace`), each against the other and the
+   truth; the truth's released;
+5. the candidate's update computed on the side (`harness.stacks.shadow_update`), its
+   gradients released as it goes; the baseline's update applied; parameters compared.
+
+So the harness holds, beyond one stack's training state, one gradient-sized set of
+tensors in the model dtype (the baseline's gradients during the candidate's backward,
+the candidate's updated parameters during the baseline's update), plus the float32
+truth's parameters and gradients in bfloat16 (`held` in the report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.inplace import Comparer, RankPlace, pieces
+from harness.meter import Meter
+from harness.stacks import (
+    copy_state,
+    is_sharded,
+    load_parameters,
+    put_gradients,
+    shadow_update,
+    share_parameters,
+    shares_state,
+    stack_class,
+    storage_bytes,
+    take_gradients,
+)
+from models.config import ModelConfig
+from models.distributed import ParallelConfig, make_layout
+from models.training import OptimizerConfig, synthetic_batch
+
+
+@dataclass(slots=True)
+class RankPlan:
+    """What every rank of a compare run does; sent to each rank, so it is small."""
+
+    model: ModelConfig
+    """The model config."""
+    parallel: ParallelConfig
+    """Layout, micro-batches, dtype and seed."""
+    weights: Any
+    """Where the weights come from: what the stacks' constructors take."""
+    baseline: str
+    """The stack compared against (`harness.stacks.SIDES`)."""
+    candidate: str
+    """The stack under test."""
+    steps: int
+    """Training steps."""
+    optimizer: OptimizerConfig
+    """AdamW settings shared by every stack."""
+    trajectory: str = "lockstep"
+    """``lockstep``: the candidate starts each step from the baseline's state; ``free``."""
+    routing: str = "pinned"
+    """``pinned``: later stacks replay the first one's expert choices; ``free``."""
+    noise_floor: bool = False
+    """Run the float32 truth of each step (bfloat16 lockstep)."""
+    track_memory: bool = True
+    """Measure each stack's peak memory per step."""
+    progress: bool = True
+    """Print each step's losses from rank 0."""
+    stages: list[list[int]] | None = None
+    """Layers per stage, the same for both stacks; None: each stack chooses."""
+    plant: str | None = None
+    """A known bug to plant in the optimized stack (`harness.planted`), to see it caught."""
+
+
+def _build(name: str, plan: RankPlan, layout, dtype: str | None = None) -> Any:
+    parallel = dataclasses.replace(plan.parallel, dtype=dtype or plan.parallel.dtype)
+    torch.manual_seed(parallel.seed)
+    if name == "oracle":
+        from reference.oracle import Oracle  # noqa: PLC0415
+
+        return Oracle(plan.model, plan.weights, plan.optimizer, parallel.torch_dtype)
+    cls = stack_class(name)
+    return cls(plan.model, parallel, layout, plan.weights, plan.optimizer, stages=plan.stages)
+
+
+class _Rank:
+    """The stacks of one rank and what they have measured."""
+
+    def __init__(self, plan: RankPlan) -> None:
+        self.plan = plan
+        self.layout = make_layout(plan.parallel)
+        layout = self.layout
+        self.comparer = Comparer()
+        self.place = RankPlace(layout.dp_rank, layout.ep)
+        self.whole = RankPlace(layout.dp_rank, layout.ep, whole=True)
+        self.baseline = _build(plan.baseline, plan, layout)
+        self.candidate = _build(plan.candidate, plan, layout)
+        pipelines = "oracle" not in (plan.baseline, plan.candidate)
+        self.lockstep = plan.trajectory == "lockstep" and pipelines
+        self.shared = self.lockstep and shares_state(self.baseline, self.candidate)
+        if self.shared:
+            share_parameters(self.baseline, self.candidate)
+        self.truth = None
+        if self.lockstep and plan.noise_floor:
+            self.truth = _build("reference", plan, layout, dtype="float32")
+        self.pin = plan.routing == "pinned" and pipelines
+        self.meters = {
+            "baseline": Meter(self.baseline, plan.track_memory),
+            "candidate": Meter(self.candidate, plan.track_memory),
+        }
+        self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
+
+    # ------------------------------------------------------------------ helpers
+    def _place(self, side: Any) -> RankPlace:
+        return self.whole if side.name == "oracle" else self.place
+
+    def grads(self, side: Any, held: dict | None = None) -> dict:
+        if held is None:
+            return pieces(side.part, self._place(side), lambda name, p: p.grad)
+        return pieces(side.part, self._place(side), lambda name, p: held.get(name))
+
+    def params(self, side: Any, values: dict | None = None) -> dict:
+        if values is None:
+            return pieces(side.part, self._place(side), lambda name, p: p)
+        return pieces(side.part, self._place(side), lambda name, p: values.get(name))
+
+    def tapes(self) -> tuple[Any, dict[str, Any]]:
+        """This step's routing tapes: who records, who replays (none when free)."""
+        if not self.pin:
+            return None, {}
+        from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
+
+        record = RoutingTape()
+        recorder = self.truth if self.truth is not None else self.baseline
+        attach_routing_tape(recorder.part, record)
+        replays = {"candidate": record.replay()}
+        if self.truth is not None:
+            replays["baseline"] = record.replay()
+        for key, tape in replays.items():
+            attach_routing_tape(getattr(self, key).part, tape)
+        return record, replays
+
+    def detach_tapes(self) -> None:
+        if not self.pin:
+            return
+        from models.routing import attach_routing_tape  # noqa: PLC0415
+
+        for side in (self.baseline, self.candidate, self.truth):
+            if side is not None:
+                attach_routing_tape(side.part, None)
+
+    def truth_held(self) -> int:
+        return storage_bytes([p for p in self.truth.part.parameters()]) if self.truth else 0
+
+    def footprint(self, side: Any) -> int:
+        """Bytes of a stack's parameters, gradients and optimizer state on this rank."""
+        tensors = [p for p in side.part.parameters()]
+        tensors += [p.grad for p in side.part.parameters() if p.grad is not None]
+        optimizer = getattr(side, "optimizer", None)
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        tensors += [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+        return storage_bytes(tensors)
+
+
+# ---------------------------------------------------------------------- steps
+def _batches(plan: RankPlan, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each stack's own copy of a step's batch, made before any stack runs: a stack may keep
+    its last micro-batches alive until its next step, and a shared batch would then be
+    counted in the other stack's peak."""
+    ids, labels = synthetic_batch(plan.model, plan.parallel, step)
+    sides = ("truth", "baseline", "candidate")
+    return {side: (ids.clone(), labels.clone()) for side in sides}
+
+
+def _truth_step(rank: _Rank, batches: dict, record: dict) -> dict:
+    truth = rank.truth
+    if truth is None:
+        return {}
+    load_parameters(truth, rank.baseline)
+    start = time.perf_counter()
+    record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
+    record["time"]["truth"] = time.perf_counter() - start
+    return take_gradients(truth.part)
+
+
+def _compare_truth(rank: _Rank, record: dict, held32: dict, grads: dict) -> None:
+    if not held32:
+        return
+    truth = rank.grads(rank.truth, held32)
+    record["grads_truth"] = {
+        key: rank.comparer.compare(grads[key], truth) for key in ("baseline", "candidate")
+    }
+
+
+def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
+    base, cand = rank.baseline, rank.candidate
+    held32 = _truth_step(rank, batches, record)
+    start = time.perf_counter()
+    with rank.meters["baseline"].region("forward-backward", storage_bytes(held32)):
+        record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
+    record["time"]["baseline"] = time.perf_counter() - start
+    grads_base = take_gradients(base.part)
+    held = storage_bytes(grads_base) + storage_bytes(held32) + rank.truth_held()
+    start = time.perf_counter()
+    with rank.meters["candidate"].region("forward-backward", held):
+        record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
+    record["time"]["candidate"] = time.perf_counter() - start
+    record["held"] = held
+    grads_cand = take_gradients(cand.part)
+    grads = {"baseline": rank.grads(base, grads_base), "candidate": rank.grads(cand, grads_cand)}
+    record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
+    _compare_truth(rank, record, held32, grads)
+    del held32, grads
+    after = shadow_update(base.optimizer, base.part, grads_cand)
+    put_gradients(base.part, grads_base)
+    del grads_base
+    start = time.perf_counter()
+    with rank.meters["baseline"].region("update", storage_bytes(after)):
+        base.optimizer_step()
+    update = time.perf_counter() - start
+    record["time"]["baseline"] += update
+    record["time"]["candidate"] += update
+    record["held"] = max(record["held"], storage_bytes(after))
+    record["params"] = rank.comparer.compare(rank.params(cand, after), rank.params(base))
+    del after
+    rank.meters["candidate"].add_shared_update(rank.meters["baseline"].last("update"))
+    base.optimizer.zero_grad(set_to_none=True)
+
+
+def _lockstep_copied(rank: _Rank, batches: dict, record: dict) -> None:
+    """One side is FSDP2-sharded: the candidate copies the baseline's state, then both
+    run their own update."""
+    base, cand = rank.baseline, rank.candidate
+    held32 = _truth_step(rank, batches, record)
+    start = time.perf_counter()
+    with rank.meters["baseline"].region("forward-backward", storage_bytes(held32)):
+        record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
+    record["time"]["baseline"] = time.perf_counter() - start
+    copy_state(base, cand)
+    held = rank.footprint(base) + storage_bytes(held32) + rank.truth_held()
+    start = time.perf_counter()
+    with rank.meters["candidate"].region("forward-backward", held):
+        record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
+    record["held"] = held
+    grads = {"baseline": rank.grads(base), "candidate": rank.grads(cand)}
+    record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
+    _compare_truth(rank, record, held32, grads)
+    del held32, grads
+    with rank.meters["candidate"].region("update", rank.footprint(base)):
+        cand.optimizer_step()
+    record["time"]["candidate"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with rank.meters["baseline"].region("update", rank.footprint(cand)):
+        base.optimizer_step()
+    record["time"]["baseline"] += time.perf_counter() - start
+    record["params"] = rank.comparer.compare(rank.params(cand), rank.params(base))
+
+
+def _free(rank: _Rank, batches: dict, record: dict) -> None:
+    for key in ("baseline", "candidate"):
+        side = getattr(rank, key)
+        other = rank.candidate if key == "baseline" else rank.baseline
+        start = time.perf_counter()
+        with rank.meters[key].region("step", rank.footprint(other)):
+            record["loss"][key] = side.forward_backward(*batches.pop(key))
+            side.optimizer_step()
+        record["time"][key] = time.perf_counter() - start
+    record["held"] = max(rank.footprint(rank.baseline), rank.footprint(rank.candidate))
+    grads = {"baseline": rank.grads(rank.baseline), "candidate": rank.grads(rank.candidate)}
+    record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
+    record["params"] = rank.comparer.compare(
+        rank.params(rank.candidate), rank.params(rank.baseline)
+    )
+
+
+def _evaluate(rank: _Rank, batches: dict) -> dict:
+    out: dict[str, Any] = {"loss": {}, "routing": {}}
+    if rank.lockstep and not rank.shared:
+        copy_state(rank.baseline, rank.candidate)
+    _, replays = rank.tapes()
+    if rank.truth is not None:
+        load_parameters(rank.truth, rank.baseline)
+        out["loss"]["truth"] = rank.truth.evaluate(*batches.pop("truth"))
+    out["loss"]["baseline"] = rank.baseline.evaluate(*batches.pop("baseline"))
+    out["loss"]["candidate"] = rank.candidate.evaluate(*batches.pop("candidate"))
+    out["routing"] = {key: tape.result() for key, tape in replays.items()}
+    rank.detach_tapes()
+    return out
+
+
+def run_rank(plan: RankPlan) -> dict[str, Any]:
+    """Run ``plan`` on this rank (inside a launched world); the per-step scalars (on rank
+    0; every rank computed the same), each rank's memory, times and routing replays."""
+    if plan.plant:
+        from harness.planted import plant  # noqa: PLC0415
+
+        plant(plan.plant)
+    rank = _Rank(plan)
+    step_function = _free
+    if rank.lockstep:
+        step_function = _lockstep_shared if rank.shared else _lockstep_copied
+    steps = []
+    for step in range(plan.steps):
+        batches = _batches(plan, step)
+        record: dict[str, Any] = {"loss": {}, "time": {}, "held": 0}
+        _, replays = rank.tapes()
+        step_function(rank, batches, record)
+        del batches
+        record["routing"] = {key: tape.result() for key, tape in replays.items()}
+        rank.detach_tapes()
+        record["memory"] = {key: meter.finish_step() for key, meter in rank.meters.items()}
+        if rank.layout.rank != 0:  # the same scalars are on every rank: keep one copy
+            for key in ("grads", "grads_truth", "params"):
+                record.pop(key, None)
+        steps.append(record)
+        if plan.progress and rank.layout.rank == 0:
+            losses = "  ".join(f"{k} {v:.6f}" for k, v in record["loss"].items())
+            print(f"  step {step + 1}/{plan.steps}  {losses}", file=sys.stderr)
+    evaluation = _evaluate(rank, _batches(plan, plan.steps))
+    layout = rank.layout
+    return {
+        "coords": (layout.pp_rank, layout.dp_rank, layout.ep_rank),
+        "steps": steps,
+        "eval": evaluation,
+        "param_bytes": rank.param_bytes,
+        "shared_state": rank.shared,
+        "lockstep": rank.lockstep,
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "sharded": {k: is_sharded(getattr(rank, k)) for k in ("baseline", "candidate")},
+    }

@@ -1,0 +1,126 @@
+"""Known bugs, planted in the optimized stack on purpose, to show the verdict catches them.
+
+A comparison that never fails proves nothing. Each bug here is one a kernel author could
+plausibly ship, and each is small: nothing crashes, the loss moves little or not at all.
+`twinpipe compare --plant NAME` plants one in every rank (the optimized stack's ops are
+patched in the rank processes, nowhere else) and must exit 1; the same command without
+``--plant`` must exit 0. `tests/test_planted.py` runs them on the tiny presets and the
+README gives the commands at real widths.
+
+- ``activation-round-to-zero``: the expert activation's bfloat16 output truncated
+  (rounded toward zero) instead of rounded to nearest even, as a Triton store of a float32
+  value does without `optimized.ops._triton.cast_rne`;
+- ``cross-entropy-grad-1.01``: the fused loss's gradient 1% too large (a wrong
+  normalisation); the loss itself is right;
+- ``attention-drops-sink``: the attention kernel ignores GPT-OSS's sink logits;
+- ``attention-drops-window``: the attention kernel ignores the sliding window;
+- ``dispatch-wrong-expert``: one routed token of every expert dispatch is computed by the
+  next local expert instead of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PLANTS = (
+    "activation-round-to-zero",
+    "cross-entropy-grad-1.01",
+    "attention-drops-sink",
+    "attention-drops-window",
+    "dispatch-wrong-expert",
+)
+
+
+def _round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 values cut to bfloat16 by dropping the low 16 bits (rounding toward zero)."""
+    bits = x.float().contiguous().view(torch.int32) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+class _TruncatedOutput(torch.autograd.Function):
+    """Forward: a float32 activation stored to bfloat16 toward zero; backward: as is."""
+
+    @staticmethod
+    def forward(ctx, x32):
+        return _round_toward_zero(x32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float()
+
+
+def _activation_round_to_zero(ops_class: type) -> None:
+    for name in ("silu_and_mul", "clamped_swiglu"):
+        original = getattr(ops_class, name)
+
+        def planted(self, x, *args, _original=original, **kwargs):
+            if x.dtype != torch.bfloat16:
+                return _original(self, x, *args, **kwargs)
+            return _TruncatedOutput.apply(_original(self, x.float(), *args, **kwargs))
+
+        setattr(ops_class, name, planted)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _cross_entropy_grad(scale: float) -> None:
+    import optimized.pipeline.dualpipev as dualpipev  # noqa: PLC0415
+
+    original = dualpipev.linear_cross_entropy
+
+    def planted(hidden, weight, labels, **kwargs):
+        return _ScaleGradient.apply(original(hidden, weight, labels, **kwargs), scale)
+
+    dualpipev.linear_cross_entropy = planted
+
+
+def _attention(ops_class: type, drop: str) -> None:
+    original = ops_class.attention
+
+    def planted(self, q, k, v, scaling, window=None, sinks=None):
+        if drop == "sink":
+            sinks = None
+        else:
+            window = None
+        return original(self, q, k, v, scaling, window, sinks)
+
+    ops_class.attention = planted
+
+
+def _dispatch_wrong_expert(ops_class: type) -> None:
+    original = ops_class.to_expert_order
+
+    def planted(self, tokens, expert_ids, num_experts):
+        if expert_ids.numel() and num_experts > 1:
+            expert_ids = expert_ids.clone()
+            expert_ids[0] = (expert_ids[0] + 1) % num_experts
+        return original(self, tokens, expert_ids, num_experts)
+
+    ops_class.to_expert_order = planted
+
+
+def plant(name: str) -> None:
+    """Plant bug ``name`` into the optimized stack of this process (for good)."""
+    from optimized.ops.optimized_ops import OptimizedOps  # noqa: PLC0415
+
+    actions: dict[str, Callable[[], None]] = {
+        "activation-round-to-zero": lambda: _activation_round_to_zero(OptimizedOps),
+        "cross-entropy-grad-1.01": lambda: _cross_entropy_grad(1.01),
+        "attention-drops-sink": lambda: _attention(OptimizedOps, "sink"),
+        "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
+        "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
+    }
+    if name not in actions:
+        raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")
+    actions[name]()

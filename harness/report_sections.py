@@ -1,0 +1,131 @@
+"""The parts of a compare report that say why: problems, the noise floor, the harness's own
+memory, and the largest tensors at each rank's peak (`harness.report` lays them out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from harness.report import _names, _table, format_bytes, format_number
+
+
+def problem_lines(report: dict[str, Any]) -> list[str]:
+    """Every reason the run failed, one per line."""
+    return [f"- {problem}" for problem in report.get("problems") or []]
+
+
+def trajectory_line(report: dict[str, Any]) -> str:
+    trajectory = report.get("trajectory") or {}
+    mode = trajectory.get("mode")
+    if mode == "lockstep":
+        return (
+            "trajectory: lockstep (the candidate starts every step from the baseline's "
+            "parameters and optimizer state; every step is judged)"
+        )
+    if mode == "free":
+        judged = trajectory.get("judged_steps") or []
+        if len(judged) == len((report.get("loss") or {}).get("baseline") or []):
+            return "trajectory: free (each side its own; every step judged)"
+        return (
+            "trajectory: free (each side its own; step 0 judged, later steps are information: "
+            "loss curves and divergence per step)"
+        )
+    return ""
+
+
+def _ratio(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def noise_floor_rows(step: dict[str, Any], limit: int | None) -> tuple[list[str], list[list[str]]]:
+    """One step's noise-floor verdict: the loss, each gradient group, each router."""
+    header = ["quantity", "reference err", "candidate err", "ratio", "limit", "radial ref",
+              "radial cand", "radial limit", "ok"]  # fmt: skip
+    rows = []
+    loss = step["loss"]
+    rows.append(["loss", format_number(loss["baseline"]), format_number(loss["candidate"]),
+                 _ratio(loss["ratio"]), format_number(loss["limit"]), "", "", "",
+                 "yes" if loss["passed"] else "NO"])  # fmt: skip
+    groups = step["groups"] if limit is None else step["groups"][:limit]
+    for g in groups:
+        rows.append(
+            [g["group"], format_number(g["baseline"]), format_number(g["candidate"]),
+             _ratio(g["ratio"]), format_number(g["limit"]), format_number(g["radial_baseline"]),
+             format_number(g["radial_candidate"]), format_number(g["radial_limit"]),
+             "yes" if g["passed"] else "NO"]
+        )  # fmt: skip
+    routers = step["routers"] if limit is None else step["routers"][:2]
+    for r in routers:
+        rows.append(["router " + r["router"], format_number(r["baseline"]),
+                     format_number(r["candidate"]), _ratio(r["ratio"]), format_number(r["limit"]),
+                     "", "", "", "yes" if r["passed"] else "NO"])  # fmt: skip
+    return header, rows
+
+
+def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+    floor = report.get("noise_floor")
+    if not floor:
+        return []
+    settings = floor.get("settings") or {}
+    lines = [
+        "noise floor: each bfloat16 stack's error against a float32 run of the same step; the "
+        f"candidate may be k={settings.get('k')} times the reference's (+ slack "
+        f"{settings.get('slack_rel')} on gradients, {settings.get('slack_loss')} on the loss, "
+        f"{settings.get('slack_router')} on router scores; radial part: k times the "
+        f"reference's + {settings.get('z')} standard deviations of rounding noise)"
+    ]
+    steps = floor.get("steps") or []
+    shown = range(len(steps)) if markdown else [len(steps) - 1] if steps else []
+    for index in shown:
+        header, rows = noise_floor_rows(steps[index], None if markdown else 6)
+        title = f"step {index}" + ("" if markdown else " (worst 6 groups; report.md has all)")
+        lines += ["", f"### {title}" if markdown else title, ""] if markdown else ["", title]
+        lines += _table(header, rows, markdown)
+    return lines
+
+
+def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per rank: what the harness held beside the running stack, against one copy of the
+    rank's parameters, and the rank's peak resident memory."""
+    header = ["rank", "held by the harness", "parameters (1 copy)", "held / copy", "peak RSS"]
+    rows = []
+    for entry in (report.get("memory") or {}).get("ranks") or []:
+        harness = entry.get("harness") or {}
+        rows.append(
+            [
+                str(entry.get("rank", "?")),
+                format_bytes(harness.get("held_bytes")),
+                format_bytes(harness.get("parameter_bytes")),
+                _ratio(harness.get("held_per_parameter_copy")),
+                format_bytes(harness.get("rss_peak_bytes")),
+            ]
+        )
+    return header, rows
+
+
+def top_tensor_lines(report: dict[str, Any]) -> list[str]:
+    """Per rank and stack: the five largest live tensors at the peak (report.md)."""
+    lines: list[str] = []
+    names = dict(zip(("baseline", "candidate"), _names(report), strict=True))
+    for entry in (report.get("memory") or {}).get("ranks") or []:
+        for side in ("baseline", "candidate"):
+            figures = entry.get(side) or {}
+            top: Sequence[dict[str, Any]] = figures.get("top_tensors") or []
+            if not top:
+                continue
+            moment = figures.get("peak_moment") or {}
+            lines += [
+                "",
+                f"### rank {entry.get('rank')}, {names[side]} (peak "
+                f"{format_bytes(figures.get('total'))} at {moment.get('phase')}, "
+                f"{moment.get('region', 'step')})",
+                "",
+            ]
+            rows = [
+                [f"`{t['what']}`", "x".join(str(d) for d in t["shape"]) or "scalar", t["dtype"],
+                 format_bytes(t["bytes"]), t["category"]]
+                for t in top
+            ]  # fmt: skip
+            lines += _table(["tensor (name or op)", "shape", "dtype", "bytes", "category"], rows, True)
+    return lines

@@ -1,0 +1,237 @@
+"""The stacks `twinpipe compare` runs on one rank, and how their state is shared or copied.
+
+Lockstep (`harness.lockstep`) needs the candidate to start every step from the
+baseline's parameters and optimizer state. Two ways, by what the stacks are:
+
+- **shared** (two unsharded stacks with the same AdamW settings: reference and
+  optimized): the candidate's part is built with the *baseline's* `nn.Parameter`
+  objects and uses the baseline's optimizer. Nothing is copied and no second set of
+  parameters or moments exists; the harness only moves the baseline's gradients aside
+  while the candidate's backward runs (`take_gradients`). The candidate's update is
+  computed on the side, chunk by chunk, by the same optimizer class with the same
+  settings (`shadow_update`), so that the parameters after both updates can be compared
+  while the baseline's update is the one that is kept;
+- **copied** (one side is FSDP2-sharded): the candidate keeps its own state and takes
+  the baseline's before each step, one parameter at a time (`copy_state`).
+
+The truth of a bfloat16 comparison is the reference stack in float32, loaded from the
+baseline's parameters before each step (`load_parameters`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+STACKS = {
+    "reference": "reference.pipeline:ReferencePipeline",
+    "optimized": "optimized.pipeline:OptimizedPipeline",
+    "optimized-fsdp": "optimized.pipeline:ShardedOptimizedPipeline",
+}
+SIDES = ("oracle",) + tuple(STACKS)
+
+
+def stack_class(name: str) -> type:
+    module, cls = STACKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def is_sharded(pipeline: Any) -> bool:
+    """Whether a stack keeps FSDP2 shards and its own optimizer (`ShardedAdamW`)."""
+    return hasattr(pipeline, "sharded") and hasattr(pipeline.optimizer, "shards")
+
+
+def shares_state(baseline: Any, candidate: Any) -> bool:
+    """Whether the candidate can run on the baseline's parameters and optimizer: both
+    unsharded, both torch optimizers of one class with the same settings."""
+    if is_sharded(baseline) or is_sharded(candidate):
+        return False
+    a, b = baseline.optimizer, candidate.optimizer
+    if type(a) is not type(b) or not isinstance(a, torch.optim.Optimizer):
+        return False
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in a.param_groups]
+    return settings == [{k: v for k, v in g.items() if k != "params"} for g in b.param_groups]
+
+
+def share_parameters(baseline: Any, candidate: Any) -> None:
+    """Make ``candidate`` run on ``baseline``'s parameters and optimizer (see the module
+    docstring). The candidate's own parameters are dropped."""
+    theirs = dict(baseline.part.named_parameters(remove_duplicate=False))
+    owners = dict(candidate.part.named_modules())
+    for name, mine in list(candidate.part.named_parameters(remove_duplicate=False)):
+        if name not in theirs:
+            raise RuntimeError(f"the baseline holds no parameter {name} on this rank")
+        other = theirs[name]
+        if other.shape != mine.shape or other.dtype != mine.dtype:
+            raise RuntimeError(
+                f"{name}: baseline {tuple(other.shape)} {other.dtype}, candidate "
+                f"{tuple(mine.shape)} {mine.dtype}; the stacks must hold the same layers"
+            )
+        prefix, _, attribute = name.rpartition(".")
+        setattr(owners[prefix], attribute, other)
+    if set(theirs) != set(dict(candidate.part.named_parameters(remove_duplicate=False))):
+        raise RuntimeError("the two stacks hold different parameters on this rank")
+    candidate.optimizer = baseline.optimizer
+
+
+# ----------------------------------------------------------------- gradients
+def take_gradients(part: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, detached from the parameter (which is left without one)."""
+    grads = {}
+    for name, param in part.named_parameters():
+        if param.grad is not None:
+            grads[name] = param.grad
+            param.grad = None
+    return grads
+
+
+def put_gradients(part: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    for name, param in part.named_parameters():
+        param.grad = grads.get(name)
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a mapping or iterable)."""
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    seen: dict[int, int] = {}
+    for tensor in values:
+        if tensor is None:
+            continue
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+# ------------------------------------------------------------ the shadow update
+SHADOW_CHUNK = 1 << 20
+"""Elements a shadow update handles at a time."""
+
+
+@torch.no_grad()
+def shadow_update(
+    optimizer: torch.optim.Optimizer,
+    part: nn.Module,
+    grads: dict[str, torch.Tensor],
+    chunk: int = SHADOW_CHUNK,
+) -> dict[str, torch.Tensor]:
+    """The parameters ``optimizer`` would produce from ``grads``, without touching its
+    parameters or state: per parameter, chunk by chunk, a fresh optimizer of the same
+    class and settings steps copies of the chunk and its state. AdamW is elementwise, so
+    each chunk's result is what the whole step would give (`tests/test_compare_inplace.py`
+    checks it bit for bit). Each gradient is released once its parameter is done, so the
+    results take the gradients' place in memory."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out: dict[str, torch.Tensor] = {}
+    for name, param in part.named_parameters():
+        grad = grads.pop(name, None)
+        if grad is None:
+            continue
+        group = group_of.get(id(param))
+        if group is None:
+            raise RuntimeError(f"{name} is not in the optimizer")
+        settings = {k: v for k, v in group.items() if k != "params"}
+        state = optimizer.state.get(param, {})
+        result = torch.empty_like(param)
+        flat_param, flat_grad, flat_out = param.reshape(-1), grad.reshape(-1), result.view(-1)
+        for start in range(0, param.numel(), chunk):
+            piece = slice(start, start + chunk)
+            copy = nn.Parameter(flat_param[piece].clone())
+            copy.grad = flat_grad[piece].clone()
+            shadow = type(optimizer)([copy])
+            shadow.param_groups[0].update(settings)  # every setting, as the group holds it
+            if state:
+                shadow.state[copy] = {
+                    key: value.reshape(-1)[piece].clone()
+                    if torch.is_tensor(value) and value.numel() == param.numel()
+                    else (value.clone() if torch.is_tensor(value) else value)
+                    for key, value in state.items()
+                }
+            shadow.step()
+            flat_out[piece].copy_(copy)
+        del grad
+        out[name] = result
+    return out
+
+
+# ---------------------------------------------------------- whole parameters
+def _shard_of(pipeline: Any) -> dict[str, Any]:
+    return {s.name: s for s in pipeline.optimizer.shards} if is_sharded(pipeline) else {}
+
+
+def whole_parameters(pipeline: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter as this rank's part holds it whole (an FSDP2
+    shard gathered over its group: a collective, one parameter at a time)."""
+    shards = _shard_of(pipeline)
+    for name, param in pipeline.part.named_parameters():
+        if name in shards:
+            yield name, pipeline.optimizer.full_parameter(shards[name])
+        else:
+            yield name, param.detach()
+
+
+def load_parameters(target: Any, source: Any) -> None:
+    """Set ``target``'s (unsharded) parameters to ``source``'s values, in its own dtype."""
+    mine = dict(target.part.named_parameters())
+    with torch.no_grad():
+        for name, value in whole_parameters(source):
+            mine[name].copy_(value)
+
+
+def _adam_state(pipeline: Any, name: str, param: torch.Tensor) -> tuple[dict, int]:
+    """Whole ``exp_avg`` / ``exp_avg_sq`` of one parameter and its step count."""
+    shards = _shard_of(pipeline)
+    if name in shards:
+        from optimized.train.optimizer import gather_slices  # noqa: PLC0415
+
+        shard = shards[name]
+        step = pipeline.optimizer.step_count
+        tensors = pipeline.optimizer.state_tensors(shard)
+        whole = {
+            key: gather_slices(tensors[key].reshape(-1), shard).view(param.shape)
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        return (whole if step else {}), step
+    state = pipeline.optimizer.state.get(param, {})
+    if not state:
+        return {}, 0
+    return {k: state[k] for k in ("exp_avg", "exp_avg_sq")}, int(state["step"])
+
+
+def copy_state(source: Any, target: Any) -> None:
+    """``target`` takes ``source``'s parameters and AdamW moments, one parameter at a time
+    (both stacks hold the same layers and experts on this rank)."""
+    shards = _shard_of(target)
+    params = dict(target.part.named_parameters())
+    source_params = dict(source.part.named_parameters())
+    with torch.no_grad():
+        for name, value in whole_parameters(source):
+            moments, step = _adam_state(source, name, source_params[name])
+            if name in shards:
+                shard = shards[name]
+                target.optimizer.set_parameter(shard, value)
+                if step:
+                    target.optimizer.load_state(shard, moments, step)
+                else:
+                    target.optimizer.optimizer.state.pop(shard.master, None)
+            else:
+                params[name].copy_(value)
+                state = target.optimizer.state
+                if step:
+                    mine = state.setdefault(params[name], {})
+                    for key, tensor in moments.items():
+                        if key in mine:
+                            mine[key].copy_(tensor)
+                        else:
+                            mine[key] = tensor.to(params[name].dtype).clone()
+                    mine["step"] = torch.tensor(float(step))
+                else:
+                    state.pop(params[name], None)
+        if shards:
+            target.optimizer.reset_masters()

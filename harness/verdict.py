@@ -1,0 +1,240 @@
+"""The verdict of a compare run and its report, from the scalars the ranks sent back.
+
+Which steps are judged:
+
+- lockstep (two pipeline stacks, the default): every step, and the forward-only
+  evaluation after the last; each starts from the same state on both sides;
+- free-running pipelines (``--trajectory free``): step 0 only; later steps are reported
+  as information (loss curves side by side, divergence per step);
+- against the oracle: every step, free-running (float32 holds it to DESIGN.md's bounds).
+
+What is judged per step: the loss (relative error), every parameter's gradient
+(``1 - cos``, worst first), the routing replay (router scores within the dtype's bound,
+every swap a near-tie its scores explain) and nothing non-finite. In bfloat16 lockstep
+with the noise floor on, the score bound and the candidate's closeness to the float32
+truth come from `harness.noise_floor`, and DESIGN.md's bounds stay as the backstop. The
+parameters after each update are measured and reported (AdamW's first steps move
+elements whose gradient is within rounding of zero by a whole ``lr``, so they are no
+pass/fail figure).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from typing import Any
+
+import torch
+
+from harness import noise_floor
+from harness.compare_checks import _add_estimates, tolerance
+from harness.inplace import compare_sums, group_of
+from harness.report import git_commit
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b != 0 else abs(a)
+
+
+def _routing(per_rank: list[dict], step: int | None, limits: dict | None) -> dict | None:
+    """The candidate's replays at one step (or the evaluation) over all ranks."""
+    results = [
+        (rank, (r["steps"][step] if step is not None else r["eval"])["routing"].get("candidate"))
+        for rank, r in enumerate(per_rank)
+    ]
+    results = [(rank, res) for rank, res in results if res is not None]
+    if not results:
+        return None
+    drift = {}
+    for _, res in results:
+        for router, value in res.router_drift.items():
+            drift[router] = max(value, drift.get(router, 0.0))
+    return {
+        "choices": sum(r.choices for _, r in results),
+        "swaps": sum(len(r.swaps) for _, r in results),
+        "max_gap": max(r.max_gap() for _, r in results),
+        "score_drift": max(r.worst_drift[0] for _, r in results),
+        "drift_limit": results[0][1].drift_limit,
+        "router_drift": drift,
+        "problems": [f"rank {rank}: {p}" for rank, r in results for p in r.problems(limits)],
+    }
+
+
+def _drifts(per_rank: list[dict], step: int | None) -> dict[str, dict[str, float]]:
+    """Each side's worst score drift from the recording (the truth), per router."""
+    out: dict[str, dict[str, float]] = {}
+    for r in per_rank:
+        record = r["steps"][step] if step is not None else r["eval"]
+        for side, res in record["routing"].items():
+            for router, value in res.router_drift.items():
+                out.setdefault(side, {})[router] = max(value, out.get(side, {}).get(router, 0))
+    return out
+
+
+def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
+    ranks = []
+    for rank, result in enumerate(per_rank):
+        entry: dict[str, Any] = {"rank": rank, "coords": list(result["coords"])}
+        for key in ("baseline", "candidate"):
+            figures = [s["memory"][key] for s in result["steps"] if s["memory"].get(key)]
+            if not figures:
+                return []
+            entry[key] = max(figures, key=lambda m: m["total"])
+            entry[key]["steps"] = [m["total"] for m in figures]
+        b, c = entry["baseline"], entry["candidate"]
+        entry["ratio"] = c["total"] / b["total"] if b["total"] else None
+        entry["activation_ratio"] = (
+            c["activations"] / b["activations"] if b["activations"] else None
+        )
+        held, params = max(s["held"] for s in result["steps"]), result["param_bytes"]
+        entry["harness"] = {
+            "held_bytes": held,
+            "parameter_bytes": params,
+            "held_per_parameter_copy": held / params if params else None,
+            "rss_peak_bytes": result["rss_bytes"],
+        }
+        ranks.append(entry)
+    return ranks
+
+
+def _grads(records: list[dict]) -> dict[str, Any]:
+    rel, cos, worst = [], [], {}
+    for record in records:
+        rows = compare_sums(record["grads"])
+        rel.append(max((r.rel for r in rows), default=0.0))
+        cos.append(rows[0].one_minus_cos if rows else 0.0)  # rows are worst first
+        for row in rows[:5]:
+            if row.name not in worst or row.one_minus_cos > worst[row.name][2]:
+                worst[row.name] = (row.name, row.rel, row.one_minus_cos)
+    ordered = sorted(worst.values(), key=lambda w: (w[2], w[1]), reverse=True)[:8]
+    return {"max_rel_error": rel, "max_one_minus_cos": cos, "worst": [list(w) for w in ordered]}
+
+
+def build_report(args, model, plan, per_rank: list[dict]) -> dict:
+    """The report of a compare run (`harness.report` documents its keys)."""
+    parallel = plan.parallel
+    records = per_rank[0]["steps"]
+    lockstep = per_rank[0]["lockstep"]
+    oracle = "oracle" in (plan.baseline, plan.candidate)
+    judged = list(range(plan.steps)) if lockstep or oracle else [0]
+    tol = tolerance(plan.baseline, plan.candidate, parallel.dtype)
+    floor = lockstep and any("grads_truth" in r for r in records)
+
+    loss_b = [r["loss"]["baseline"] for r in records]
+    loss_c = [r["loss"]["candidate"] for r in records]
+    loss_rel = [_rel(c, b) for b, c in zip(loss_b, loss_c, strict=True)]
+    grads = _grads(records)
+    params = [max((r.rel for r in compare_sums(rec["params"])), default=0.0) for rec in records]
+    evaluation = per_rank[0]["eval"]["loss"]
+    eval_rel = _rel(evaluation["candidate"], evaluation["baseline"])
+
+    problems: list[str] = []
+    floor_steps, routing_steps = [], []
+    for step in range(plan.steps):
+        limits = None
+        if floor:
+            verdict = noise_floor.judge_step(records[step], _drifts(per_rank, step))
+            floor_steps.append(verdict)
+            limits = noise_floor.router_limits(_drifts(per_rank, step))
+        routing_steps.append(_routing(per_rank, step, limits))
+    eval_limits = noise_floor.router_limits(_drifts(per_rank, None)) if floor else None
+    eval_routing = _routing(per_rank, None, eval_limits)
+    for step in judged:
+        values = [loss_rel[step], grads["max_one_minus_cos"][step], grads["max_rel_error"][step]]
+        if not all(math.isfinite(v) for v in values + [loss_b[step], loss_c[step]]):
+            problems.append(f"step {step}: a loss or gradient is not finite")
+        if loss_rel[step] > tol["loss_rel"]:
+            problems.append(f"step {step}: loss differs by {loss_rel[step]:.3g} (relative)")
+        if grads["max_one_minus_cos"][step] > tol["grad_one_minus_cos"]:
+            worst = compare_sums(records[step]["grads"])[0]
+            problems.append(
+                f"step {step}: gradient {worst.name} 1 - cos = {worst.one_minus_cos:.3g}"
+            )
+        if routing_steps[step]:
+            problems += [f"step {step}: {p}" for p in routing_steps[step]["problems"]]
+        if floor:
+            problems += [f"step {step}: noise floor: {p}" for p in floor_steps[step]["problems"]]
+    if lockstep or oracle:
+        if not math.isfinite(eval_rel) or eval_rel > tol["loss_rel"]:
+            problems.append(f"evaluation: loss differs by {eval_rel:.3g} (relative)")
+        if eval_routing:
+            problems += [f"evaluation: {p}" for p in eval_routing["problems"]]
+    report: dict[str, Any] = {
+        "passed": not problems,
+        "problems": problems,
+        "config": {
+            "model": args.model,
+            "pp": parallel.pp,
+            "dp": parallel.dp,
+            "ep": parallel.ep,
+            "micro_batches": parallel.micro_batches,
+            "micro_batch_size": parallel.micro_batch_size,
+            "seq_len": parallel.seq_len,
+            "dtype": parallel.dtype,
+            "steps": plan.steps,
+            "seed": parallel.seed,
+            "lr": plan.optimizer.lr,
+            "trajectory": "lockstep" if lockstep else "free",
+            "routing": plan.routing,
+            "noise_floor": floor,
+            "stages": plan.stages,
+            "plant": plan.plant,
+        },  # fmt: skip
+        "baseline": plan.baseline,
+        "candidate": plan.candidate,
+        "loss": {"baseline": loss_b, "candidate": loss_c, "rel_error": loss_rel},
+        "eval_loss": {
+            "baseline": evaluation["baseline"],
+            "candidate": evaluation["candidate"],
+            "rel_error": eval_rel,
+        },  # fmt: skip
+        "grads": grads,
+        "params": {"max_rel_error": params},
+        "time": {
+            key: [
+                max(r["steps"][s]["time"].get(key, 0.0) for r in per_rank)
+                for s in range(plan.steps)
+            ]
+            for key in ("baseline", "candidate")
+        },  # fmt: skip
+        "tolerance": tol,
+        "trajectory": {
+            "mode": "lockstep" if lockstep else "free",
+            "judged_steps": judged,
+            "divergence": {"loss_rel": loss_rel, "grad_one_minus_cos": grads["max_one_minus_cos"]},
+        },
+        "git_commit": git_commit(),
+        "machine": f"{platform.node()} {platform.machine()} torch {torch.__version__}",
+    }
+    if floor:
+        report["loss"]["truth"] = [r["loss"]["truth"] for r in records]
+        report["eval_loss"]["truth"] = evaluation["truth"]
+        report["noise_floor"] = {
+            "settings": noise_floor.SETTINGS,
+            "steps": floor_steps,
+            "eval": noise_floor.judge_loss(evaluation),
+        }
+        if not report["noise_floor"]["eval"]["passed"]:
+            problems.append("evaluation: noise floor: loss " + str(report["noise_floor"]["eval"]))
+            report["passed"] = False
+    report["routing"] = {"mode": "free"}
+    if any(routing_steps):
+        summary = dict(routing_steps[0])
+        for step in routing_steps[1:] + [eval_routing]:
+            if step:
+                summary["choices"] += step["choices"]
+                summary["swaps"] += step["swaps"]
+                summary["max_gap"] = max(summary["max_gap"], step["max_gap"])
+                summary["score_drift"] = max(summary["score_drift"], step["score_drift"])
+        summary["problems"] = [p for p in problems if "rout" in p]
+        summary["recorded_by"] = "truth" if floor else "baseline"
+        summary["steps"] = routing_steps
+        report["routing"] = {"mode": "pinned", **summary}
+    memory = _memory(per_rank, (plan.baseline, plan.candidate))
+    if memory:
+        _add_estimates(memory, model, parallel, (plan.baseline, plan.candidate), plan.stages)
+        report["memory"] = {"ranks": memory}
+    return report
+
+
+__all__ = ["build_report", "group_of"]
