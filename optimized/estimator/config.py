@@ -9,7 +9,7 @@ and what would be valid (the CLI turns that into exit status 2).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from models.config import ModelConfig
@@ -94,6 +94,9 @@ class EstimateConfig:
     rank are its own fixed V placement)."""
     moe_latent_size: int | None = None
     """Megatron's latent MoE (experts on a projected-down width): refused unless None."""
+    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Figures derived from this config (MoE pattern, per-kind layer profiles), computed once:
+    a config is not changed after it is built (`replace` makes a new one)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,6 +136,12 @@ class EstimateConfig:
 
     def moe_layers(self) -> list[bool]:
         """Per decoder layer, whether it is MoE (see ``moe_layer_pattern``)."""
+        cached = self.cache.get("moe_layers")
+        if cached is None:
+            cached = self.cache["moe_layers"] = self._moe_layers()
+        return cached
+
+    def _moe_layers(self) -> list[bool]:
         layers = self.model.num_hidden_layers
         pattern = self.moe_layer_pattern
         if pattern is None:

@@ -120,6 +120,14 @@ def head_weight_numel(config: EstimateConfig, stages) -> int:
 
 
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
+    """One layer's profile (computed once per layer kind, dense or MoE, per config)."""
+    key = ("layer_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _layer_profile(config, layer)
+    return config.cache[key]
+
+
+def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     boundary = tokens * m.hidden_size * b
     saved = layer_saved(config, layer)

@@ -102,6 +102,14 @@ def _eager_attention_peaks(config: EstimateConfig) -> tuple[int, int]:
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
+    """One layer's fourteen steps (computed once per layer kind, dense or MoE, per config)."""
+    key = ("step_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _step_profile(config, layer)
+    return config.cache[key]
+
+
+def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     hidden = m.hidden_size
     th = tokens * hidden * b
