@@ -82,7 +82,7 @@ def _cases():
                 marks = []
                 if (name, layout, stack) in KNOWN_MISSES:
                     reason = KNOWN_MISSES[name, layout, stack]
-                    marks.append(pytest.mark.xfail(reason=reason, strict=False))
+                    marks.append(pytest.mark.xfail(reason=reason, strict=True))
                 yield pytest.param(name, layout, stack, marks=marks, id=f"{name}-{stack}-{layout}")
 
 
