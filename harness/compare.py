@@ -46,7 +46,7 @@ from models.training import OptimizerConfig, synthetic_batch
 STACKS = {
     "reference": "reference.pipeline:ReferencePipeline",
     "optimized": "optimized.pipeline:OptimizedPipeline",
-    "optimized-fsdp": "optimized.sharding:ShardedOptimizedPipeline",
+    "optimized-fsdp": "optimized.pipeline.sharding:ShardedOptimizedPipeline",
 }
 SIDES = ("oracle",) + tuple(STACKS)
 
