@@ -120,6 +120,14 @@ def head_weight_numel(config: EstimateConfig, stages) -> int:
 
 
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
+    """One layer's profile (computed once per layer kind, dense or MoE, per config)."""
+    key = ("layer_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _layer_profile(config, layer)
+    return config.cache[key]
+
+
+def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     boundary = tokens * m.hidden_size * b
     saved = layer_saved(config, layer)
@@ -128,8 +136,9 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     aggregate = sum(item.nbytes for item in saved if item.name.startswith("aggregate."))
     attention = sum(item.nbytes for item in saved) - experts - aggregate
     count = shard(layer_params(config, layer), config)
+    # EP divides the experts, ETP each expert's FFN width.
     inner = m.moe_intermediate_size // config.etp
-    local = m.num_experts // (config.ep * config.etp) if is_moe else 0
+    local = m.num_experts // config.ep if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
     expert_grad = weight_numel * config.grad_bytes // fsdp_divisor(config, experts=True)
     dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // fsdp_divisor(config)
