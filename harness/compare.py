@@ -56,7 +56,11 @@ def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
 
     chosen = default_partition(model, parallel)
     even = even_partition(model.num_hidden_layers, 2 * parallel.pp)
-    if "reference" not in pipelines or chosen == even:
+
+    def per_rank(stages: list[list[int]]) -> list[set[int]]:
+        return [set(stages[r]) | set(stages[2 * parallel.pp - 1 - r]) for r in range(parallel.pp)]
+
+    if "reference" not in pipelines or per_rank(chosen) == per_rank(even):
         return None
     return chosen
 

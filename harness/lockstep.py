@@ -50,6 +50,7 @@ from harness.stacks import (
     is_sharded,
     load_parameters,
     put_gradients,
+    release_parameters,
     shadow_update,
     share_parameters,
     shares_state,
@@ -148,6 +149,15 @@ class _Rank:
             return pieces(side.part, self._place(side), lambda name, p: p)
         return pieces(side.part, self._place(side), lambda name, p: values.get(name))
 
+    def compare(self, candidate: dict, baseline: dict) -> dict:
+        """`Comparer.compare`; the oracle holds the whole model, of which this rank compares
+        what the pipeline side holds here."""
+        if self.plan.baseline == "oracle":
+            baseline = {name: baseline[name] for name in candidate}
+        if self.plan.candidate == "oracle":
+            candidate = {name: candidate[name] for name in baseline}
+        return self.comparer.compare(candidate, baseline)
+
     def tapes(self) -> tuple[Any, dict[str, Any]]:
         """This step's routing tapes: who records, who replays (none when free)."""
         if not self.pin:
@@ -201,10 +211,18 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> dict:
     if truth is None:
         return {}
     load_parameters(truth, rank.baseline)
+    # The bf16 parameters are exact in float32: free them while the truth runs.
+    plain = rank.baseline if not is_sharded(rank.baseline) else None
+    if plain is not None:
+        release_parameters(plain.part)
     start = time.perf_counter()
     record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
     record["time"]["truth"] = time.perf_counter() - start
-    return take_gradients(truth.part)
+    grads = take_gradients(truth.part)
+    if plain is not None:
+        load_parameters(plain, truth)
+    release_parameters(truth.part)
+    return grads
 
 
 def _compare_truth(rank: _Rank, record: dict, held32: dict, grads: dict) -> None:
@@ -290,11 +308,8 @@ def _free(rank: _Rank, batches: dict, record: dict) -> None:
             side.optimizer_step()
         record["time"][key] = time.perf_counter() - start
     record["held"] = max(rank.footprint(rank.baseline), rank.footprint(rank.candidate))
-    grads = {"baseline": rank.grads(rank.baseline), "candidate": rank.grads(rank.candidate)}
-    record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
-    record["params"] = rank.comparer.compare(
-        rank.params(rank.candidate), rank.params(rank.baseline)
-    )
+    record["grads"] = rank.compare(rank.grads(rank.candidate), rank.grads(rank.baseline))
+    record["params"] = rank.compare(rank.params(rank.candidate), rank.params(rank.baseline))
 
 
 def _evaluate(rank: _Rank, batches: dict) -> dict:
@@ -305,6 +320,7 @@ def _evaluate(rank: _Rank, batches: dict) -> dict:
     if rank.truth is not None:
         load_parameters(rank.truth, rank.baseline)
         out["loss"]["truth"] = rank.truth.evaluate(*batches.pop("truth"))
+        release_parameters(rank.truth.part)
     out["loss"]["baseline"] = rank.baseline.evaluate(*batches.pop("baseline"))
     out["loss"]["candidate"] = rank.candidate.evaluate(*batches.pop("candidate"))
     out["routing"] = {key: tape.result() for key, tape in replays.items()}
@@ -347,6 +363,7 @@ def run_rank(plan: RankPlan) -> dict[str, Any]:
         "steps": steps,
         "eval": evaluation,
         "param_bytes": rank.param_bytes,
+        "param_elements": sum(p.numel() for p in rank.baseline.part.parameters()),
         "shared_state": rank.shared,
         "lockstep": rank.lockstep,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

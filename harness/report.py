@@ -285,7 +285,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines += ["", *floor]
     header, rows = sections.harness_rows(report)
     if rows:
-        lines += ["", "memory the harness held beside the running stack", *_table(header, rows, False)]
+        title = "memory the harness held beside the running stack"
+        lines += ["", title, *_table(header, rows, False)]
     return "\n".join(lines)
 
 

@@ -127,5 +127,6 @@ def top_tensor_lines(report: dict[str, Any]) -> list[str]:
                  format_bytes(t["bytes"]), t["category"]]
                 for t in top
             ]  # fmt: skip
-            lines += _table(["tensor (name or op)", "shape", "dtype", "bytes", "category"], rows, True)
+            header = ["tensor (name or op)", "shape", "dtype", "bytes", "category"]
+            lines += _table(header, rows, True)
     return lines

@@ -177,11 +177,26 @@ def whole_parameters(pipeline: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_parameters(target: Any, source: Any) -> None:
-    """Set ``target``'s (unsharded) parameters to ``source``'s values, in its own dtype."""
+    """Set ``target``'s (unsharded) parameters to ``source``'s values, in its own dtype
+    (storage released by `release_parameters` is given back first)."""
     mine = dict(target.part.named_parameters())
     with torch.no_grad():
         for name, value in whole_parameters(source):
+            storage = mine[name].untyped_storage()
+            wanted = mine[name].numel() * mine[name].element_size()
+            if storage.nbytes() < wanted:
+                storage.resize_(wanted)
             mine[name].copy_(value)
+
+
+def release_parameters(part: nn.Module) -> None:
+    """Free the storage of ``part``'s (unsharded) parameters; `load_parameters` gives it
+    back. The float32 truth holds its parameters only while it runs, and the bfloat16
+    stacks' parameters, exact in float32, are not needed meanwhile."""
+    with torch.no_grad():
+        for param in part.parameters():
+            if not isinstance(param, DTensor):
+                param.untyped_storage().resize_(0)
 
 
 def _adam_state(pipeline: Any, name: str, param: torch.Tensor) -> tuple[dict, int]:

@@ -1,7 +1,7 @@
 """The memory estimator against the harness's measured per-rank peak, both stacks.
 
 One launch per layout runs the reference and the optimized pipeline on the same
-gloo ranks (`harness.compare._rank_main`, two steps, the peak over both: AdamW
+gloo ranks (`harness.lockstep.run_rank`, two steps, the peak over both: AdamW
 creates its state in the first). Per rank the estimate must agree with the
 measured peak within 3%, its weights (parameters and buffers) and optimizer state
 must equal the tracker's categories, and its gradient bytes must equal those of the
@@ -26,7 +26,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness.compare import _rank_main  # noqa: E402
+from harness.lockstep import RankPlan, run_rank  # noqa: E402
 from models import build_model, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402
@@ -55,7 +55,9 @@ def _rank_all(models, parallel, states, optimizer):
     """Both stacks on every model, as `twinpipe compare` measures them (one launch per
     layout: starting the ranks costs more than a tiny model's steps)."""
     return {
-        name: _rank_main(model, parallel, states[name], list(STACKS), 2, optimizer, True, False)
+        name: run_rank(
+            RankPlan(model, parallel, states[name], *STACKS, 2, optimizer, progress=False)
+        )
         for name, model in models.items()
     }
 
@@ -105,7 +107,8 @@ def test_estimate_matches_measured_peak(name, layout, stack, dtype):
     rows, failures = [], []
     for result in per_rank:
         pp_rank = result["coords"][0]
-        measured = max(result[stack]["memory"], key=lambda m: m["total"])
+        side = "baseline" if stack == STACKS[0] else "candidate"
+        measured = max((s["memory"][side] for s in result["steps"]), key=lambda m: m["total"])
         est = report["ranks"][pp_rank]
         error = est["peak_bytes"] / measured["total"] - 1
         rows.append(
@@ -118,8 +121,8 @@ def test_estimate_matches_measured_peak(name, layout, stack, dtype):
                 failures.append(f"{result['coords']} {ours} {est[ours]:,} != {measured[theirs]:,}")
         # Gradients: every parameter's, once the backward is done, equal exactly (at the peak
         # itself only some exist, and which depends on where inside an action the peak falls).
-        grads = result[stack]["grads"][-1]
-        measured_grads = sum(g.numel() for g in grads.values()) * _element_size(parallel.dtype)
+        # Both stacks run on the same parameters (lockstep), whose gradients have their size.
+        measured_grads = result["param_elements"] * _element_size(parallel.dtype)
         if est["all_gradients_bytes"] != measured_grads:
             failures.append(
                 f"{result['coords']} all_gradients_bytes {est['all_gradients_bytes']:,} "

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from harness.compare import _assemble, _rank_main, _run_oracle
-from harness.compare_checks import compare_tensors
+from harness.inplace import compare_sums
+from harness.lockstep import RankPlan, run_rank
 from models import build_model, preset
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
@@ -16,34 +15,42 @@ PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 LOSS_REL, GRAD_COS = 1e-6, 1e-10  # DESIGN.md: reference DualPipeV vs single-process model
 
 
-def _layout_worker(configs, parallel, states, steps, optimizer):
-    return [
-        _rank_main(cfg, parallel, state, ["reference"], steps, optimizer, False, False)
-        for cfg, state in zip(configs, states)
-    ]
+def _layout_worker(plans):
+    return [run_rank(plan) for plan in plans]
 
 
 def _check_against_oracle(configs, parallel, steps=1):
+    """The oracle and the reference on every rank (`harness.lockstep`, free-running), each
+    rank comparing the gradients it holds with the oracle's same rows (`harness.inplace`)."""
     optimizer = OptimizerConfig()
-    states = [build_model(cfg, seed=7).state_dict() for cfg in configs]
-    per_rank = launch(
-        _layout_worker, parallel.world_size, (configs, parallel, states, steps, optimizer)
-    )
+    plans = [
+        RankPlan(
+            cfg, parallel, build_model(cfg, seed=7).state_dict(), "oracle", "reference", steps,
+            optimizer, track_memory=False, progress=False,
+        )  # fmt: skip
+        for cfg in configs
+    ]
+    per_rank = launch(_layout_worker, parallel.world_size, (plans,))
     for index, cfg in enumerate(configs):
         ranks = [r[index] for r in per_rank]
-        oracle = _run_oracle(cfg, parallel, states[index], steps, optimizer)
-        ref = ranks[0]["reference"]
+        first = ranks[0]
+        assert not first["lockstep"]  # against the oracle the trajectory is free
         for step in range(steps):
-            rel = abs(ref["loss"][step] - oracle["loss"][step]) / oracle["loss"][step]
+            record = first["steps"][step]
+            oracle, ref = record["loss"]["baseline"], record["loss"]["candidate"]
+            rel = abs(ref - oracle) / oracle
             assert rel <= LOSS_REL, (cfg.model_type, step, rel)
-            grads = _assemble(ranks, "reference", "grads", step, parallel.ep)
-            worst = compare_tensors(oracle["grads"][step], grads)[0]
-            assert worst[2] <= GRAD_COS, (cfg.model_type, step, worst)
-            assert all(torch.isfinite(g).all() for g in grads.values())
-        eval_rel = abs(ref["eval"] - oracle["eval"]) / oracle["eval"]
+            rows = compare_sums(record["grads"])  # worst first
+            assert len(rows) == len(dict(build_model(cfg).named_parameters()))
+            worst = rows[0]
+            assert worst.one_minus_cos == max(r.one_minus_cos for r in rows)
+            assert worst.one_minus_cos <= GRAD_COS, (cfg.model_type, step, worst)
+            assert all(s.finite and s.count for s in record["grads"].values())
+        losses = first["eval"]["loss"]
+        eval_rel = abs(losses["candidate"] - losses["baseline"]) / losses["baseline"]
         assert eval_rel <= LOSS_REL, (cfg.model_type, "forward-only", eval_rel)
         # every rank reports the same global loss
-        assert len({r["reference"]["loss"][0] for r in ranks}) == 1
+        assert len({r["steps"][0]["loss"]["candidate"] for r in ranks}) == 1
 
 
 @pytest.mark.multiprocess
@@ -71,9 +78,9 @@ def test_reference_pp4_matches_oracle():
 
 
 def _trajectory_worker(cfg, parallel, state, steps):
-    return _rank_main(cfg, parallel, state, ["reference"], steps, OptimizerConfig(), False, False)[
-        "reference"
-    ]["loss"]
+    layout = make_layout(parallel)
+    pipeline = ReferencePipeline(cfg, parallel, layout, state, OptimizerConfig())
+    return [pipeline.train_step(*synthetic_batch(cfg, parallel, step)) for step in range(steps)]
 
 
 @pytest.mark.multiprocess
