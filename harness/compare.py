@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     except RankFailed as error:
         print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
         return 3
-    report = build_report(args, model, plan, per_rank)
+    report = build_report(plan, per_rank, args.model)
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, plan.weights)
     from harness.report import format_table, write_report  # noqa: PLC0415

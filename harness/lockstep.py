@@ -331,10 +331,13 @@ def _evaluate(rank: _Rank, batches: dict) -> dict:
 def run_rank(plan: RankPlan) -> dict[str, Any]:
     """Run ``plan`` on this rank (inside a launched world); the per-step scalars (on rank
     0; every rank computed the same), each rank's memory, times and routing replays."""
-    if plan.plant:
-        from harness.planted import plant  # noqa: PLC0415
+    from harness.planted import planted  # noqa: PLC0415
 
-        plant(plan.plant)
+    with planted(plan.plant):
+        return _run(plan)
+
+
+def _run(plan: RankPlan) -> dict[str, Any]:
     rank = _Rank(plan)
     step_function = _free
     if rank.lockstep:

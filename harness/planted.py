@@ -20,7 +20,9 @@ README gives the commands at real widths.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -51,7 +53,7 @@ class _TruncatedOutput(torch.autograd.Function):
         return grad.float()
 
 
-def _activation_round_to_zero(ops_class: type) -> None:
+def _activation_round_to_zero(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     for name in ("silu_and_mul", "clamped_swiglu"):
         original = getattr(ops_class, name)
 
@@ -60,7 +62,7 @@ def _activation_round_to_zero(ops_class: type) -> None:
                 return _original(self, x, *args, **kwargs)
             return _TruncatedOutput.apply(_original(self, x.float(), *args, **kwargs))
 
-        setattr(ops_class, name, planted)
+        yield ops_class, name, planted
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -74,7 +76,7 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _cross_entropy_grad(scale: float) -> None:
+def _cross_entropy_grad(scale: float) -> Iterator[tuple[Any, str, Any]]:
     import optimized.pipeline.dualpipev as dualpipev  # noqa: PLC0415
 
     original = dualpipev.linear_cross_entropy
@@ -82,10 +84,10 @@ def _cross_entropy_grad(scale: float) -> None:
     def planted(hidden, weight, labels, **kwargs):
         return _ScaleGradient.apply(original(hidden, weight, labels, **kwargs), scale)
 
-    dualpipev.linear_cross_entropy = planted
+    yield dualpipev, "linear_cross_entropy", planted
 
 
-def _attention(ops_class: type, drop: str) -> None:
+def _attention(ops_class: type, drop: str) -> Iterator[tuple[Any, str, Any]]:
     original = ops_class.attention
 
     def planted(self, q, k, v, scaling, window=None, sinks=None):
@@ -95,10 +97,10 @@ def _attention(ops_class: type, drop: str) -> None:
             window = None
         return original(self, q, k, v, scaling, window, sinks)
 
-    ops_class.attention = planted
+    yield ops_class, "attention", planted
 
 
-def _dispatch_wrong_expert(ops_class: type) -> None:
+def _dispatch_wrong_expert(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     original = ops_class.to_expert_order
 
     def planted(self, tokens, expert_ids, num_experts):
@@ -107,20 +109,33 @@ def _dispatch_wrong_expert(ops_class: type) -> None:
             expert_ids[0] = (expert_ids[0] + 1) % num_experts
         return original(self, tokens, expert_ids, num_experts)
 
-    ops_class.to_expert_order = planted
+    yield ops_class, "to_expert_order", planted
 
 
-def plant(name: str) -> None:
-    """Plant bug ``name`` into the optimized stack of this process (for good)."""
+@contextmanager
+def planted(name: str | None) -> Iterator[None]:
+    """Bug ``name`` planted in the optimized stack of this process while the block runs
+    (``None``: nothing planted)."""
+    if name is None:
+        yield
+        return
     from optimized.ops.optimized_ops import OptimizedOps  # noqa: PLC0415
 
-    actions: dict[str, Callable[[], None]] = {
+    patches: dict[str, Callable[[], Iterator[tuple[Any, str, Any]]]] = {
         "activation-round-to-zero": lambda: _activation_round_to_zero(OptimizedOps),
         "cross-entropy-grad-1.01": lambda: _cross_entropy_grad(1.01),
         "attention-drops-sink": lambda: _attention(OptimizedOps, "sink"),
         "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
     }
-    if name not in actions:
+    if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")
-    actions[name]()
+    saved = []
+    try:
+        for owner, attribute, replacement in patches[name]():
+            saved.append((owner, attribute, getattr(owner, attribute)))
+            setattr(owner, attribute, replacement)
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)

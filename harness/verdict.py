@@ -110,9 +110,10 @@ def _grads(records: list[dict]) -> dict[str, Any]:
     return {"max_rel_error": rel, "max_one_minus_cos": cos, "worst": [list(w) for w in ordered]}
 
 
-def build_report(args, model, plan, per_rank: list[dict]) -> dict:
-    """The report of a compare run (`harness.report` documents its keys)."""
-    parallel = plan.parallel
+def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
+    """The report of a compare run (`harness.report` documents its keys); ``label``: how
+    the model was named (a preset or a config path)."""
+    parallel, model = plan.parallel, plan.model
     records = per_rank[0]["steps"]
     lockstep = per_rank[0]["lockstep"]
     oracle = "oracle" in (plan.baseline, plan.candidate)
@@ -163,7 +164,7 @@ def build_report(args, model, plan, per_rank: list[dict]) -> dict:
         "passed": not problems,
         "problems": problems,
         "config": {
-            "model": args.model,
+            "model": label or model.model_type,
             "pp": parallel.pp,
             "dp": parallel.dp,
             "ep": parallel.ep,

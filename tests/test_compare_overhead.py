@@ -1,0 +1,95 @@
+"""What `twinpipe compare` adds to a rank's training footprint, measured by the tracker.
+
+Each stack alone: one training step (forward, backward, AdamW) under a `MemoryTracker`,
+after a first step that created the optimizer state. The harness: both stacks in lockstep
+(`harness.lockstep`), the whole of the same step (both forwards and backwards, the in-place
+comparisons, the candidate's update on the side, the baseline's update) under one
+tracker. The difference is what the harness holds: one gradient-sized set of tensors in the
+model dtype (the baseline's gradients while the candidate runs, the candidate's updated
+parameters while the baseline updates), plus what the other stack keeps of its own (its
+rotary tables, its last batch: 16 KiB here, its loss: 4 bytes).
+The float32 truth of a bfloat16 run adds the truth's own step on top (reported here, not
+bounded: it is a float32 training step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.lockstep import RankPlan, _batches, _lockstep_shared, _Rank
+from harness.memory import MemoryTracker
+from harness.stacks import stack_class
+from models import build_model, preset
+from models.distributed import ParallelConfig, launch, make_layout
+from models.training import OptimizerConfig, synthetic_batch
+
+
+def _buffer_bytes(part: torch.nn.Module) -> int:
+    return sum(b.untyped_storage().nbytes() for b in part.buffers())
+
+
+def _overhead_worker(model, parallel, state, noise_floor):
+    layout = make_layout(parallel)
+    alone = {}
+    for name in ("reference", "optimized"):
+        stack = stack_class(name)(model, parallel, layout, state, OptimizerConfig())
+        stack.train_step(*synthetic_batch(model, parallel, 0))
+        tracker = MemoryTracker("cpu")
+        tracker.register(parameters=stack.part, optimizer_state=stack.optimizer)
+        batch = synthetic_batch(model, parallel, 1)
+        with tracker.step():
+            stack.train_step(*batch)
+        alone[name] = tracker.peak_bytes
+        del stack, tracker
+    plan = RankPlan(
+        model, parallel, state, "reference", "optimized", 2, OptimizerConfig(),
+        noise_floor=noise_floor, track_memory=False, progress=False,
+    )  # fmt: skip
+    rank = _Rank(plan)
+    _lockstep_shared(rank, _batches(plan, 0), {"loss": {}, "time": {}})
+    tracker = MemoryTracker("cpu")
+    tracker.register(parameters=rank.baseline.part, optimizer_state=rank.baseline.optimizer)
+    for key in ("baseline", "candidate"):  # each stack's schedule marks its actions
+        getattr(rank, key).observer = lambda phase, mb, key=key: tracker.mark(f"{key} {phase}", mb)
+    batches = _batches(plan, 1)
+    with tracker.step():
+        _lockstep_shared(rank, batches, {"loss": {}, "time": {}})
+    during = [e["peak_bytes"] for e in tracker.timeline if e["phase"].startswith("candidate")]
+    return {
+        "alone": alone,
+        "harness": tracker.peak_bytes,
+        "during_candidate": max(during),
+        "parameters": sum(p.untyped_storage().nbytes() for p in rank.baseline.part.parameters()),
+        "buffers": _buffer_bytes(rank.baseline.part),
+        # The baseline's schedule keeps its step's micro-batches until its next step.
+        "batch": sum(t.untyped_storage().nbytes() for t in synthetic_batch(model, parallel, 1)),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("dtype", "noise_floor"), [("float32", False), ("bfloat16", False), ("bfloat16", True)]
+)
+def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor):
+    model = preset("tiny-deepseek-v2")
+    parallel = ParallelConfig(
+        pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=2, seq_len=64, dtype=dtype
+    )
+    state = {k: v.to(parallel.torch_dtype) for k, v in build_model(model).state_dict().items()}
+    results = launch(_overhead_worker, 4, (model, parallel, state, noise_floor))
+    for rank, r in enumerate(results):
+        added = r["harness"] - max(r["alone"].values())
+        # While the candidate runs, everything it does not own is the harness's.
+        beside = r["during_candidate"] - r["alone"]["optimized"]
+        print(
+            f"rank {rank} {dtype} noise floor {noise_floor}: alone {r['alone']}, harness "
+            f"{r['harness']:,} (+{added:,}); during the candidate's step {beside:+,} = "
+            f"{beside / r['parameters']:.2f} x parameters ({r['parameters']:,} B; baseline "
+            f"buffers {r['buffers']:,} B)"
+        )
+        assert r["during_candidate"] <= r["harness"]
+        others = r["buffers"] + r["batch"] + 64  # what the baseline keeps (and its loss scalar)
+        if not noise_floor:
+            assert added <= r["parameters"] + others, (rank, added, r)
+            assert r["parameters"] <= beside <= r["parameters"] + others, (rank, beside, r)
