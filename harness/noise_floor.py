@@ -27,9 +27,15 @@ an allowance:
   one place and rounds in another) would fail by chance on small groups.
 - L2 allowance ``SLACK_REL = 1e-3``: a tenth of the typical bf16 gradient error, so a group
   whose reference error happens to be small is not failed on a few elements.
-- radial allowance ``Z = 4`` standard deviations of the radial part of random noise,
-  ``rel_reference / sqrt(elements)``: the reference's own radial error can be near zero by
-  chance, and a limit of twice it would then fail a correct candidate on noise alone.
+- radial allowance: ``Z = 4`` standard deviations of the radial part of random noise,
+  ``rel_reference / sqrt(elements)`` (the reference's own radial error can be near zero by
+  chance), plus ``RADIAL_SHARE = 1/32`` of the reference's L2 error: a correct fused kernel
+  may scale its result coherently by a little. At the issue #22 width (hidden 2048, MLA,
+  PP2) the optimized stack's gradients were all 3e-4 smaller than float32's (traced to the
+  fused linear cross-entropy in bfloat16: -1.4e-4 on the loss's gradient alone), against
+  an L2 error of 2.1e-2 and a reference radial error near 1e-4; that is 1.5% of the L2
+  error, and it changes the total error by 0.01%. A cross-entropy gradient 1% too large is
+  a radial error of 1e-2, half the L2 error; values rounded toward zero, 2e-3.
 - loss allowance ``SLACK_LOSS = 1e-4`` (relative): the loss is a mean of per-token
   rounding errors with random signs, so the reference's can be near zero by chance;
   correct stacks measured at most 1.8e-5 at the tiny presets.
@@ -51,6 +57,8 @@ K = 2.0
 """The candidate may be this many times as far from the float32 truth as the reference."""
 Z = 4.0
 """Standard deviations of random rounding noise allowed in the radial part of an error."""
+RADIAL_SHARE = 1 / 32
+"""Share of the reference's L2 error a coherent scale difference may take."""
 SLACK_REL = 1e-3
 """Allowance on a group's relative L2 gradient error."""
 SLACK_LOSS = 1e-4
@@ -78,7 +86,7 @@ def judge_group(name: str, base: Sums, cand: Sums) -> dict[str, Any]:
     """One group's L2 and radial verdicts (``base``/``cand``: each stack against the truth)."""
     entry = _entry(base.rel, cand.rel, K * base.rel + SLACK_REL, group=name)
     noise = base.rel / math.sqrt(max(base.count, 1))
-    radial_limit = K * abs(base.radial) + Z * noise
+    radial_limit = K * abs(base.radial) + Z * noise + RADIAL_SHARE * base.rel
     entry.update(
         radial_baseline=base.radial,
         radial_candidate=cand.radial,
@@ -143,5 +151,5 @@ def _why(entry: Mapping[str, Any]) -> str:
     return text
 
 
-SETTINGS = {"k": K, "z": Z, "slack_rel": SLACK_REL, "slack_loss": SLACK_LOSS,
-            "slack_router": SLACK_ROUTER}  # fmt: skip
+SETTINGS = {"k": K, "z": Z, "radial_share": RADIAL_SHARE, "slack_rel": SLACK_REL,
+            "slack_loss": SLACK_LOSS, "slack_router": SLACK_ROUTER}  # fmt: skip

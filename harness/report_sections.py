@@ -73,7 +73,8 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
         f"candidate may be k={settings.get('k')} times the reference's (+ slack "
         f"{settings.get('slack_rel')} on gradients, {settings.get('slack_loss')} on the loss, "
         f"{settings.get('slack_router')} on router scores; radial part: k times the "
-        f"reference's + {settings.get('z')} standard deviations of rounding noise)"
+        f"reference's + {settings.get('z')} standard deviations of rounding noise + "
+        f"{settings.get('radial_share', 0):.3g} of the reference's error)"
     ]
     steps = floor.get("steps") or []
     shown = range(len(steps)) if markdown else [len(steps) - 1] if steps else []

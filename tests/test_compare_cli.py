@@ -86,6 +86,17 @@ def test_outside_the_tolerance_exits_1(monkeypatch, capsys):
         (["--model", "no-such-model"], "no-such-model"),
         (["--ep", "3"], "ParallelConfig.ep=3"),
         (["--steps", "0"], "--steps=0"),
+        (
+            [
+                "--baseline",
+                "oracle",
+                "--candidate",
+                "reference",
+                "--plant",
+                "dispatch-wrong-expert",
+            ],
+            "plants a bug in the optimized stack",
+        ),
     ],
 )
 def test_bad_input_exits_2_before_any_rank_starts(argv, needle, capsys):
@@ -135,5 +146,56 @@ def test_bfloat16_compares_at_the_baselines_expert_choices(tmp_path, capsys):
     # ranks x M x tokens x top-k x MoE layers, for 2 training steps and the evaluation
     assert routing["choices"] == 2 * 2 * 16 * 2 * 4 * (2 + 1)
     assert 0 < routing["score_drift"] <= routing["drift_limit"] == 1e-2
+    assert routing["recorded_by"] == "truth"  # the float32 run of each step routes
     assert "routing: pinned" in capsys.readouterr().out
-    assert "## Routing" in (out / "report.md").read_text()
+    markdown = (out / "report.md").read_text()
+    assert "## Routing" in markdown
+
+
+@pytest.mark.multiprocess
+def test_bfloat16_lockstep_reports_the_noise_floor_and_the_memory_it_held(tmp_path):
+    """Each step judged against a float32 run of it: both stacks' errors and their ratio
+    per parameter group, in report.json and report.md; per rank the harness's own memory
+    and the five largest tensors at each stack's peak."""
+    out = tmp_path / "report"
+    small = list(SMALL)
+    small[small.index("--ep") + 1] = "1"
+    assert main(["compare", *small, "--dtype", "bfloat16", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["trajectory"] == {
+        "mode": "lockstep", "judged_steps": [0, 1], "divergence": report["trajectory"]["divergence"]
+    }  # fmt: skip
+    floor = report["noise_floor"]
+    assert floor["settings"]["k"] == 2.0 and len(floor["steps"]) == 2
+    groups = {g["group"]: g for g in floor["steps"][0]["groups"]}
+    q_proj = groups["model.layers.*.self_attn.q_proj.weight"]
+    assert 0 < q_proj["baseline"] < 0.1 and 0 < q_proj["candidate"] < 0.1
+    assert q_proj["ratio"] == pytest.approx(q_proj["candidate"] / q_proj["baseline"])
+    assert "(all gradients)" in groups and all(g["passed"] for g in groups.values())
+    assert len(report["loss"]["truth"]) == 2
+    for rank in report["memory"]["ranks"]:
+        held = rank["harness"]
+        assert held["held_bytes"] >= held["parameter_bytes"] > 0  # at least the gradients
+        assert held["rss_peak_bytes"] > 0
+        top = rank["candidate"]["top_tensors"]
+        assert len(top) == 5 and top[0]["bytes"] >= top[-1]["bytes"] > 0
+        assert {"what", "shape", "dtype", "bytes", "category"} <= set(top[0])
+    markdown = (out / "report.md").read_text()
+    for section in ("## Noise floor", "## Memory the harness held", "## Largest tensors"):
+        assert section in markdown
+
+
+@pytest.mark.multiprocess
+def test_free_trajectory_is_judged_at_step_0_only(tmp_path):
+    """--trajectory free: each side follows its own trajectory; later steps are shown
+    (loss curves, divergence) but not judged, so an impossible bound after step 0 does
+    not fail the run."""
+    code = main(
+        ["compare", *SMALL, "--steps", "3", "--trajectory", "free", "--no-memory",
+         "--json", str(tmp_path / "out.json")]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert code == 0 and report["passed"]
+    assert report["trajectory"]["mode"] == "free" and report["trajectory"]["judged_steps"] == [0]
+    assert len(report["trajectory"]["divergence"]["loss_rel"]) == 3
+    assert report["loss"]["baseline"][2] != report["loss"]["baseline"][0]
