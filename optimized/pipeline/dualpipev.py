@@ -55,12 +55,23 @@ TAG_FORWARD = (0, 1)
 TAG_BACKWARD = (2, 3)
 
 
-def _summed_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """The fused output layer and cross-entropy, summed over tokens (`OutputLayer.fused_loss`
-    calls it through the module, so FSDP2 gathers a sharded ``weight`` around it)."""
-    return linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+class SummedLinearCrossEntropy(NamedTuple):
+    """The fused output layer and cross-entropy, summed over tokens, and its z-loss part
+    (`OutputLayer.fused_loss` calls it through the module, so FSDP2 gathers a sharded
+    ``weight`` around it). Label smoothing and z-loss are the trainer's options
+    (``loss.label_smoothing``, ``loss.z_loss``); the reference stack has neither."""
+
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(
+            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            label_smoothing=self.label_smoothing, lse_square_scale=self.z_loss,
+            return_z_loss=True,
+        )  # fmt: skip
 
 
 class ChunkRun(NamedTuple):
@@ -92,8 +103,16 @@ class _Send(NamedTuple):
 class OptimizedDualPipeV:
     """Runs one training or evaluation step of DualPipeV on this pipeline rank."""
 
-    def __init__(self, part, chunks: tuple[list[int], list[int]], layout: Layout) -> None:
+    def __init__(
+        self,
+        part,
+        chunks: tuple[list[int], list[int]],
+        layout: Layout,
+        loss: SummedLinearCrossEntropy | None = None,
+    ) -> None:
         self.part = part
+        self.loss_fn = loss or SummedLinearCrossEntropy()
+        """The loss stage's objective (plain cross-entropy unless the trainer sets options)."""
         self.chunks = chunks
         self.layout = layout
         self.rank, self.num_ranks = layout.pp_rank, layout.pp
@@ -235,7 +254,9 @@ class OptimizedDualPipeV:
         time, so no ``[tokens, vocab]`` logits wait here for the backward.
         """
         normed = self.part.model.norm(hidden)
-        return self.part.lm_head.fused_loss(normed, labels, _summed_linear_cross_entropy)
+        loss, z_loss = self.part.lm_head.fused_loss(normed, labels, self.loss_fn)
+        self.z_loss = self.z_loss + z_loss.detach() / self.token_count
+        return loss
 
     def _backward_start(self, chunk: int, run: ChunkRun) -> torch.Tensor:
         """The gradient of the chunk's last layer output."""
@@ -339,6 +360,8 @@ class OptimizedDualPipeV:
         if self.training:
             self.completions = send_completions(self.rank, self.num_ranks, self.num_micro_batches)
         self.loss = torch.zeros((), dtype=torch.float32)
+        self.z_loss = torch.zeros((), dtype=torch.float32)
+        """This rank's share of the step's mean z-loss (part of ``loss``), for logging."""
 
     def _end(self) -> torch.Tensor:
         self._finish_sends(None)

@@ -18,7 +18,7 @@ from models.training import (
 )
 from optimized.estimator.config import EstimateConfig
 from optimized.ops import OptimizedOps
-from optimized.pipeline.dualpipev import OptimizedDualPipeV
+from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
 from optimized.pipeline.partition import choose_partition
 
 
@@ -45,7 +45,11 @@ class OptimizedPipeline(PipelineRunner):
         full_state: dict[str, torch.Tensor],
         optimizer: OptimizerConfig,
         stages: list[list[int]] | None = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> None:
+        """``label_smoothing`` and ``z_loss`` (the z-loss weight) change the objective; they
+        are the trainer's options, which the reference stack does not have."""
         self.model_config, self.parallel, self.layout = model, parallel, layout
         self.stages = stages or default_partition(model, parallel)
         chunks = rank_chunks(self.stages, layout.pp_rank)
@@ -56,5 +60,7 @@ class OptimizedPipeline(PipelineRunner):
             model, full_state, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
             ops=OptimizedOps(), ep=layout.expert_parallel, dtype=parallel.torch_dtype,
         )  # fmt: skip
-        self.schedule = OptimizedDualPipeV(self.part, chunks, layout)
+        self.schedule = OptimizedDualPipeV(
+            self.part, chunks, layout, SummedLinearCrossEntropy(label_smoothing, z_loss)
+        )
         self.optimizer = optimizer.build(self.part.parameters())

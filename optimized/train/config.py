@@ -106,6 +106,18 @@ class OptimSection:
 
 
 @dataclass(slots=True)
+class LossSection:
+    """The training objective beyond plain token cross-entropy (optimized stack only: the
+    reference stack and `twinpipe compare` compute the plain loss)."""
+
+    z_loss: float = 0.0
+    """z-loss weight ``s``: ``s * logsumexp(logits)**2`` is added per token (PaLM's 1e-4
+    keeps the logits from drifting); 0 turns it off. Logged on its own when on."""
+    label_smoothing: float = 0.0
+    """Label smoothing ``eps`` in [0, 1): the target is ``(1 - eps) * onehot + eps / V``."""
+
+
+@dataclass(slots=True)
 class CheckpointSection:
     """Where and how often training state is saved."""
 
@@ -151,6 +163,8 @@ class TrainConfig:
     """The rank layout."""
     optim: OptimSection = field(default_factory=OptimSection)
     """Optimizer and learning-rate schedule."""
+    loss: LossSection = field(default_factory=LossSection)
+    """The objective: z-loss and label smoothing."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Saving and resuming."""
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -302,6 +316,18 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         finite(opt.grad_clip) and opt.grad_clip >= 0,
         "optim.grad_clip",
         "must be >= 0 (0 turns clipping off)",
+    )
+
+    loss = cfg.loss
+    check(
+        finite(loss.z_loss) and loss.z_loss >= 0,
+        "loss.z_loss",
+        "must be a finite number >= 0 (0 turns the z-loss off)",
+    )
+    check(
+        finite(loss.label_smoothing) and 0 <= loss.label_smoothing < 1,
+        "loss.label_smoothing",
+        "must be in [0, 1) (0 turns smoothing off)",
     )
 
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")

@@ -24,6 +24,7 @@ Fault injection for tests: ``TWINPIPE_FAULT=KIND@STEP:RANK`` with KIND one of
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.model import build_model
 from models.presets import resolve_model
-from models.training import OptimizerConfig
+from models.training import OptimizerConfig, share_loss
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
@@ -82,11 +83,18 @@ class StepMetrics:
     """Max over ranks: CUDA max_memory_allocated on GPU, the process's max RSS on CPU."""
     peak_memory_source: str
     skipped: bool = False
+    z_loss: float | None = None
+    """The step's mean z-loss when ``loss.z_loss`` is on (else None). ``loss`` is the
+    objective minimised, z-loss included; the log line shows the two parts."""
 
     def line(self) -> str:
+        cross_entropy, z_loss = self.loss, ""
+        if self.z_loss is not None:
+            cross_entropy, z_loss = self.loss - self.z_loss, f"z-loss {self.z_loss:.4e} | "
         text = (
             f"step {self.step:08d}/{self.steps:08d} | step-time {self.step_time_s:.3f} sec | "
-            f"cross-entropy-loss {self.loss:.4f} | learning-rate {self.learning_rate:.6e} | "
+            f"cross-entropy-loss {cross_entropy:.4f} | {z_loss}"
+            f"learning-rate {self.learning_rate:.6e} | "
             f"gradient-norm {self.gradient_norm:.4f} | "
             f"tokens-per-second {self.tokens_per_second:,.0f} | "
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
@@ -134,8 +142,9 @@ class MetricsSink:
             self.file.write(json.dumps(asdict(m)) + "\n")
             self.file.flush()
         if self.writer:
-            for key in ("loss", "learning_rate", "gradient_norm", "tokens_per_second"):
-                self.writer.add_scalar(key, getattr(m, key), m.step)
+            for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second"):
+                if getattr(m, key) is not None:
+                    self.writer.add_scalar(key, getattr(m, key), m.step)
         if self.bar:
             done = int(30 * m.step / m.steps)
             sys.stderr.write(f"[{'#' * done}{'.' * (30 - done)}] {m.step}/{m.steps}")
@@ -222,6 +231,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     runner = runner_class()(
         model_config, parallel, layout, initial_state(cfg, model_config),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
+        **objective_options(cfg),
     )  # fmt: skip
     runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
@@ -273,6 +283,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 device=device,
             )  # fmt: skip
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+            z_loss = mean_z_loss(runner, layout) if cfg.loss.z_loss else None
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
@@ -286,6 +297,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     int(shared[1]),
                     source,
                     skipped,
+                    z_loss,
                 )
             )
             done = step + 1
@@ -302,6 +314,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     finally:
         sink.close()
     return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": False}
+
+
+def objective_options(cfg: TrainConfig) -> dict[str, float]:
+    """The runner's objective keywords: none for plain cross-entropy (every runner takes
+    that), else ``label_smoothing`` and ``z_loss``, which only the optimized runner has."""
+    if not (cfg.loss.z_loss or cfg.loss.label_smoothing):
+        return {}
+    runner = runner_class()
+    if "z_loss" not in inspect.signature(runner.__init__).parameters:
+        raise ValueError(
+            f"loss.z_loss = {cfg.loss.z_loss} and loss.label_smoothing = "
+            f"{cfg.loss.label_smoothing} need the optimized stack's runner; "
+            f"{runner.__module__}:{runner.__name__} computes plain cross-entropy only"
+        )
+    return {"label_smoothing": cfg.loss.label_smoothing, "z_loss": cfg.loss.z_loss}
+
+
+def mean_z_loss(runner, layout: Layout) -> float:
+    """The step's mean z-loss on every rank, from the shares on pp-rank 0 (like the loss)."""
+    return share_loss(runner.schedule.z_loss, layout)
 
 
 def _device(cfg: TrainConfig) -> torch.device:
