@@ -85,6 +85,11 @@ class EstimateConfig:
     """Multi-token-prediction layers on the last stage; None takes the model's field."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
+    first_step: bool = False
+    """Estimate the first training step: AdamW creates its state in its first ``step()``, so
+    the forward and backward run without it and the optimizer step then holds the weights,
+    every gradient and the new state (the peak `twinpipe compare --steps 1` measures).
+    False: a later step, with the state held throughout."""
     layers_per_stage: list[int] | None = None
     """Layers of each of the ``2 * pp`` stages; None lets the stack choose (see `stage_layers`)."""
     context_parallel_size: int = 1
