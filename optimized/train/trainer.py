@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.checkpoint import CheckpointWeights
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
-from models.model import build_model
 from models.presets import resolve_model
 from models.training import OptimizerConfig
+from models.weights import SeededWeights, WeightSource
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
@@ -161,18 +162,21 @@ def parallel_config(cfg: TrainConfig, model: ModelConfig) -> ParallelConfig:
     return parallel
 
 
-def initial_state(cfg: TrainConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The whole model's first weights: ``init_from`` (HF folder or twinpipe checkpoint),
-    else a random initialization from ``seed``."""
+def weight_source(
+    cfg: TrainConfig, model: ModelConfig, resume: str | os.PathLike | None = None
+) -> WeightSource:
+    """Where each rank reads its first weights (only its own slices of them): the checkpoint
+    being resumed, else ``init_from`` (a twinpipe checkpoint or an HF folder), else a
+    random initialisation from ``seed``."""
+    if resume is not None:
+        return checkpointing.TrainingCheckpointWeights(resume)
     source = cfg.model.init_from
     if source is None:
-        return build_model(model, seed=cfg.seed).state_dict()
+        return SeededWeights(model, cfg.seed)
     folder = checkpointing.newest_valid(source, warn=False)
     if folder is not None:
-        return checkpointing.load_model_state(folder, model)
-    from models.checkpoint import load_state_dict_hf  # noqa: PLC0415
-
-    return load_state_dict_hf(source, model, dtype=torch.float32)
+        return checkpointing.TrainingCheckpointWeights(folder)
+    return CheckpointWeights(source, model)
 
 
 def global_batch(inputs: torch.Tensor, labels: torch.Tensor, layout: Layout):
@@ -219,13 +223,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     layout = make_layout(parallel)
     torch.manual_seed(cfg.seed)
     opt = cfg.optim
-    runner = runner_class()(
-        model_config, parallel, layout, initial_state(cfg, model_config),
-        OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
-    )  # fmt: skip
-    runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
+    resume = _resume_folder(cfg, layout)
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
-    sharded = sharding.apply_fsdp(runner.part, layout, device) if fsdp else set()
+    sharded: set[str] = set()
+
+    def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
+        sharded.update(sharding.apply_fsdp(part, layout, device))
+
+    runner = runner_class()(
+        model_config, parallel, layout, weight_source(cfg, model_config, resume),
+        OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
+        device=device, shard=shard if fsdp else None,
+    )  # fmt: skip
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
@@ -237,7 +246,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
     )  # fmt: skip
 
-    start = _resume(cfg, optimizer, loader, layout)
+    start = _resume(resume, optimizer, loader, layout)
     sink = MetricsSink(cfg, enabled=layout.rank == 0)
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
@@ -346,10 +355,11 @@ def _save(cfg, done, optimizer, loader, layout, model_config) -> None:
         print(f"saved checkpoint {path}", flush=True)
 
 
-def _resume(cfg: TrainConfig, optimizer, loader, layout: Layout) -> int:
-    """Load the newest complete checkpoint of ``checkpoint.dir``; return the step to start."""
+def _resume_folder(cfg: TrainConfig, layout: Layout) -> str | None:
+    """The newest complete checkpoint of ``checkpoint.dir`` (rank 0 checks, every rank
+    gets its answer), or None to start afresh."""
     if not (cfg.checkpoint.dir and cfg.checkpoint.resume):
-        return 0
+        return None
     choice = [None]
     if layout.rank == 0:
         with warnings.catch_warnings(record=True) as caught:
@@ -359,12 +369,18 @@ def _resume(cfg: TrainConfig, optimizer, loader, layout: Layout) -> int:
             print(f"warning: {w.message}", file=sys.stderr, flush=True)
         choice = [str(folder) if folder else None]
     dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    return choice[0]
+
+
+def _resume(folder: str | None, optimizer, loader, layout: Layout) -> int:
+    """Load the optimizer state and the trainer state of ``folder`` (its parameters are
+    loaded again over those the part was built with); return the step to start from."""
+    if folder is None:
         return 0
-    state = checkpointing.load_checkpoint(choice[0], optimizer, layout)
+    state = checkpointing.load_checkpoint(folder, optimizer, layout)
     loader.load_state_dict(state["loader"])
     rng = state["rng"]
     checkpointing.set_rng_state(rng[layout.rank] if len(rng) == dist.get_world_size() else rng[0])
     if layout.rank == 0:
-        print(f"resumed from {choice[0]} at step {state['step']}", flush=True)
+        print(f"resumed from {folder} at step {state['step']}", flush=True)
     return int(state["step"])
