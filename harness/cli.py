@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("harness.bench", "run the benchmarks and append the results to a history"),
     "dashboard": ("harness.dashboard", "render a static HTML dashboard from a history"),
     "estimate": ("optimized.estimator.cli", "estimate per-rank memory from the configs alone"),
+    "plan": ("optimized.estimator.plan_cli", "list the DualPipeV layouts that fit the GPUs"),
     "train": ("optimized.train.cli", "train a model on the optimized stack"),
     "prepare-data": ("optimized.train.data_cli", "turn text files into a memory-mapped token file"),
     "export": (

@@ -32,6 +32,7 @@ from models.launch import (  # noqa: F401
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRAD_SYNC = ("step", "micro-batch")
 
 
 @dataclass(slots=True)
@@ -54,6 +55,15 @@ class ParallelConfig:
     """Parameter and activation dtype: float32 or bfloat16."""
     seed: int = 0
     """Seed of the weights and of the synthetic data."""
+    grad_sync: str = "step"
+    """When FSDP2 reduces gradients (sharded runners only): ``step``, once per step per
+    unit at the schedule's last backward (or last W) of its chunk, holding the unsharded
+    gradient across the micro-batches; ``micro-batch``, after every backward."""
+    reshard_after_forward: bool = True
+    """FSDP2 (sharded runners only): free gathered parameters after each forward and gather
+    them again for the backward (on); off: gather at a unit's first forward of the step and
+    keep them until its last backward (one all-gather per step, the whole part's
+    parameters held unsharded)."""
 
     @property
     def world_size(self) -> int:
@@ -80,6 +90,10 @@ class ParallelConfig:
                 raise bad(name, value, "expected a positive integer")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"expected one of {tuple(DTYPES)}")
+        if self.grad_sync not in GRAD_SYNC:
+            raise bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
         if self.micro_batches < 2 * self.pp:
             raise bad(
                 "micro_batches",

@@ -72,6 +72,14 @@ class ParallelSection:
     """Expert-parallel ranks inside each DP group; must divide ``dp``."""
     fsdp: bool | None = None
     """Shard parameters and optimizer state over DP; unset (auto): on when ``dp > 1``."""
+    grad_sync: str = "step"
+    """With FSDP: ``step`` reduce-scatters each unit's gradients once per step, at the last
+    backward (or W) the schedule gives its chunk, holding them unsharded across the
+    micro-batches; ``micro-batch`` after every backward (M times the traffic, less memory)."""
+    reshard_after_forward: bool = True
+    """With FSDP: free gathered parameters after each forward and gather them again for the
+    backward; off: gather once per step and hold the part's parameters unsharded until each
+    unit's last backward (fewer all-gathers, more memory)."""
     nproc: int | None = None
     """Processes launched on this machine; unset: the whole world (``pp * dp``)."""
 
@@ -279,6 +287,11 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         par.ep >= 1 and par.dp % par.ep == 0,
         "parallel.ep",
         f"must be >= 1 and divide parallel.dp = {par.dp}",
+    )
+    from models.distributed import GRAD_SYNC
+
+    check(
+        par.grad_sync in GRAD_SYNC, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNC)}"
     )
     world = max(par.pp, 1) * max(par.dp, 1)
     check(

@@ -187,6 +187,7 @@ def parallel_config(cfg: TrainConfig, model: ModelConfig) -> ParallelConfig:
         pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
         micro_batch_size=cfg.data.micro_batch_size, micro_batches=cfg.data.micro_batches,
         seq_len=cfg.data.seq_len, dtype=cfg.dtype, seed=cfg.seed,
+        grad_sync=cfg.parallel.grad_sync, reshard_after_forward=cfg.parallel.reshard_after_forward,
     )  # fmt: skip
     parallel.validate(model)
     return parallel
@@ -264,7 +265,9 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     )  # fmt: skip
     runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
-    sharded = sharding.apply_fsdp(runner.part, layout, device) if fsdp else set()
+    sharded = set()
+    if fsdp:
+        sharded = sharding.apply_fsdp(runner.part, layout, device, parallel.reshard_after_forward)
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
