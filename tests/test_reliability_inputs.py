@@ -108,7 +108,7 @@ MODEL_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "estimate"])
+@pytest.mark.parametrize("command", ["train", "compare", "estimate", "plan"])
 @pytest.mark.parametrize("name, needles", MODEL_CONFIGS, ids=[c[0] for c in MODEL_CONFIGS])
 def test_every_bad_model_config_is_refused_by_every_command(files, capsys, command, name, needles):
     path = files / name if name == "no-config" else files / f"{name}.json"
@@ -116,6 +116,17 @@ def test_every_bad_model_config_is_refused_by_every_command(files, capsys, comma
         "train": [*TRAIN, "--data", str(files / "data")],
         "compare": COMPARE,
         "estimate": ["estimate"],
+        "plan": [
+            "plan",
+            "--gpus",
+            "4",
+            "--gpu-memory",
+            "80GiB",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+        ],
     }[command]
     refused([*argv, "--model", str(path)], capsys, *needles)
 
@@ -195,9 +206,12 @@ def test_compare_refuses_bad_input_before_any_rank(capsys, args, needle):
     refused([*COMPARE, *args], capsys, needle)
 
 
-def test_estimate_refuses_a_sequence_beyond_the_positions(capsys):
+def test_estimate_and_plan_refuse_a_sequence_beyond_the_positions(capsys):
     err = refused(["estimate", "--model", "tiny-deepseek-v2", "--seq-len", "1000000000"], capsys)
     assert "--seq-len=1000000000 is invalid" in err and "max_position_embeddings=256" in err
+    plan = ["plan", "--model", "tiny-deepseek-v2", "--gpus", "2", "--gpu-memory", "1GiB",
+            "--global-batch", "4", "--seq-len"]  # fmt: skip
+    refused([*plan, "1000000000"], capsys, "--seq-len=1000000000 is invalid")
     assert main(["estimate", "--model", "tiny-deepseek-v2"]) == 0  # the default fits: 256
     assert "seq=256" in capsys.readouterr().out
 
