@@ -66,7 +66,7 @@ def fingerprint(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data):
+def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     run = ("--data", data, "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics),
            "--steps", "4", "--save-every", "2", "--keep-last", "0")  # fmt: skip
@@ -97,6 +97,13 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data):
     other = train(*run, "--no-resume", "--seed", "1")
     assert other.returncode == 2, other.stderr
     assert f"holds run {owner}'s checkpoints" in other.stderr and "--overwrite" in other.stderr
+    # Another model, resumed from this folder or started from it, is refused by name.
+    qwen = ["train", *TINY, "--data", data, "--model", "tiny-qwen3-moe"]
+    assert main([*qwen, "--checkpoint-dir", str(ckpt)]) == 2
+    assert "checkpoint.dir: checkpoint" in capsys.readouterr().err
+    assert main([*qwen, "--init-from", str(ckpt), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.init_from: checkpoint" in err and "holds another model" in err
     assert fingerprint(ckpt) == before
 
     # Export: --out checked first; the files follow the umask, whatever it is.
