@@ -263,6 +263,7 @@ def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
     from models.inputs import write_or_rescue  # noqa: PLC0415
 
     def write_json(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=2, default=str)
 
