@@ -248,6 +248,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
     parser.add_argument(
+        "--gpu-shapes",
+        action="store_true",
+        help="benchmark at the GPU shapes (4096 tokens x 102400 vocabulary, bf16, ...) even "
+        "without CUDA (on the CPU interpreter: minutes per op)",
+    )
+    parser.add_argument(
         "--add-report",
         metavar="PATH",
         action="append",
@@ -278,5 +284,6 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(f"twinpipe bench: added {entry}")
         return 0
-    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword)
+    extra = ["--gpu-shapes"] if args.gpu_shapes else []
+    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword, extra)
     return status
