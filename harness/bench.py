@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.diff import classify
-from harness.report import ReportError, git_commit, load_report, machine_description
+from harness.report import (
+    ReportError,
+    git_commit,
+    load_report,
+    machine_description,
+    report_problems,
+)
 
 DEFAULT_HISTORY = "history"
 DEFAULT_BENCHMARKS = "benchmarks"
@@ -110,10 +116,19 @@ def read_history(history_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError) as error:
             print(f"twinpipe: skipping {path}: {error}", file=sys.stderr)
             continue
+        if isinstance(entry, dict) and entry.get("kind") == "compare":
+            problems = report_problems(entry.get("report") or {})
+            if problems:
+                print(f"twinpipe: skipping {path}: {'; '.join(problems)}", file=sys.stderr)
+                continue
         if not isinstance(entry, dict) or entry.get("kind") not in ("bench", "compare"):
             kind, payload = classify(entry)
             if kind is None:
                 print(f"twinpipe: skipping {path}: not a history entry", file=sys.stderr)
+                continue
+            if kind == "compare" and report_problems(payload):
+                problems = "; ".join(report_problems(payload))
+                print(f"twinpipe: skipping {path}: {problems}", file=sys.stderr)
                 continue
             # A bare report or benchmark JSON dropped into the folder: wrap it.
             entry = {
@@ -151,7 +166,8 @@ def run_benchmarks(
 ) -> tuple[int, Path | None]:
     """Run pytest-benchmark on ``benchmarks``; on success add its JSON to the history.
 
-    Returns pytest's exit status and the history entry written (None on failure).
+    Returns the command's exit code (0; 2 when nothing was collected or ``benchmarks``
+    does not exist; 3 when pytest failed) and the history entry written (None on failure).
     """
     if not Path(benchmarks).exists():
         print(
@@ -178,14 +194,16 @@ def run_benchmarks(
         print("twinpipe bench: " + " ".join(command[2:]), flush=True)
         status = subprocess.call(command)
         if status != 0:
+            # pytest's 5 (nothing collected) is a -k or --benchmarks that selects nothing:
+            # bad input (2); any other failure is a crash (3), never 1, which means regressed.
             reason = "no benchmark was collected" if status == 5 else "pytest failed"
             print(f"twinpipe bench: {reason} (exit {status}); history unchanged", file=sys.stderr)
-            return status, None
+            return (2 if status == 5 else 3), None
         if not json_path.exists():
             print(
                 "twinpipe bench: pytest wrote no benchmark JSON; history unchanged", file=sys.stderr
             )
-            return 1, None
+            return 3, None
         entry = add_benchmark_json(json_path, history_dir)
     print(f"twinpipe bench: added {entry}")
     return 0, entry
@@ -212,7 +230,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+
+    try:
+        check_output_dir(args.history, "--history")
+    except BadInput as error:
+        print(f"twinpipe bench: error: {error}", file=sys.stderr)
+        return 2
     if args.add_report:
+        try:  # every report is checked before the first is added
+            for report_path in args.add_report:
+                load_report(report_path)
+        except ReportError as error:
+            print(f"twinpipe bench: error: --add-report {error}", file=sys.stderr)
+            return 2
         for report_path in args.add_report:
             try:
                 entry = add_compare_report(report_path, args.history)

@@ -256,16 +256,63 @@ def _bad(message: str) -> int:
     return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments on their own (before any file is read), if anything."""
+    import math  # noqa: PLC0415
+
+    from models.inputs import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
+
     for side in ("baseline", "candidate"):
         if getattr(args, side) not in SIDES:
-            return _bad(f"--{side}={getattr(args, side)!r} is not one of {SIDES}")
+            return f"--{side}={getattr(args, side)!r} is not one of {SIDES}"
     if args.baseline == args.candidate:
-        return _bad(f"--baseline and --candidate are both {args.baseline!r}; pick two stacks")
+        return f"--baseline and --candidate are both {args.baseline!r}; pick two stacks"
     if args.steps < 1:
-        return _bad(f"--steps={args.steps} must be at least 1")
+        return f"--steps={args.steps} must be at least 1"
     if args.routing == "balanced" and "oracle" in (args.baseline, args.candidate):
-        return _bad("--routing balanced pins two pipeline sides; the oracle routes itself")
+        return "--routing balanced pins two pipeline sides; the oracle routes itself"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr={args.lr!r} is invalid: expected a finite learning rate > 0"
+    if args.seed < 0:
+        return f"--seed={args.seed} is invalid: expected an integer >= 0"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout={args.timeout!r} is invalid: expected a finite number of seconds > 0"
+    try:
+        if args.json:
+            check_output_file(args.json, "--json")
+        if args.out:
+            check_output_dir(args.out, "--out")
+    except BadInput as error:
+        return str(error)
+    return None
+
+
+def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
+    """Write ``--json`` and ``--out``; a write that fails goes to a rescue folder, named on
+    stderr. True when everything went where it was asked."""
+    from harness.report import write_report  # noqa: PLC0415
+    from models.inputs import write_or_rescue  # noqa: PLC0415
+
+    def write_json(path):
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+    rescued = False
+    if args.json:
+        rescued |= write_or_rescue(args.json, write_json, "the report JSON", "compare")[1]
+    if args.out:
+        written, lost = write_or_rescue(args.out, lambda p: write_report(report, p), "the report",
+                                        "compare")  # fmt: skip
+        rescued |= lost
+        if not lost:
+            print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    return not rescued
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _argument_problem(args)
+    if problem:
+        return _bad(problem)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
@@ -274,7 +321,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args.checkpoint or args.model)
         parallel.validate(model)
-    except (ValueError, FileNotFoundError) as error:
+        if args.checkpoint:
+            from models.inputs import check_hf_checkpoint  # noqa: PLC0415
+
+            check_hf_checkpoint(args.checkpoint, model, "--checkpoint")
+    except (ValueError, OSError) as error:
         return _bad(str(error))
     optimizer = OptimizerConfig(lr=args.lr)
     if args.checkpoint:
@@ -308,9 +359,9 @@ def run(args: argparse.Namespace) -> int:
                  not args.no_memory, True, _pin(args.routing)),
                 timeout_s=args.timeout,
             )  # fmt: skip
-        except RankFailed as error:
+        except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
             print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
-            return 1
+            return 128 + error.signal if error.signal else 3
         for stack in stacks:
             routing = _routing_summary(per_rank, stack)
             records[stack] = {
@@ -339,17 +390,13 @@ def run(args: argparse.Namespace) -> int:
         report["communication"] = communication
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, full_state)
-    from harness.report import format_table, write_report  # noqa: PLC0415
+    from harness.report import format_table  # noqa: PLC0415
 
     print(format_table(report))
     if memory_ranks:
         estimates = format_estimates(memory_ranks, (args.baseline, args.candidate))
         if estimates:
             print("\nmemory estimate beside the measured peak\n" + estimates)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    if args.out:
-        written = write_report(report, args.out)
-        print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    if not _write_outputs(args, report):
+        return 3
     return 0 if report["passed"] else 1

@@ -145,10 +145,15 @@ def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[d
     for rank, result in enumerate(per_rank):
         if baseline not in result or candidate not in result:
             return []
-        b = max(result[baseline]["memory"], key=lambda m: m["total"], default=None)
-        c = max(result[candidate]["memory"], key=lambda m: m["total"], default=None)
-        if b is None or c is None:
-            return []
+        peaks = []
+        for side in (baseline, candidate):
+            steps = list(enumerate(result[side]["memory"]))
+            if not steps:
+                return []
+            # The step whose peak is shown, so the estimate beside it is that step's.
+            step, peak = max(steps, key=lambda item: item[1]["total"])
+            peaks.append({**peak, "step": step})
+        b, c = peaks
         ranks.append(
             {
                 "rank": rank,
@@ -165,7 +170,8 @@ def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[d
 
 def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, str]) -> None:
     """Put the memory estimator's per-rank peak (and Megatron's formula) beside each measured
-    peak, with the relative error of each."""
+    peak, with the relative error of each. The estimate is of the step measured: step 0
+    runs before AdamW has any state (``first_step``), later steps with it."""
     try:
         from optimized.estimator import estimate_for_compare  # noqa: PLC0415
     except ImportError:
@@ -176,24 +182,31 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
     )  # fmt: skip
     for key, stack in zip(("baseline", "candidate"), sides):
-        try:
-            if stack == "optimized-fsdp":
-                # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
-                report = estimate_for_compare(
-                    model, layout, "optimized", fsdp=True, shard_optimizer=True,
-                    optimizer_state_dtype="float32", master_weights=True,
-                )  # fmt: skip
-            else:
-                report = estimate_for_compare(model, layout, stack)
-        except (ValueError, TypeError) as error:
-            print(f"  estimate for {stack} unavailable: {error}", file=sys.stderr)
-            continue
-        megatron = report["megatron"]["total_bytes"]
+        reports = {}
+        for first in sorted({entry[key].get("step") == 0 for entry in memory_ranks}):
+            try:
+                if stack == "optimized-fsdp":
+                    # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
+                    reports[first] = estimate_for_compare(
+                        model, layout, "optimized", fsdp=True, shard_optimizer=True,
+                        optimizer_state_dtype="float32", master_weights=True, first_step=first,
+                    )  # fmt: skip
+                else:
+                    reports[first] = estimate_for_compare(model, layout, stack, first_step=first)
+            except (ValueError, TypeError) as error:
+                print(f"  estimate for {stack} unavailable: {error}", file=sys.stderr)
         for entry in memory_ranks:
+            first = entry[key].get("step") == 0
+            if first not in reports:
+                continue
+            report = reports[first]
+            megatron = report["megatron"]["total_bytes"]
             pp_rank = entry["rank"] // parallel.dp
             estimated = report["ranks"][pp_rank]["peak_bytes"]
             measured = entry[key]["total"]
             entry[key]["estimate"] = {
+                "step": entry[key].get("step"),
+                "first_step": first,
                 "peak_bytes": estimated,
                 "error": estimated / measured - 1 if measured else None,
                 "megatron_bytes": megatron,
@@ -203,14 +216,19 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
 
 def format_estimates(memory_ranks: list[dict], sides: tuple[str, str]) -> str:
     """The estimator's and Megatron's peaks beside each measured one."""
-    lines = ["rank  stack       measured peak  estimate (err)          megatron (err)"]
+    lines = [
+        "rank  stack       step  measured peak  estimate (err)          megatron (err)",
+    ]
     for entry in memory_ranks:
         for key, stack in zip(("baseline", "candidate"), sides):
             est = entry[key].get("estimate")
             if not est:
                 continue
+            step = est.get("step")
+            # Step 0 runs before AdamW has state: its estimate counts none (Megatron's does).
+            label = f"{step} (no optimizer state)" if est.get("first_step") else f"{step}"
             lines.append(
-                f"{entry['rank']:<5} {stack:<11} {entry[key]['total']:>13,}  "
+                f"{entry['rank']:<5} {stack:<11} {label:<5} {entry[key]['total']:>13,}  "
                 f"{est['peak_bytes']:>12,} ({est['error']:+.1%})  "
                 f"{est['megatron_bytes']:>12,.0f} ({est['megatron_error']:+.1%})"
             )

@@ -143,11 +143,83 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError)
 
 
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a compare report, with an error that names the file when it is not one."""
+    """Read a compare report, with an error that names the file when it is not one, or
+    when a section has the wrong shape (`report_problems`)."""
     report = read_json(path, ReportError)
     if not is_compare_report(report):
         raise ReportError(f"{path}: not a compare report (an object with a boolean 'passed')")
+    problems = report_problems(report)
+    if problems:
+        raise ReportError(f"{path}: malformed compare report:\n  " + "\n  ".join(problems))
     return report
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _series_problem(where: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
+        return f"{where} = {value!r:.60}: expected a list of numbers (one per step)"
+    return None
+
+
+def report_problems(report: dict[str, Any]) -> list[str]:
+    """Every section of a compare report whose shape its readers (`twinpipe diff`, the
+    dashboard) would choke on; empty when the report is well formed. Sections are
+    optional; a present one must have the documented shape."""
+    problems: list[str] = []
+
+    def section(name: str) -> dict[str, Any]:
+        value = report.get(name)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{name} = {value!r:.60}: expected an object")
+            return {}
+        return value or {}
+
+    for name, keys in (
+        ("loss", ("baseline", "candidate", "rel_error")),
+        ("grads", ("max_rel_error", "max_one_minus_cos")),
+        ("params", ("max_rel_error",)),
+        ("time", ("baseline", "candidate")),
+    ):
+        values = section(name)
+        problems += [p for k in keys if (p := _series_problem(f"{name}.{k}", values.get(k)))]
+    tolerance = section("tolerance")
+    problems += [
+        f"tolerance.{k} = {v!r:.60}: expected a number"
+        for k, v in tolerance.items()
+        if not (_is_number(v) or isinstance(v, (str, bool)) or v is None)
+    ]
+    section("config")
+    ranks = section("memory").get("ranks")
+    if ranks is not None and not isinstance(ranks, list):
+        problems.append(f"memory.ranks = {ranks!r:.60}: expected a list, one entry per rank")
+        ranks = []
+    for i, entry in enumerate(ranks or []):
+        if not isinstance(entry, dict):
+            problems.append(f"memory.ranks[{i}] = {entry!r:.60}: expected an object")
+            continue
+        if not (entry.get("rank") is None or isinstance(entry.get("rank"), int)):
+            problems.append(f"memory.ranks[{i}].rank = {entry['rank']!r:.60}: expected an int")
+        for side in ("baseline", "candidate"):
+            figures = entry.get(side)
+            if figures is None:
+                continue
+            if not isinstance(figures, dict):
+                problems.append(f"memory.ranks[{i}].{side} = {figures!r:.60}: expected an object")
+                continue
+            problems += [
+                f"memory.ranks[{i}].{side}.{k} = {figures[k]!r:.60}: expected a number of bytes"
+                for k in ("total", *CATEGORIES)
+                if figures.get(k) is not None and not _is_number(figures[k])
+            ]
+        for k in ("ratio", "activation_ratio"):
+            if entry.get(k) is not None and not _is_number(entry[k]):
+                problems.append(f"memory.ranks[{i}].{k} = {entry[k]!r:.60}: expected a number")
+    return problems
 
 
 def is_compare_report(obj: Any) -> bool:

@@ -144,7 +144,7 @@ def routed_rows(config: EstimateConfig) -> tuple[int, int]:
         # block. So use the expected padded count under routing that picks each expert
         # with equal probability: the EP group's ``sent * ep`` copies land on one expert
         # as Binomial(sent * ep, 1 / num_experts).
-        local = max(config.model.num_experts // (config.ep * config.etp), 1)
+        local = max(config.model.num_experts // config.ep, 1)
         copies = sent * config.ep
         per_expert = expected_padded_count(
             copies, 1 / config.model.num_experts, GROUPED_GEMM_ROW_ALIGNMENT
@@ -214,8 +214,8 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
         Saved("dispatch.token_index", sent * I64),
         Saved("dispatch.weight_order", sent * I64),
     ]
-    if m.n_shared_experts:
-        shared = m.moe_intermediate_size * m.n_shared_experts // config.tp
+    if config.shared_expert_width:
+        shared = config.shared_expert_width // config.tp
         saved += dense_mlp_saved(tokens, shared, b, "shared_experts")
     # Routed experts on the received rows (grouped by local expert).
     if config.stack == "reference":
@@ -249,7 +249,7 @@ def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) 
     # router in the model dtype (GPT-OSS, Qwen3-MoE); DeepSeek-V2's float32 router saves its
     # own float copy in 16-bit runs.
     output_saved = (
-        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(m.n_shared_experts)
+        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(config.shared_expert_width)
     )
     saved += _norm(
         "post_attention_layernorm",

@@ -120,6 +120,14 @@ def head_weight_numel(config: EstimateConfig, stages) -> int:
 
 
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
+    """One layer's profile (computed once per layer kind, dense or MoE, per config)."""
+    key = ("layer_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _layer_profile(config, layer)
+    return config.cache[key]
+
+
+def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     boundary = tokens * m.hidden_size * b
     saved = layer_saved(config, layer)
@@ -128,8 +136,9 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     aggregate = sum(item.nbytes for item in saved if item.name.startswith("aggregate."))
     attention = sum(item.nbytes for item in saved) - experts - aggregate
     count = shard(layer_params(config, layer), config)
+    # EP divides the experts, ETP each expert's FFN width.
     inner = m.moe_intermediate_size // config.etp
-    local = m.num_experts // (config.ep * config.etp) if is_moe else 0
+    local = m.num_experts // config.ep if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
     expert_grad = weight_numel * config.grad_bytes // fsdp_divisor(config, experts=True)
     dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // fsdp_divisor(config)
@@ -198,6 +207,9 @@ class RankEstimate:
     all_gradients_bytes: int = 0
     """Gradients once every parameter has one (after the backward); ``gradients_bytes`` is
     what exists at the peak (the step starts with none: ``zero_grad(set_to_none=True)``)."""
+    optimizer_step_bytes: int = 0
+    """The rank's total while the optimizer steps: weights, every gradient, the optimizer
+    state and the update's temporaries (the peak when it exceeds the walk's)."""
     timeline: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -224,6 +236,7 @@ class RankEstimate:
             "in_flight_at_peak": list(self.in_flight_at_peak),
             "max_in_flight": list(self.max_in_flight),
             "all_gradients_bytes": self.all_gradients_bytes,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
             "timeline": [dict(moment) for moment in self.timeline],
         }
 
@@ -272,6 +285,45 @@ def static_bytes(
     return params, weights, gradients, optimizer
 
 
+def largest_state_tensor_bytes(config: EstimateConfig, count: ParamCount) -> int:
+    """Bytes of one copy of the rank's largest parameter tensor in the optimizer's state dtype:
+    torch's AdamW (single-tensor on CPU) divides ``sqrt(exp_avg_sq)`` by the bias correction,
+    so two such temporaries are alive at once."""
+    divisors = {
+        "tensor_sharded": config.tp * fsdp_divisor(config),
+        "replicated": fsdp_divisor(config),
+        "routed_experts": config.ep * config.etp * fsdp_divisor(config, experts=True),
+    }
+    largest = max(-(-count.largest[b] // divisors[b]) for b in divisors)
+    moment = config.param_bytes if config.optimizer_state_dtype == "param" else F32
+    return largest * moment
+
+
+def with_optimizer_step(
+    config: EstimateConfig, estimate: RankEstimate, count: ParamCount, optimizer: int
+) -> RankEstimate:
+    """Add the optimizer step to a walked rank: every gradient, ``optimizer`` bytes of state
+    (all of it, created now on the first step) and two temporaries of the largest tensor.
+    The step's peak is whichever is higher, the walk's or this."""
+    temporaries = 2 * largest_state_tensor_bytes(config, count)
+    activations = batch_bytes(config) + temporaries
+    total = estimate.weights_bytes + estimate.all_gradients_bytes + optimizer + activations
+    estimate.optimizer_step_bytes = total
+    estimate.timeline.append(
+        {"phase": "optimizer", "action": "step", "mark": "optimizer", "micro_batch": None,
+         "in_flight": [0, 0], "bytes": total - estimate.weights_bytes - optimizer,
+         "peak_bytes": total, "start_bytes": total - temporaries,
+         "gradients_bytes": estimate.all_gradients_bytes}
+    )  # fmt: skip
+    if total > estimate.peak_bytes:
+        estimate.gradients_bytes = estimate.all_gradients_bytes
+        estimate.optimizer_bytes = optimizer
+        estimate.activation_bytes = activations
+        estimate.peak_phase, estimate.peak_action = "optimizer", "step"
+        estimate.in_flight_at_peak = (0, 0)
+    return estimate
+
+
 class WalkState:
     """Bytes held on one rank as the walk goes: activations and gradients created so far."""
 
@@ -292,13 +344,14 @@ class WalkState:
             self.peak = (act + self.gradients, act, self.gradients)
 
 
-def timeline_moment(step, during: tuple[int, int, int], static: int) -> dict:
+def timeline_moment(step, during: tuple[int, int, int], static: int, start: int = 0) -> dict:
     """One action of the walk as the timeline reports it.
 
     ``mark`` and ``micro_batch`` are what the stack's observer (the harness's memory
     tracker) records at the start of the same action, so a measured peak moment can be
-    looked up here; ``peak_bytes`` is the rank's total during the action and
-    ``gradients_bytes`` the gradients existing at that moment.
+    looked up here; ``peak_bytes`` is the rank's total during the action,
+    ``start_bytes`` its total when the action starts, and ``gradients_bytes`` the gradients
+    existing at the peak.
     """
     action = step.action
     if action.kind == "W":
@@ -317,6 +370,7 @@ def timeline_moment(step, during: tuple[int, int, int], static: int) -> dict:
         "in_flight": list(step.in_flight),
         "bytes": during[0],
         "peak_bytes": during[0] + static,
+        "start_bytes": start + static,
         "gradients_bytes": during[2],
     }
 

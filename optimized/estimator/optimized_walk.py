@@ -22,6 +22,7 @@ from optimized.estimator.memory import (
     rank_params,
     static_bytes,
     timeline_moment,
+    with_optimizer_step,
 )
 from optimized.estimator.schedule import send_completions, walk
 from optimized.estimator.steps import step_profile
@@ -37,9 +38,11 @@ def estimate_rank_optimized(
     m, b, tokens = config.model, config.param_bytes, config.tokens
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(
+    params, weights, all_gradients, state_bytes = static_bytes(
         config, count, head_weight_numel(config, stages)
     )
+    # The first step's forward and backward run before AdamW has created its state.
+    optimizer = 0 if config.first_step else state_bytes
     chunk_layers = [list(partition[s]) for s in stages]
     weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
     th = tokens * m.hidden_size * b
@@ -200,7 +203,7 @@ def estimate_rank_optimized(
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        before = state.peak
+        before, start = state.peak, state.activations + state.gradients
         state.peak = (-1, 0, 0)
         state.moment()
         if action.kind == "F":
@@ -216,12 +219,14 @@ def estimate_rank_optimized(
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
                        step.backward_micro_batch)  # fmt: skip
         during = state.peak
-        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        timeline.append(
+            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
+        )
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
     _, activations_at_peak, gradients_at_peak = peak_split
-    return RankEstimate(
+    estimate = RankEstimate(
         rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
         weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
         activation_bytes=activations_at_peak + batch_bytes(config),
@@ -229,3 +234,4 @@ def estimate_rank_optimized(
         in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
         all_gradients_bytes=all_gradients, timeline=timeline,
     )  # fmt: skip
+    return with_optimizer_step(config, estimate, count, state_bytes)

@@ -18,6 +18,7 @@ from optimized.estimator.memory import (
     rank_params,
     static_bytes,
     timeline_moment,
+    with_optimizer_step,
 )
 from optimized.estimator.schedule import walk
 
@@ -28,9 +29,11 @@ def estimate_rank_reference(
     """One pp-rank of the reference stack, action by action over the DualPipeV walk."""
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(
+    params, weights, all_gradients, state_bytes = static_bytes(
         config, count, head_weight_numel(config, stages)
     )
+    # The first step's forward and backward run before AdamW has created its state.
+    optimizer = 0 if config.first_step else state_bytes
     layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
     weights += buffer_bytes(config, layers)
     chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
@@ -157,7 +160,7 @@ def estimate_rank_reference(
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        before = state.peak
+        before, start = state.peak, state.activations + state.gradients
         state.peak = (-1, 0, 0)
         if action.kind == "F":
             forward(action.chunk)
@@ -177,14 +180,14 @@ def estimate_rank_reference(
             backward(action.backward_chunk, False)
         during = state.peak
         most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
-        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        timeline.append(
+            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
+        )
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
-    # The optimizer step: every gradient, the state AdamW creates, a parameter-sized pair of
-    # temporaries for the largest tensor.
     _, activations_at_peak, gradients_at_peak = peak_split
-    return RankEstimate(
+    estimate = RankEstimate(
         rank=rank,
         stages=stages,
         layers=(list(partition[stages[0]]), list(partition[stages[1]])),
@@ -200,3 +203,4 @@ def estimate_rank_reference(
         all_gradients_bytes=all_gradients,
         timeline=timeline,
     )
+    return with_optimizer_step(config, estimate, count, state_bytes)

@@ -102,6 +102,14 @@ def _eager_attention_peaks(config: EstimateConfig) -> tuple[int, int]:
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
+    """One layer's fourteen steps (computed once per layer kind, dense or MoE, per config)."""
+    key = ("step_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _step_profile(config, layer)
+    return config.cache[key]
+
+
+def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     hidden = m.hidden_size
     th = tokens * hidden * b
@@ -137,12 +145,12 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     padded_sent = _round_up(sent, GATHER_ALIGNMENT)
     padded_received = _round_up(received, GATHER_ALIGNMENT)
     inner = m.moe_intermediate_size // config.etp
-    local = max(m.num_experts // (config.ep * config.etp), 1)
+    local = max(m.num_experts // config.ep, 1)
     kept += _names(items, ("router.", "dispatch.", "shared_experts."))
     sorted_tokens = padded_sent * hidden * b
     # The residual is the attention residual itself (the norm's float input) only in float32
     # without shared experts.
-    residual_is_h = b == F32 and not m.n_shared_experts
+    residual_is_h = b == F32 and not config.shared_expert_width
     attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
     attention += 0 if residual_is_h else th
     fwd["attention_forward"] = Step(
