@@ -68,7 +68,7 @@ def _rank_main(
     ``pin_routing="balanced"``: both stacks route by `models.routing.BalancedRouting`.
     Each step's collective and p2p calls are counted (`harness.compare_communication`).
     """
-    from harness.compare_communication import counted_step  # noqa: PLC0415
+    from models.communication import counted_step  # noqa: PLC0415
     from models.routing import BalancedRouting, RoutingTape, attach_routing_tape  # noqa: PLC0415
 
     layout = make_layout(parallel)

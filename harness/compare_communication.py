@@ -31,18 +31,9 @@ Schema (per step: the mean over the run's steps, an integer when they agree)::
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from typing import Any
 
-from models.communication import KINDS, CommunicationCounter, Counts, group_names
-
-
-@contextmanager
-def counted_step(layout, steps: list[Counts]):
-    """Count the calls made inside and append them to ``steps``."""
-    with CommunicationCounter(group_names(layout)) as counter, counter.counting():
-        yield
-    steps.append(counter.take())
+from models.communication import KINDS, Counts
 
 
 def _mean(values: list[int]) -> int | float:

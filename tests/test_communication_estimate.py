@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness.compare import _stack_class
-from harness.compare_communication import counted_step
 from models import build_model, resolve_model
+from models.communication import counted_step
 from models.distributed import ParallelConfig, launch, make_layout
 from models.routing import BalancedRouting, RoutingTape, attach_routing_tape
 from models.training import OptimizerConfig, synthetic_batch

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from harness.compare_communication import counted_step
 from models import build_model, resolve_model
+from models.communication import counted_step
 from models.distributed import ParallelConfig, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
 from optimized.estimator.schedule import rank_actions
