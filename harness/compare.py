@@ -39,7 +39,7 @@ from harness.compare_checks import (
     format_estimates,
 )
 from harness.compare_communication import communication_section
-from models import build_model, resolve_model
+from models import CheckpointWeights, SeededWeights, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.model import is_expert_parameter
 from models.training import OptimizerConfig, synthetic_batch
@@ -59,7 +59,7 @@ def _stack_class(name: str):
 
 # -------------------------------------------------------------- on each rank
 def _rank_main(
-    model, parallel, full_state, stacks, steps, optimizer, track_memory, progress, pin_routing=False
+    model, parallel, source, stacks, steps, optimizer, track_memory, progress, pin_routing=False
 ):
     """One rank of the launched world: run each pipeline stack for ``steps`` steps.
 
@@ -78,7 +78,7 @@ def _rank_main(
     tape = RoutingTape() if pin_routing and not balanced and len(stacks) == 2 else None
     for index, stack in enumerate(stacks):
         torch.manual_seed(parallel.seed)
-        pipeline = _stack_class(stack)(model, parallel, layout, full_state, optimizer)
+        pipeline = _stack_class(stack)(model, parallel, layout, source, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
         record["communication"] = []
         replay = None
@@ -156,10 +156,10 @@ def _assemble(per_rank: list[dict], stack: str, key: str, step: int, ep: int) ->
 
 
 # ---------------------------------------------------------------- the oracle
-def _run_oracle(model, parallel, full_state, steps, optimizer) -> dict:
+def _run_oracle(model, parallel, source, steps, optimizer) -> dict:
     from reference.oracle import Oracle  # noqa: PLC0415
 
-    oracle = Oracle(model, full_state, optimizer, parallel.torch_dtype)
+    oracle = Oracle(model, source, optimizer, parallel.torch_dtype)
     record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
     for step in range(steps):
         ids, labels = synthetic_batch(model, parallel, step)
@@ -174,7 +174,7 @@ def _run_oracle(model, parallel, full_state, steps, optimizer) -> dict:
     return record
 
 
-def _bisect(args, model, parallel, full_state) -> dict | None:
+def _bisect(args, model, parallel, source) -> dict | None:
     """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops."""
     from harness.bisect import bisect, stack_ops  # noqa: PLC0415
 
@@ -183,8 +183,8 @@ def _bisect(args, model, parallel, full_state) -> dict | None:
     tol = 1e-5 if parallel.dtype == "float32" else 1e-2
     print("  bisecting micro-batch 0 stage by stage ...", file=sys.stderr)
     found = bisect(
-        model, full_state, stack_ops(args.baseline), stack_ops(args.candidate),
-        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed,
+        model, source, stack_ops(args.baseline), stack_ops(args.candidate),
+        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed, dtype=parallel.torch_dtype,
     )  # fmt: skip
     if found is None:
         print(
@@ -325,16 +325,15 @@ def run(args: argparse.Namespace) -> int:
             from models.inputs import check_hf_checkpoint  # noqa: PLC0415
 
             check_hf_checkpoint(args.checkpoint, model, "--checkpoint")
+        # The ranks read their own slices of the weights; a checkpoint is checked here first.
+        source = (
+            CheckpointWeights(args.checkpoint, model)
+            if args.checkpoint
+            else SeededWeights(model, args.seed)
+        )
     except (ValueError, OSError) as error:
         return _bad(str(error))
     optimizer = OptimizerConfig(lr=args.lr)
-    if args.checkpoint:
-        from models import from_pretrained  # noqa: PLC0415
-
-        full_state = from_pretrained(args.checkpoint).state_dict()
-    else:
-        full_state = build_model(model, seed=args.seed).state_dict()
-    full_state = {k: v.to(parallel.torch_dtype) for k, v in full_state.items()}
 
     stacks = [s for s in (args.baseline, args.candidate) if s != "oracle"]
     print(
@@ -348,14 +347,14 @@ def run(args: argparse.Namespace) -> int:
     communication = None
     if "oracle" in (args.baseline, args.candidate):
         print("  [oracle] running on one process", file=sys.stderr)
-        records["oracle"] = _run_oracle(model, parallel, full_state, args.steps, optimizer)
+        records["oracle"] = _run_oracle(model, parallel, source, args.steps, optimizer)
     if stacks:
         print(f"  launching {parallel.world_size} ranks for {', '.join(stacks)}", file=sys.stderr)
         try:
             per_rank = launch(
                 _rank_main,
                 parallel.world_size,
-                (model, parallel, full_state, stacks, args.steps, optimizer,
+                (model, parallel, source, stacks, args.steps, optimizer,
                  not args.no_memory, True, _pin(args.routing)),
                 timeout_s=args.timeout,
             )  # fmt: skip
@@ -389,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if communication:
         report["communication"] = communication
     if args.bisect and not report["passed"]:
-        report["bisect"] = _bisect(args, model, parallel, full_state)
+        report["bisect"] = _bisect(args, model, parallel, source)
     from harness.report import format_table  # noqa: PLC0415
 
     print(format_table(report))

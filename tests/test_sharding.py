@@ -33,7 +33,7 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
     parallel = trainer.parallel_config(cfg, model)
     layout = make_layout(parallel)
     runner = trainer.runner_class()(
-        model, parallel, layout, trainer.initial_state(cfg, model), OptimizerConfig()
+        model, parallel, layout, trainer.weight_source(cfg, model), OptimizerConfig()
     )
     sharded = sharding.apply_fsdp(runner.part, layout, torch.device("cpu")) if fsdp else set()
     optimizer = ShardedAdamW(runner.part, layout, 1e-3, (0.9, 0.95), 1e-8, 0.0, fsdp, sharded)

@@ -111,7 +111,12 @@ def apply_fsdp(
 ) -> set[str]:
     """`fully_shard` each of `fsdp_modules` over the DP group and each of `expert_modules`
     over the expert replicas; the names of the parameters FSDP2 now manages (DTensors
-    sharded on dim 0)."""
+    sharded on dim 0).
+
+    On a meta-device part (`models.model.build_part`'s ``shard``) this also allocates the
+    part on ``device``: FSDP2 parameters get storage for this rank's rows only, in FSDP2's
+    own padded shard buffer, so the values filled in next are the ones it trains.
+    """
     dp_mesh = DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
     experts = expert_modules(part, layout)
     ids = {id(p) for m in fsdp_modules(part) + experts for p in m.parameters()}
@@ -126,7 +131,27 @@ def apply_fsdp(
         )
         for module in experts:
             _shard(module, replica_mesh, reshard_after_forward)
+    if any(p.is_meta for p in part.parameters()):
+        _allocate(part, device)
     return names
+
+
+def _allocate(part: nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for a meta-device part after `fully_shard`: whole parameters
+    for unsharded modules, this rank's rows for FSDP2's.
+
+    `to_empty` gives an FSDP2 parameter a fresh local tensor of its rows; FSDP2 would move
+    it into its padded shard buffer at its lazy initialisation (the first forward), after
+    `ShardedAdamW` took views of it. Re-padding now (FSDP2's own `reset_sharded_param`, what
+    its lazy init calls; private API, torch is pinned) makes the parameter a view of that
+    buffer from the start, and the lazy init then finds nothing to move.
+    """
+    part.to_empty(device=device)
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            for group in fully_shard.state(module)._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.reset_sharded_param()
 
 
 def reduce_pending_gradients(part: nn.Module) -> int:
@@ -197,15 +222,20 @@ class ShardedOptimizedPipeline(PipelineRunner):
 
     name = "optimized-fsdp"
 
-    def __init__(self, model, parallel, layout, full_state, optimizer) -> None:
+    def __init__(self, model, parallel, layout, source, optimizer) -> None:
         from optimized.pipeline.runner import OptimizedPipeline  # noqa: PLC0415
         from optimized.train.optimizer import ShardedAdamW  # noqa: PLC0415
 
-        self.runner = OptimizedPipeline(model, parallel, layout, full_state, optimizer)
+        self.sharded: set[str] = set()
+        device = torch.device("cpu")
+        self.runner = OptimizedPipeline(
+            model, parallel, layout, source, optimizer, device=device,
+            shard=lambda part: self.sharded.update(
+                apply_fsdp(part, layout, device, parallel.reshard_after_forward)
+            ),
+        )  # fmt: skip
         self.part, self.layout, self.parallel = self.runner.part, layout, parallel
         self.schedule = self.runner.schedule
-        device = next(self.part.parameters()).device
-        self.sharded = apply_fsdp(self.part, layout, device, parallel.reshard_after_forward)
         self.gradient_sync = install_gradient_sync(self.runner)
         self.optimizer = ShardedAdamW(
             self.part, layout, optimizer.lr, optimizer.betas, optimizer.eps,

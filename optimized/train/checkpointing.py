@@ -38,10 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.config import ModelConfig
 from models.distributed import Layout
 from models.model import is_expert_parameter
+from optimized.train import chunks
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 
 MANIFEST = "manifest.json"
@@ -312,7 +314,7 @@ def _mine(tensor: torch.Tensor, s: ParamShard, layout: Layout) -> torch.Tensor:
 
 def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The whole model's state dict (our naming) from a checkpoint, in one process."""
-    from models.checkpoint import expected_state_shapes  # noqa: PLC0415
+    from models.hf_layout import expected_state_shapes  # noqa: PLC0415
 
     folder = Path(folder)
     names = list(expected_state_shapes(config))
@@ -326,6 +328,45 @@ def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+# ------------------------------------------------------------------ as a source
+class TrainingCheckpointWeights:
+    """A training checkpoint's parameters as a weight source (`models.weights`): a rank
+    reads only its rows of each ``model.<name>``, straight into its parameter, from the
+    DCP chunks that overlap them (whatever layout saved it). Picklable; no process group
+    needed."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = str(folder)
+        self._reader: chunks.CachedReader | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"folder": self.folder}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.folder, self._reader = state["folder"], None
+
+    def __repr__(self) -> str:
+        return f"TrainingCheckpointWeights({self.folder!r})"
+
+    def _shapes(self) -> dict[str, TensorStorageMetadata]:
+        if self._reader is None:
+            self._reader = chunks.CachedReader(self.folder)
+        return chunks.tensor_metadata(self._reader.read_metadata())
+
+    def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        shapes = self._shapes()
+        key = f"model.{name}"
+        if key not in shapes and name == "lm_head.weight":  # tied: the embedding
+            key = "model.embed_tokens.weight"
+        if key not in shapes:
+            raise ValueError(f"checkpoint {self.folder} has no tensor {key}")
+        global_shape = tuple(shapes[key].size)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            chunks.load({key: chunks.rows(out, start, global_shape)}, reader=self._reader,
+                        collective=False)  # fmt: skip
 
 
 # ------------------------------------------------------------------ RNG

@@ -46,12 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.checkpoint import CheckpointWeights
 from models.communication import KINDS, CommunicationCounter, Counts, group_names
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.inputs import rescue_folder
-from models.model import build_model
 from models.training import OptimizerConfig
+from models.weights import SeededWeights, WeightSource
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
@@ -207,18 +208,21 @@ def parallel_config(cfg: TrainConfig, model: ModelConfig) -> ParallelConfig:
     return parallel
 
 
-def initial_state(cfg: TrainConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The whole model's first weights: ``init_from`` (HF folder or twinpipe checkpoint),
-    else a random initialization from ``seed``."""
+def weight_source(
+    cfg: TrainConfig, model: ModelConfig, resume: str | os.PathLike | None = None
+) -> WeightSource:
+    """Where each rank reads its first weights (only its own slices of them): the checkpoint
+    being resumed, else ``init_from`` (a twinpipe checkpoint or an HF folder), else a
+    random initialisation from ``seed``."""
+    if resume is not None:
+        return checkpointing.TrainingCheckpointWeights(resume)
     source = cfg.model.init_from
     if source is None:
-        return build_model(model, seed=cfg.seed).state_dict()
+        return SeededWeights(model, cfg.seed)
     folder = checkpointing.newest_valid(source, warn=False)
     if folder is not None:
-        return checkpointing.load_model_state(folder, model)
-    from models.checkpoint import load_state_dict_hf  # noqa: PLC0415
-
-    return load_state_dict_hf(source, model, dtype=torch.float32)
+        return checkpointing.TrainingCheckpointWeights(folder)
+    return CheckpointWeights(source, model)
 
 
 def global_batch(inputs: torch.Tensor, labels: torch.Tensor, layout: Layout):
@@ -273,15 +277,18 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     run_id = _claimed(cfg, plan, layout)
     torch.manual_seed(cfg.seed)
     opt = cfg.optim
-    runner = runner_class()(
-        model_config, parallel, layout, initial_state(cfg, model_config),
-        OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
-    )  # fmt: skip
-    runner.part.to(device)  # in place: the runner's schedule keeps the same parameters
+    resume = plan.resume
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
-    sharded = set()
-    if fsdp:
-        sharded = sharding.apply_fsdp(runner.part, layout, device, parallel.reshard_after_forward)
+    sharded: set[str] = set()
+
+    def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
+        sharded.update(sharding.apply_fsdp(part, layout, device, parallel.reshard_after_forward))
+
+    runner = runner_class()(
+        model_config, parallel, layout, weight_source(cfg, model_config, resume),
+        OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
+        device=device, shard=shard if fsdp else None,
+    )  # fmt: skip
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
@@ -293,7 +300,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
         cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
     )  # fmt: skip
 
-    start = _resume(plan.resume, optimizer, loader, layout)
+    start = _resume(resume, optimizer, loader, layout)
     sink = MetricsSink(cfg, enabled=layout.rank == 0, start=start)
     saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
     fault = _fault()
@@ -463,7 +470,9 @@ def _claimed(cfg: TrainConfig, plan: RunPlan, layout: Layout) -> str | None:
 
 
 def _resume(folder: str | None, optimizer, loader, layout: Layout) -> int:
-    """Load the checkpoint the plan chose (None: start afresh); return the step to start."""
+    """Load the optimizer state and the trainer state of the checkpoint the plan chose
+    (None: start afresh; its parameters were the part's weight source); return the step
+    to start from."""
     if folder is None:
         return 0
     state = checkpointing.load_checkpoint(folder, optimizer, layout)
