@@ -38,6 +38,7 @@ from harness.compare_checks import (
     build_report,
     format_estimates,
 )
+from harness.compare_communication import communication_section
 from models import CheckpointWeights, SeededWeights, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.model import is_expert_parameter
@@ -64,18 +65,25 @@ def _rank_main(
 
     With ``pin_routing`` the first stack records its routers' choices and the second
     replays them (`models.routing`); the second's record carries the replay's result.
+    ``pin_routing="balanced"``: both stacks route by `models.routing.BalancedRouting`.
+    Each step's collective and p2p calls are counted (`harness.compare_communication`).
     """
-    from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
+    from models.communication import counted_step  # noqa: PLC0415
+    from models.routing import BalancedRouting, RoutingTape, attach_routing_tape  # noqa: PLC0415
 
     layout = make_layout(parallel)
     results: dict[str, Any] = {}
     results["coords"] = (layout.pp_rank, layout.dp_rank, layout.ep_rank)
-    tape = RoutingTape() if pin_routing and len(stacks) == 2 else None
+    balanced = pin_routing == "balanced"
+    tape = RoutingTape() if pin_routing and not balanced and len(stacks) == 2 else None
     for index, stack in enumerate(stacks):
         torch.manual_seed(parallel.seed)
         pipeline = _stack_class(stack)(model, parallel, layout, source, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+        record["communication"] = []
         replay = None
+        if balanced:
+            attach_routing_tape(pipeline.part, BalancedRouting())
         if tape is not None:
             replay = tape if index == 0 else tape.replay()
             attach_routing_tape(pipeline.part, replay)
@@ -92,7 +100,7 @@ def _rank_main(
             ids, labels = synthetic_batch(model, parallel, step)
             start = time.perf_counter()
             if tracker is not None:
-                with tracker.step():
+                with tracker.step(), counted_step(layout, record["communication"]):
                     loss = pipeline.forward_backward(ids, labels)
                     pipeline.optimizer_step()
                 summary = dict(tracker.breakdown())
@@ -100,8 +108,9 @@ def _rank_main(
                 summary["peak_moment"] = tracker.peak_moment
                 record["memory"].append(summary)
             else:
-                loss = pipeline.forward_backward(ids, labels)
-                pipeline.optimizer_step()
+                with counted_step(layout, record["communication"]):
+                    loss = pipeline.forward_backward(ids, labels)
+                    pipeline.optimizer_step()
             record["time"].append(time.perf_counter() - start)
             record["loss"].append(loss)
             record["grads"].append(_named(pipeline.part, grads=True))
@@ -212,14 +221,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routing",
-        choices=("pinned", "free"),
+        choices=("pinned", "free", "balanced"),
         default="pinned",
         help="pinned: the candidate replays the baseline's expert choices; its router scores "
         "must agree and its own choices may differ only at near-ties (two pipeline sides); "
-        "free: each side routes itself",
+        "free: each side routes itself; balanced: both take the same perfectly balanced "
+        "choices (token t to experts (t k + i) mod E), so the communication estimate is exact",
+    )
+    parser.add_argument(
+        "--grad-sync",
+        choices=("step", "micro-batch"),
+        default="step",
+        help="optimized-fsdp: reduce each FSDP unit's gradients once per step (at the "
+        "schedule's last backward) or after every backward",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        choices=("on", "off"),
+        default="on",
+        help="optimized-fsdp: free gathered parameters after each forward (on), or hold them "
+        "from a unit's first forward to its last backward (off)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
+
+
+def _pin(routing: str) -> bool | str:
+    """What `_rank_main` takes: True to pin, ``"balanced"``, or False (free)."""
+    return "balanced" if routing == "balanced" else routing == "pinned"
 
 
 def _bad(message: str) -> int:
@@ -240,6 +269,8 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return f"--baseline and --candidate are both {args.baseline!r}; pick two stacks"
     if args.steps < 1:
         return f"--steps={args.steps} must be at least 1"
+    if args.routing == "balanced" and "oracle" in (args.baseline, args.candidate):
+        return "--routing balanced pins two pipeline sides; the oracle routes itself"
     if not (math.isfinite(args.lr) and args.lr > 0):
         return f"--lr={args.lr!r} is invalid: expected a finite learning rate > 0"
     if args.seed < 0:
@@ -286,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
+        grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward == "on",
     )  # fmt: skip
     try:
         model = resolve_model(args.checkpoint or args.model)
@@ -313,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
     )
     records: dict[str, dict] = {}
     memory_ranks: list[dict] = []
+    communication = None
     if "oracle" in (args.baseline, args.candidate):
         print("  [oracle] running on one process", file=sys.stderr)
         records["oracle"] = _run_oracle(model, parallel, source, args.steps, optimizer)
@@ -323,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 _rank_main,
                 parallel.world_size,
                 (model, parallel, source, stacks, args.steps, optimizer,
-                 not args.no_memory, True, args.routing == "pinned"),
+                 not args.no_memory, True, _pin(args.routing)),
                 timeout_s=args.timeout,
             )  # fmt: skip
         except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
@@ -343,10 +376,18 @@ def run(args: argparse.Namespace) -> int:
                     _assemble(per_rank, stack, "params", s, parallel.ep) for s in range(args.steps)
                 ],
             }
+        if len(stacks) == 2:
+            communication = communication_section(
+                per_rank, model, parallel, (args.baseline, args.candidate), args.routing
+            )
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
             _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
     report = build_report(args, model, parallel, records, memory_ranks)
+    if args.routing == "balanced" and stacks:
+        report["routing"] = {"mode": "balanced"}
+    if communication:
+        report["communication"] = communication
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, source)
     from harness.report import format_table  # noqa: PLC0415

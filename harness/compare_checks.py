@@ -190,6 +190,8 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
                     reports[first] = estimate_for_compare(
                         model, layout, "optimized", fsdp=True, shard_optimizer=True,
                         optimizer_state_dtype="float32", master_weights=True, first_step=first,
+                        grad_sync=parallel.grad_sync,
+                        reshard_after_forward=parallel.reshard_after_forward,
                     )  # fmt: skip
                 else:
                     reports[first] = estimate_for_compare(model, layout, stack, first_step=first)

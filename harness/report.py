@@ -36,6 +36,8 @@ timing) and every reader here copes with its absence.
         ]
       },
       "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
+      "communication": {...},               # per rank and kind: calls, bytes, predicted
+                                            # (schema: harness.compare_communication)
       "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, ...},
       "git_commit": str,
       "machine": str
@@ -305,6 +307,8 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
     routing = report.get("routing")
     if not routing:
         return []
+    if routing.get("mode") == "balanced":
+        return ["routing: balanced (both sides took token t to experts (t k + i) mod E)"]
     if routing.get("mode") != "pinned":
         return ["routing: free (each side chose its own experts)"]
     line = (
@@ -319,6 +323,12 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
     elif routing.get("problems"):
         line = line.replace(", all near-ties (", " (")
     return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
+
+
+def _communication_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+    from harness.report_communication import communication_lines  # noqa: PLC0415 (uses this)
+
+    return communication_lines(report, markdown)
 
 
 def _verdict(report: dict[str, Any]) -> str:
@@ -339,6 +349,7 @@ def format_table(report: dict[str, Any]) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "worst gradients", *_table(header, rows, markdown=False)]
+    lines += _communication_lines(report, markdown=False)
     tolerance = report.get("tolerance")
     if tolerance:
         lines += ["", "tolerance: " + ", ".join(f"{k}={v}" for k, v in tolerance.items())]
@@ -373,6 +384,7 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "## Worst gradients", "", *_table(header, rows, True)]
+    lines += _communication_lines(report, markdown=True)
     if images:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(image).stem}]({image})" for image in images]

@@ -285,10 +285,19 @@ class CommunicationCounter:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def install(self) -> CommunicationCounter:
+        """Put the wrappers in place (as entering the context does)."""
+        return self.__enter__()
+
+    def remove(self) -> None:
+        """Restore the original entry points (idempotent)."""
         for module, name, original in reversed(self._saved):
             setattr(module, name, original)
         self._saved = []
-        CommunicationCounter._installed = None
+        if CommunicationCounter._installed is self:
+            CommunicationCounter._installed = None
 
     def _wrap(self, name: str, make: Callable[[Callable], Callable]) -> None:
         original = getattr(c10d, name, None)
@@ -311,6 +320,17 @@ class CommunicationCounter:
             yield self
         finally:
             self.active = False
+
+    def start(self) -> None:
+        """Count from now on (`counting` as two calls, for loops a context cannot wrap)."""
+        if CommunicationCounter._installed is not self:
+            raise RuntimeError("CommunicationCounter.start: install the counter first")
+        self.active = True
+
+    def stop(self) -> Counts:
+        """Stop counting; the counts since the last `take`, and start again from zero."""
+        self.active = False
+        return self.take()
 
     def take(self) -> Counts:
         """The counts so far, and start again from zero."""
@@ -376,3 +396,12 @@ class CommunicationCounter:
 
         wrapper.counted_by = self
         return wrapper
+
+
+@contextmanager
+def counted_step(layout: Any, steps: list[Counts]) -> Iterator[None]:
+    """Count the calls made inside (groups named from ``layout``) and append them to
+    ``steps``: installs a counter for the duration, so nothing outside is touched."""
+    with CommunicationCounter(group_names(layout)) as counter, counter.counting():
+        yield
+    steps.append(counter.take())

@@ -155,8 +155,13 @@ def test_fsdp_reduces_w_gradients_at_4_ranks(overrides):
 def _losses_and_norms(tmp_path, name: str, *overrides: str) -> tuple[list, list]:
     metrics = tmp_path / f"{name}.jsonl"
     losses = train(config(*overrides, f"logging.metrics_file={metrics}"))[0]["losses"]
-    norms = [json.loads(line)["gradient_norm"] for line in metrics.read_text().splitlines()]
-    return losses, norms
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    TRAFFIC[name] = [r["communication_bytes"] for r in records]
+    return losses, [r["gradient_norm"] for r in records]
+
+
+TRAFFIC: dict[str, list[dict]] = {}
+"""Each run's ``communication_bytes`` per step (the metrics file's), by run name."""
 
 
 def test_sharding_changes_no_loss_beyond_rounding_pp2(tmp_path):
@@ -170,3 +175,11 @@ def test_sharding_changes_no_loss_beyond_rounding_pp2(tmp_path):
     assert len(losses) == len(norms) == 3
     for a, b in zip(losses + norms, plain + plain_norms, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (losses, plain, norms, plain_norms)
+    # The metrics file's bytes per step: FSDP2 gathers and reduce-scatters where the plain
+    # run all-reduces; the same activations travel point to point.
+    for sharded, whole in zip(TRAFFIC["sharded"], TRAFFIC["plain"], strict=True):
+        assert sharded["all_gather"] > 0 and sharded["reduce_scatter"] > 0, sharded
+        assert "reduce_scatter" not in whole and whole["all_reduce"] > sharded["all_reduce"]
+        for kind in ("send", "recv"):  # the all-to-all's rows follow the routing
+            assert sharded[kind] == whole[kind] > 0, (kind, sharded, whole)
+        assert sharded["all_to_all"] > 0 and whole["all_to_all"] > 0

@@ -70,6 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`twinpipe train` keeps one)",
     )
     parser.add_argument(
+        "--grad-sync",
+        choices=("step", "micro-batch"),
+        default="step",
+        help="with --fsdp: gradients reduced once per step (held unsharded across the "
+        "micro-batches until the chunk's last backward) or after every backward",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --fsdp: free gathered parameters after each forward; --no-reshard-after-"
+        "forward holds the part's parameters gathered from the first forward to the last "
+        "backward",
+    )
+    parser.add_argument(
         "--layers-per-stage",
         type=lambda text: [int(part) for part in text.split(",")],
         default=None,
@@ -111,6 +126,8 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         optimizer_state_dtype=state_dtype,
         master_weights=master,
         layers_per_stage=args.layers_per_stage,
+        grad_sync=args.grad_sync,
+        reshard_after_forward=args.reshard_after_forward,
     )
 
 

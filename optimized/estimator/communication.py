@@ -171,7 +171,9 @@ def balanced_rows(config: EstimateConfig) -> list[int]:
     return [sum(per_expert[r * local : (r + 1) * local]) for r in range(config.ep)]
 
 
-def _all_to_all(config: EstimateConfig, part, ep_rank: int, counts: Counts) -> None:
+def _all_to_all(
+    config: EstimateConfig, part, ep_rank: int, counts: Counts, routed: tuple[int, int] | None
+) -> None:
     if config.ep == 1:
         return
     m, ep = config.model, config.ep
@@ -179,14 +181,19 @@ def _all_to_all(config: EstimateConfig, part, ep_rank: int, counts: Counts) -> N
     calls = moe_layers * config.num_microbatches
     count_bytes = (ep - 1) * (m.num_experts // ep) * I64
     _add(counts, "all_to_all", "ep", count_bytes, count_bytes, calls)
-    rows = balanced_rows(config)
+    if routed is None:
+        rows = balanced_rows(config)
+        # My copies bound for other ranks' experts; every peer's copies for my experts.
+        routed = (calls * (sum(rows) - rows[ep_rank]), calls * (ep - 1) * rows[ep_rank])
     row = m.hidden_size * config.param_bytes
-    out = (sum(rows) - rows[ep_rank]) * row  # my copies bound for other ranks' experts
-    back = (ep - 1) * rows[ep_rank] * row  # every peer's copies for my experts
-    # Dispatch and the combine's backward send `out`; combine and the dispatch's backward
-    # send the expert rows back.
-    _add(counts, "all_to_all", "ep", out, back, 2 * calls)
-    _add(counts, "all_to_all", "ep", back, out, 2 * calls)
+    out, back = routed[0] * row, routed[1] * row
+    # Dispatch and the combine's backward send `out` (2 calls per layer and micro-batch);
+    # combine and the dispatch's backward send the expert rows back.
+    for sent, received in ((out, back), (back, out)):
+        traffic = counts.setdefault(("all_to_all", "ep"), Traffic())
+        traffic.calls += 2 * calls
+        traffic.sent += 2 * sent
+        traffic.received += 2 * received
 
 
 def _loss(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
@@ -286,11 +293,17 @@ def _tied(config: EstimateConfig, name: str) -> bool:
 
 # ------------------------------------------------------------------ the API
 def predict_traffic(
-    config: EstimateConfig, rank: int, partition: list[range] | None = None
+    config: EstimateConfig,
+    rank: int,
+    partition: list[range] | None = None,
+    routed: tuple[int, int] | None = None,
 ) -> Counts:
     """``(kind, group) -> Traffic`` of global rank ``rank`` for one training step of the
     runner ``config`` describes: the reference or optimized stack with plain AdamW, or
-    (``fsdp``) the optimized stack sharded as `twinpipe train` runs it (`ShardedAdamW`)."""
+    (``fsdp``) the optimized stack sharded as `twinpipe train` runs it (`ShardedAdamW`).
+
+    ``routed``: the routed copies this rank sent to other EP ranks and received from them
+    over the step's dispatches, when the routing was observed; None: `BalancedRouting`."""
     pp_rank, dp_rank = divmod(rank, config.dp)
     ep_rank = dp_rank % config.ep
     partition = partition or runner_partition(config)
@@ -298,7 +311,7 @@ def predict_traffic(
     part = _rank_part(config, pp_rank, ep_rank, chunks)
     counts: Counts = {}
     _p2p(config, pp_rank, counts)
-    _all_to_all(config, part, ep_rank, counts)
+    _all_to_all(config, part, ep_rank, counts, routed)
     if config.fsdp:
         units = fsdp_units(config, part, chunks, pp_rank)
         _fsdp(config, units, pp_rank, counts)

@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from models.checkpoint import CheckpointWeights
+from models.communication import KINDS, CommunicationCounter, Counts, group_names
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.inputs import rescue_folder
@@ -90,6 +91,10 @@ class StepMetrics:
     """Max over ranks: CUDA max_memory_allocated on GPU, the process's max RSS on CPU."""
     peak_memory_source: str
     skipped: bool = False
+    communication_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes the step's collective and point-to-point calls moved, by kind, summed over all
+    ranks (sent plus received, `models.communication`); the per-step metrics reduction is
+    not counted."""
 
     def line(self) -> str:
         text = (
@@ -100,6 +105,15 @@ class StepMetrics:
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
         )
         return text + (" | skipped (non-finite)" if self.skipped else "")
+
+
+def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
+    """Bytes moved this step by kind, summed over all ranks (one all-reduce, not counted)."""
+    mine = [sum(t.bytes for (k, _), t in counts.items() if k == kind) for kind in KINDS]
+    total = torch.tensor(mine, dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return {kind: int(b) for kind, b in zip(KINDS, total.tolist()) if b}
 
 
 def peak_memory() -> tuple[int, str]:
@@ -293,9 +307,11 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
     step = start
+    counter = CommunicationCounter(group_names(layout)).install()
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
+            counter.start()
             batch = next(loader)
             ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
@@ -316,6 +332,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
             else:
                 optimizer.clip(norm, opt.grad_clip)
                 optimizer.step(lr)
+            traffic = step_traffic(counter.stop(), device)
             elapsed = time.perf_counter() - began
             memory, source = peak_memory()
             shared = torch.tensor(
@@ -336,6 +353,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                     int(shared[1]),
                     source,
                     skipped,
+                    traffic,
                 )
             )
             done = step + 1
@@ -353,6 +371,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                 return {"losses": losses, "start": start, "stopped_at": done, "signal": stopping,
                         "rescued": saved.rescued}  # fmt: skip
     finally:
+        counter.remove()
         sink.close()
     return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": 0,
             "rescued": saved.rescued}  # fmt: skip
