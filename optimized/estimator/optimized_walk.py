@@ -64,7 +64,8 @@ def estimate_rank_optimized(
     completions = iter(send_completions(rank, config.pp, config.num_microbatches))
     sends: list[tuple[int, int | None]] = []
     received = [0]
-    deferred: list[int] = []
+    # Per deferred backward: [weight-gradient inputs it left, the layers whose W it owes].
+    deferred: list[list] = []
     local_out: list[int] = []
     peak, peak_step, timeline = -1, None, []
 
@@ -93,10 +94,24 @@ def estimate_rank_optimized(
             if defer:
                 inputs = grads[chunk][index].deferred_inputs
                 state.activations += inputs
-                deferred[-1] += inputs
+                deferred[-1][0] += inputs
+                deferred[-1][1].append((chunk, index))
             else:
                 state.grad((chunk, index, "experts"), grads[chunk][index].expert_grad)
         state.moment()
+
+    def weight_step(owed):
+        """One W: each deferred grouped GEMM's weight gradient in the order the backward put
+        them (`WeightGradStore`); the inputs stay until the whole group has run."""
+        for chunk, index in owed:
+            key = (chunk, index, "experts")
+            first = key not in state.created
+            state.created.add(key)
+            layer = profiles[chunk][index]
+            for transient, share in zip(layer.weight_transients, layer.weight_grad_shares):
+                state.moment(transient)
+                if first:  # the first W of this layer leaves its gradients behind
+                    state.gradients += grads[chunk][index].expert_grad * share // 3
 
     def is_loss(chunk):
         return chunk == 1 and first
@@ -177,7 +192,7 @@ def estimate_rank_optimized(
 
     def backward(chunk, mb, defer):
         if defer:
-            deferred.append(0)
+            deferred.append([0, []])
         b_start(chunk, mb)
         for i in reversed(range(len(profiles[chunk]))):
             for name in bsteps:
@@ -212,8 +227,9 @@ def estimate_rank_optimized(
             backward(action.chunk, step.backward_micro_batch, action.deferred)
         elif action.kind == "W":
             if deferred:
-                inputs = deferred.pop(0)
+                inputs, owed = deferred.pop(0)
                 state.moment()
+                weight_step(owed)
                 state.activations -= inputs
         else:
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,

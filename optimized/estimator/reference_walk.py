@@ -5,6 +5,7 @@ early). Shared pieces live in `optimized.estimator.memory`.
 
 from __future__ import annotations
 
+from optimized.estimator.activations import chunk_boundary_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
     LayerProfile,
@@ -38,6 +39,9 @@ def estimate_rank_reference(
     weights += buffer_bytes(config, layers)
     chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
     boundary = config.tokens * config.model.hidden_size * config.param_bytes
+    # A received input the pipeline keeps as the backward's leaf: in float32 it is the first
+    # norm's saved float input (counted with the layer), in 16-bit a tensor of its own.
+    leaf = chunk_boundary_bytes(config)
     optimized = config.stack == "optimized"
     first, last = rank == 0, rank == config.pp - 1
     state = WalkState()
@@ -46,7 +50,10 @@ def estimate_rank_reference(
 
     def forward_start(chunk: int) -> None:
         if chunk == 1 and last:
-            state.activations -= boundary  # the input is chunk 0's output, already held
+            # The input is chunk 0's output, already held (in float32 also as the float input).
+            state.activations -= boundary - leaf
+        elif not (chunk == 0 and first):
+            state.activations += leaf
 
     def forward_end(chunk: int) -> None:
         # The output stays: as the backward's root, and in the pending send (to the step's
@@ -107,7 +114,9 @@ def estimate_rank_reference(
         if chunk == 0 and last:  # the gradient B1 handed over, and chunk 0's output
             state.activations -= 2 * boundary
         if chunk == 1 and last:  # chunk 1's input lives on as chunk 0's output until B0
-            state.activations += boundary
+            state.activations += boundary - leaf
+        elif not (chunk == 0 and first):
+            state.activations -= leaf
         if c.embedding_grad:
             state.grad((chunk, "embedding"), c.embedding_grad)
         else:
