@@ -58,7 +58,16 @@ def _stack_class(name: str):
 
 # -------------------------------------------------------------- on each rank
 def _rank_main(
-    model, parallel, full_state, stacks, steps, optimizer, track_memory, progress, pin_routing=False
+    model,
+    parallel,
+    full_state,
+    stacks,
+    steps,
+    optimizer,
+    track_memory,
+    progress,
+    pin_routing=False,
+    count_routing=False,
 ):
     """One rank of the launched world: run each pipeline stack for ``steps`` steps.
 
@@ -75,6 +84,12 @@ def _rank_main(
         torch.manual_seed(parallel.seed)
         pipeline = _stack_class(stack)(model, parallel, layout, full_state, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+        counter = None
+        if count_routing:  # each step's expert choices, for the observed-routing estimate
+            from harness.routing_counts import RoutingCounter  # noqa: PLC0415
+
+            counter = RoutingCounter(pipeline.part, model.num_experts)
+            record["routing_counts"] = []
         replay = None
         if tape is not None:
             replay = tape if index == 0 else tape.replay()
@@ -91,6 +106,8 @@ def _rank_main(
         for step in range(steps):
             ids, labels = synthetic_batch(model, parallel, step)
             start = time.perf_counter()
+            if counter is not None:
+                counter.start_step()
             if tracker is not None:
                 with tracker.step():
                     loss = pipeline.forward_backward(ids, labels)
@@ -103,12 +120,16 @@ def _rank_main(
                 loss = pipeline.forward_backward(ids, labels)
                 pipeline.optimizer_step()
             record["time"].append(time.perf_counter() - start)
+            if counter is not None:
+                record["routing_counts"].append(counter.end_step())
             record["loss"].append(loss)
             record["grads"].append(_named(pipeline.part, grads=True))
             record["params"].append(_named(pipeline.part, grads=False))
             if progress and layout.rank == 0:
                 print(f"  [{stack}] step {step + 1}/{steps}  loss {loss:.6f}", file=sys.stderr)
         pipeline.observer = None
+        if counter is not None:
+            counter.close()
         ids, labels = synthetic_batch(model, parallel, steps)
         record["eval"] = pipeline.evaluate(ids, labels)
         if replay is not None and index == 1:
@@ -218,6 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "must agree and its own choices may differ only at near-ties (two pipeline sides); "
         "free: each side routes itself",
     )
+    parser.add_argument(
+        "--estimate-routing",
+        choices=("balanced", "observed"),
+        default="balanced",
+        help="the memory estimate beside each measured peak: balanced routing, or the routing "
+        "counts the run saw (the balanced figure shown beside it)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -272,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
                 _rank_main,
                 parallel.world_size,
                 (model, parallel, full_state, stacks, args.steps, optimizer,
-                 not args.no_memory, True, args.routing == "pinned"),
+                 not args.no_memory, True, args.routing == "pinned",
+                 args.estimate_routing == "observed"),
                 timeout_s=args.timeout,
             )  # fmt: skip
         except RankFailed as error:
@@ -294,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
             }
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
-            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
+            observed = per_rank if args.estimate_routing == "observed" else None
+            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate), observed)
     report = build_report(args, model, parallel, records, memory_ranks)
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, full_state)

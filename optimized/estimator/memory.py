@@ -163,9 +163,13 @@ def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     )
 
 
-def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> ChunkProfile:
+def chunk_profile(
+    config: EstimateConfig, stage: int, layers: list[int], config_of=None
+) -> ChunkProfile:
+    """One stage for one micro-batch; ``config_of(layer)``: each layer's config (observed
+    routing), else ``config``."""
     m, b, tokens = config.model, config.param_bytes, config.tokens
-    profiles = [layer_profile(config, layer) for layer in layers]
+    profiles = [layer_profile(config_of(i) if config_of else config, i) for i in layers]
     head_saved = head_fwd = head_bwd = head_grad = embedding_grad = 0
     if stage == 0:
         embedding_grad = embedding_grad_bytes(config)

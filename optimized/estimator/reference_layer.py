@@ -38,7 +38,7 @@ An expert's slice uses the balanced share of the rows (observed routing: the lar
 
 from __future__ import annotations
 
-from optimized.estimator.activations import F32, I64, Saved, routed_rows
+from optimized.estimator.activations import F32, I64, Saved, routed
 from optimized.estimator.config import EstimateConfig
 
 
@@ -88,19 +88,18 @@ def _activation_items(items: list[Saved]) -> int:
     return _sum(items, "experts.", exclude=keep)
 
 
-def moe_transients(
-    config: EstimateConfig, items: list[Saved], largest_group: int | None = None
-) -> tuple[int, int]:
+def moe_transients(config: EstimateConfig, items: list[Saved]) -> tuple[int, int]:
     """(forward, backward) transients of a MoE layer (see the module docstring)."""
     m, b = config.model, config.param_bytes
     hidden, tokens = m.hidden_size, config.tokens
     th = tokens * hidden * b
-    sent, received = routed_rows(config)
+    rows = routed(config)
+    sent, received = rows.sent, rows.received
     local = max(m.num_experts // config.ep, 1)
     inner = m.moe_intermediate_size // config.etp
     ep = config.ep > 1
     rows_sent, rows_received = sent * hidden * b, received * hidden * b
-    group = largest_group if largest_group is not None else -(-received // local)
+    group = rows.largest
     aggregate = _sum(items, "aggregate.")
     shared = bool(config.shared_expert_width)
     # What DecoderLayer.forward's records keep that nothing saves.

@@ -40,7 +40,7 @@ from optimized.estimator.activations import (
     I64,
     dense_mlp_saved,
     layer_saved,
-    routed_rows,
+    routed,
 )
 from optimized.estimator.config import EstimateConfig
 
@@ -161,8 +161,8 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
         )  # fmt: skip
         return profile
     profile.weight_transients = weight_step_transients(config)
-    sent, grouped = routed_rows(config)
-    received = sent
+    rows = routed(config)
+    sent, grouped, received = rows.sent, rows.grouped, rows.received
     ep = config.ep > 1
     padded_sent = _round_up(sent, GATHER_ALIGNMENT)
     padded_received = _round_up(received, GATHER_ALIGNMENT)
