@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from models.distributed import launch
+from models.inputs import BadInput
 from models.model import IGNORE_INDEX, build_model
 from models.presets import resolve_model
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.train.preflight import plan_run
 from optimized.train.preparation import default_dataset
 from optimized.train.trainer import StepMetrics, objective_options
 from reference.ops import ReferenceOps
@@ -81,11 +83,11 @@ def test_log_line_shows_the_z_loss_only_when_on():
     assert "cross-entropy-loss 5.0000 | z-loss 2.5000e-01 |" in line
 
 
-def test_reference_runner_refuses_the_options(monkeypatch):
+def test_reference_runner_refuses_the_options_before_any_rank_starts(monkeypatch):
     monkeypatch.setenv("TWINPIPE_RUNNER", "reference.pipeline:ReferencePipeline")
     assert objective_options(config("loss.z_loss=0", "loss.label_smoothing=0")) == {}
-    with pytest.raises(ValueError, match="loss.z_loss = 0.01 and loss.label_smoothing = 0.1"):
-        objective_options(config())
+    with pytest.raises(BadInput, match="loss.z_loss = 0.01 and loss.label_smoothing = 0.1"):
+        plan_run(config())  # the parent's checks: exit 2, nothing spawned
 
 
 @pytest.mark.parametrize(
