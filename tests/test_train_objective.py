@@ -21,9 +21,10 @@ from models.presets import resolve_model
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run
 from optimized.train.preparation import default_dataset
-from optimized.train.trainer import StepMetrics, objective_options
+from optimized.train.trainer import StepMetrics, runner_class
 from reference.ops import ReferenceOps
 
 Z_LOSS, LABEL_SMOOTHING = 1e-2, 0.1
@@ -85,7 +86,8 @@ def test_log_line_shows_the_z_loss_only_when_on():
 
 def test_reference_runner_refuses_the_options_before_any_rank_starts(monkeypatch):
     monkeypatch.setenv("TWINPIPE_RUNNER", "reference.pipeline:ReferencePipeline")
-    assert objective_options(config("loss.z_loss=0", "loss.label_smoothing=0")) == {}
+    plain = config("loss.z_loss=0", "loss.label_smoothing=0")
+    assert objective_options(plain, runner_class()) == {}
     with pytest.raises(BadInput, match="loss.z_loss = 0.01 and loss.label_smoothing = 0.1"):
         plan_run(config())  # the parent's checks: exit 2, nothing spawned
 

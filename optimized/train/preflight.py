@@ -43,6 +43,7 @@ from models.inputs import BadInput, check_hf_checkpoint, check_output_dir, check
 from models.presets import resolve_model
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
+from optimized.train.objective import objective_options
 
 
 class NothingToDo(Exception):
@@ -93,9 +94,9 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
 
 def _objective(cfg: TrainConfig) -> None:
     """``loss.z_loss`` and ``loss.label_smoothing`` need a runner that takes them."""
-    from optimized.train.trainer import objective_options  # noqa: PLC0415 (imports us)
+    from optimized.train.trainer import runner_class  # noqa: PLC0415 (it imports us)
 
-    objective_options(cfg)
+    objective_options(cfg, runner_class())
 
 
 def _model(cfg: TrainConfig) -> ModelConfig:

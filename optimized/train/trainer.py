@@ -30,7 +30,6 @@ file, as a disk that went away would) at 0-based step STEP on global rank RANK.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
 import os
@@ -51,14 +50,15 @@ from models.checkpoint import CheckpointWeights
 from models.communication import KINDS, CommunicationCounter, Counts, group_names
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
-from models.inputs import BadInput, rescue_folder
-from models.training import OptimizerConfig, share_loss
+from models.inputs import rescue_folder
+from models.training import OptimizerConfig
 from models.weights import SeededWeights, WeightSource
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.preflight import RunPlan, claim, plan_run
 
@@ -296,7 +296,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     runner = runner_class()(
         model_config, parallel, layout, weight_source(cfg, model_config, resume),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
-        device=device, shard=shard if fsdp else None, **objective_options(cfg),
+        device=device, shard=shard if fsdp else None, **objective_options(cfg, runner_class()),
     )  # fmt: skip
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
@@ -349,7 +349,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                 device=device,
             )  # fmt: skip
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            z_loss = mean_z_loss(runner, layout) if cfg.loss.z_loss else None
+            z_loss = mean_z_loss(runner.schedule, layout) if cfg.loss.z_loss else None
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
@@ -386,26 +386,6 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
         sink.close()
     return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": 0,
             "rescued": saved.rescued}  # fmt: skip
-
-
-def objective_options(cfg: TrainConfig) -> dict[str, float]:
-    """The runner's objective keywords: none for plain cross-entropy (every runner takes
-    that), else ``label_smoothing`` and ``z_loss``, which only the optimized runner has."""
-    if not (cfg.loss.z_loss or cfg.loss.label_smoothing):
-        return {}
-    runner = runner_class()
-    if "z_loss" not in inspect.signature(runner.__init__).parameters:
-        raise BadInput(
-            f"loss.z_loss = {cfg.loss.z_loss} and loss.label_smoothing = "
-            f"{cfg.loss.label_smoothing} need the optimized stack's runner; "
-            f"{runner.__module__}:{runner.__name__} computes plain cross-entropy only"
-        )
-    return {"label_smoothing": cfg.loss.label_smoothing, "z_loss": cfg.loss.z_loss}
-
-
-def mean_z_loss(runner, layout: Layout) -> float:
-    """The step's mean z-loss on every rank, from the shares on pp-rank 0 (like the loss)."""
-    return share_loss(runner.schedule.z_loss, layout)
 
 
 def _device(cfg: TrainConfig) -> torch.device:
