@@ -350,10 +350,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args.checkpoint or args.model)
         parallel.validate(model)
-        if args.checkpoint:
-            from models.inputs import check_hf_checkpoint  # noqa: PLC0415
-
-            check_hf_checkpoint(args.checkpoint, model, "--checkpoint")
+    except (ValueError, OSError) as error:
+        return _bad(str(error))
+    try:
         # The ranks read their own slices of the weights; a checkpoint is checked here first.
         source = (
             CheckpointWeights(args.checkpoint, model)
@@ -361,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             else SeededWeights(model, args.seed)
         )
     except (ValueError, OSError) as error:
-        return _bad(str(error))
+        return _bad(f"--checkpoint {args.checkpoint!r}: {error}")
     optimizer = OptimizerConfig(lr=args.lr)
 
     stacks = [s for s in (args.baseline, args.candidate) if s != "oracle"]

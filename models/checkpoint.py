@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from models.checkpoint_write import save_pretrained
 from models.config import ModelConfig
+from models.config_json import read_config_json
 from models.decoder import SINGLE, ExpertParallel
 from models.hf_layout import (
     CONFIG_NAME,
@@ -153,9 +154,8 @@ def validate_checkpoint(
     config_file = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"no Hugging Face config at {config_file}")
-    with open(config_file) as f:
-        raw = json.load(f)
-    own = ModelConfig.from_hf(raw)
+    _, raw = read_config_json(config_file)  # a truncated or odd file: an error naming it
+    own = ModelConfig.from_hf(config_file)
     config = config or own
     quantization = quantization_of(raw)
     if quantization not in (None, MXFP4) or (quantization and config.model_type != "gpt_oss"):

@@ -16,7 +16,6 @@ it into exit code 2.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -137,91 +136,16 @@ def respect_umask(paths: Iterable[str | os.PathLike]) -> None:
 
 
 # ------------------------------------------------------------------ checkpoints in
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
-
-def _safetensors_header(file: Path) -> dict[str, dict]:
-    """Tensor name -> ``{"dtype", "shape", "data_offsets"}`` from a safetensors header;
-    `BadInput` when the file is not safetensors or is shorter than its header says."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if length < 0 or 8 + length > size:
-            raise BadInput(f"{file} is truncated or not a safetensors file ({size} bytes)")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as error:
-            raise BadInput(f"{file}: unreadable safetensors header ({error})") from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    for name, info in tensors.items():
-        end = 8 + length + info["data_offsets"][1]
-        if end > size:
-            raise BadInput(
-                f"{file} is truncated: it has {size} bytes, but tensor {name} "
-                f"({info['dtype']} {info['shape']}) ends at byte {end}"
-            )
-    return tensors
-
-
 def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
-    """A Hugging Face checkpoint folder that holds ``config``'s model: its ``config.json``
-    is of the same family, every tensor is there with its shape, no file is truncated, and
-    every weight is a float. Reads only ``config.json``, the index and the headers.
+    """A Hugging Face checkpoint folder that holds ``config``'s model: the family of its
+    ``config.json``, every tensor with its shape and a float dtype (GPT-OSS's MXFP4 blocks
+    aside), no file truncated. Reads only ``config.json``, the index and the headers
+    (`models.checkpoint.validate_checkpoint`); `BadInput` naming ``flag`` and the folder."""
+    from models.checkpoint import validate_checkpoint  # noqa: PLC0415
 
-    (The checkpoints helper's ``validate_checkpoint`` does the same in `models.checkpoint`;
-    when it lands, this becomes a call to it.)
-    """
-    from models.checkpoint import INDEX_NAME, WEIGHTS_NAME, expected_hf_shapes  # noqa: PLC0415
-    from models.config import ModelConfig  # noqa: PLC0415
-
-    folder = Path(path)
-    if not folder.is_dir():
+    if not Path(path).is_dir():
         raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
     try:
-        own = ModelConfig.from_hf(folder)
+        validate_checkpoint(path, config)
     except (ValueError, OSError) as error:
         raise BadInput(f"{flag} {str(path)!r}: {error}") from None
-    if own.model_type != config.model_type:
-        raise BadInput(
-            f"{flag} {str(path)!r} holds a {own.model_type} model, not the "
-            f"{config.model_type} model being run"
-        )
-    if (folder / WEIGHTS_NAME).is_file():
-        files = [folder / WEIGHTS_NAME]
-    elif (folder / INDEX_NAME).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-            files = sorted({folder / shard for shard in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise BadInput(f"{folder / INDEX_NAME}: no readable weight_map ({error})") from None
-        for file in files:
-            if not file.is_file():
-                raise BadInput(f"{flag} {str(path)!r}: shard {file.name} of the index is missing")
-    else:
-        raise BadInput(f"{flag} {str(path)!r}: no weights, expected {WEIGHTS_NAME} or {INDEX_NAME}")
-    found: dict[str, tuple[str, list[int], Path]] = {}
-    for file in files:
-        for name, info in _safetensors_header(file).items():
-            found[name] = (info["dtype"], info["shape"], file)
-    expected = {n: list(s) for n, s in expected_hf_shapes(config).items()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    problems = [f"missing {n} {s}" for n, s in expected.items() if n not in found]
-    problems += [f"unexpected {n}" for n in found if n not in expected and n not in tied]
-    problems += [
-        f"{n}: expected shape {s}, found {found[n][1]} (in {found[n][2].name})"
-        for n, s in expected.items()
-        if n in found and list(found[n][1]) != s
-    ]
-    problems += [
-        f"{n}: dtype {d} is no float weight; expected one of {', '.join(FLOAT_DTYPES)}"
-        f" (in {f.name})"
-        for n, (d, _, f) in found.items()
-        if d not in FLOAT_DTYPES
-    ]
-    if problems:
-        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if problems[12:] else [])
-        raise BadInput(
-            f"{flag} {str(path)!r} does not hold the {config.model_type} model being run:\n  "
-            + "\n  ".join(shown)
-        )

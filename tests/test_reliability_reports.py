@@ -121,6 +121,9 @@ def test_prepare_data_says_what_it_replaced_and_skipped(tmp_path, capsys):
     assert not (tmp_path / "o" / "index.json").exists()
     inside = str(out / "index.json")  # a file of --out named as input is refused
     assert main(["prepare-data", "--input", inside, "--out", str(out)]) == 2
+    assert "lies in the output folder" in capsys.readouterr().err
+    assert main(["prepare-data", "--input", str(out), "--out", str(out)]) == 2
+    assert "lies in the output folder" in capsys.readouterr().err
 
 
 def _required_arguments(module) -> list[str]:

@@ -106,8 +106,11 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     assert "model.init_from: checkpoint" in err and "holds another model" in err
     assert fingerprint(ckpt) == before
 
-    # Export: --out checked first; the files follow the umask, whatever it is.
+    # Export: --out checked first (never into the checkpoints); the files follow the umask.
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(metrics / "x")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(ckpt / "step-00000004")]) == 2
+    assert "would write into the checkpoints" in capsys.readouterr().err
     for mask in (0o022, 0o002):
         old = os.umask(mask)
         try:

@@ -84,6 +84,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--checkpoint {args.checkpoint!r}: {error}"
     if args.max_shard_bytes is not None and args.max_shard_bytes < 1:
         return f"--max-shard-bytes={args.max_shard_bytes} is invalid: expected >= 1 or unset"
+    if Path(args.out).resolve().is_relative_to(source.resolve()):
+        return (
+            f"--out {args.out!r} lies in --checkpoint {args.checkpoint!r}: the export would write "
+            "into the checkpoints; choose a folder outside it"
+        )
     try:
         check_output_dir(args.out, "--out")
     except BadInput as error:

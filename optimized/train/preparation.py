@@ -80,7 +80,12 @@ def resolve_inputs(
         else:
             raise FileNotFoundError(f"input {text!r} is not a file, folder or glob pattern")
         if skip is not None:
-            found = [p for p in found if not p.resolve().is_relative_to(skip)]
+            kept = [p for p in found if not p.resolve().is_relative_to(skip)]
+            if found and not kept:
+                raise FileNotFoundError(
+                    f"input {text!r}: every file it names lies in the output folder {str(skip)!r}"
+                )
+            found = kept
         if not found:
             raise FileNotFoundError(f"input {text!r} matches no files")
         files.extend(found)
