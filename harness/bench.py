@@ -42,6 +42,7 @@ from harness.report import (
     machine_description,
     report_problems,
 )
+from models.inputs import write_or_rescue
 
 DEFAULT_HISTORY = "history"
 DEFAULT_BENCHMARKS = "benchmarks"
@@ -192,7 +193,10 @@ def run_benchmarks(
             command += ["-k", keyword]
         command += list(extra_pytest_args or [])
         print("twinpipe bench: " + " ".join(command[2:]), flush=True)
-        status = subprocess.call(command)
+        status = _run_forwarding_signals(command)
+        if status < 0 or status >= 128:  # stopped by a signal, ours or pytest's
+            print("twinpipe bench: stopped by a signal; history unchanged", file=sys.stderr)
+            return 128 + abs(status) % 128, None
         if status != 0:
             # pytest's 5 (nothing collected) is a -k or --benchmarks that selects nothing:
             # bad input (2); any other failure is a crash (3), never 1, which means regressed.
@@ -204,9 +208,31 @@ def run_benchmarks(
                 "twinpipe bench: pytest wrote no benchmark JSON; history unchanged", file=sys.stderr
             )
             return 3, None
-        entry = add_benchmark_json(json_path, history_dir)
+        entry, rescued = write_or_rescue(
+            history_dir, lambda folder: add_benchmark_json(json_path, folder),
+            "the benchmark results", "bench",
+        )  # fmt: skip
     print(f"twinpipe bench: added {entry}")
-    return 0, entry
+    return (3 if rescued else 0), entry
+
+
+def _run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command``; SIGTERM and SIGINT sent to this process reach it too (a killed
+    `twinpipe bench` must not leave pytest running). Its exit status, negative when a
+    signal ended it."""
+    import signal  # noqa: PLC0415
+
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +247,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"benchmark folder or file given to pytest (default {DEFAULT_BENCHMARKS}/)",
     )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
+    parser.add_argument(
+        "--gpu-shapes",
+        action="store_true",
+        help="benchmark at the GPU shapes (4096 tokens x 102400 vocabulary, bf16, ...) even "
+        "without CUDA (on the CPU interpreter: minutes per op)",
+    )
     parser.add_argument(
         "--add-report",
         metavar="PATH",
@@ -252,5 +284,6 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(f"twinpipe bench: added {entry}")
         return 0
-    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword)
+    extra = ["--gpu-shapes"] if args.gpu_shapes else []
+    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword, extra)
     return status

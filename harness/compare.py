@@ -59,7 +59,16 @@ def _stack_class(name: str):
 
 # -------------------------------------------------------------- on each rank
 def _rank_main(
-    model, parallel, source, stacks, steps, optimizer, track_memory, progress, pin_routing=False
+    model,
+    parallel,
+    source,
+    stacks,
+    steps,
+    optimizer,
+    track_memory,
+    progress,
+    pin_routing=False,
+    count_routing=False,
 ):
     """One rank of the launched world: run each pipeline stack for ``steps`` steps.
 
@@ -81,6 +90,12 @@ def _rank_main(
         pipeline = _stack_class(stack)(model, parallel, layout, source, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
         record["communication"] = []
+        counter = None
+        if count_routing:  # each step's expert choices, for the observed-routing estimate
+            from harness.routing_counts import RoutingCounter  # noqa: PLC0415
+
+            counter = RoutingCounter(pipeline.part, model.num_experts)
+            record["routing_counts"] = []
         replay = None
         if balanced:
             attach_routing_tape(pipeline.part, BalancedRouting())
@@ -99,6 +114,8 @@ def _rank_main(
         for step in range(steps):
             ids, labels = synthetic_batch(model, parallel, step)
             start = time.perf_counter()
+            if counter is not None:
+                counter.start_step()
             if tracker is not None:
                 with tracker.step(), counted_step(layout, record["communication"]):
                     loss = pipeline.forward_backward(ids, labels)
@@ -112,12 +129,16 @@ def _rank_main(
                     loss = pipeline.forward_backward(ids, labels)
                     pipeline.optimizer_step()
             record["time"].append(time.perf_counter() - start)
+            if counter is not None:
+                record["routing_counts"].append(counter.end_step())
             record["loss"].append(loss)
             record["grads"].append(_named(pipeline.part, grads=True))
             record["params"].append(_named(pipeline.part, grads=False))
             if progress and layout.rank == 0:
                 print(f"  [{stack}] step {step + 1}/{steps}  loss {loss:.6f}", file=sys.stderr)
         pipeline.observer = None
+        if counter is not None:
+            counter.close()
         ids, labels = synthetic_batch(model, parallel, steps)
         record["eval"] = pipeline.evaluate(ids, labels)
         if replay is not None and index == 1:
@@ -242,6 +263,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimized-fsdp: free gathered parameters after each forward (on), or hold them "
         "from a unit's first forward to its last backward (off, as `twinpipe train`)",
     )
+    parser.add_argument(
+        "--estimate-routing",
+        choices=("balanced", "observed"),
+        default="balanced",
+        help="the memory estimate beside each measured peak: balanced routing, or the routing "
+        "counts the run saw (the balanced figure shown beside it)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -294,6 +322,7 @@ def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
     from models.inputs import write_or_rescue  # noqa: PLC0415
 
     def write_json(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=2, default=str)
 
@@ -355,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
                 _rank_main,
                 parallel.world_size,
                 (model, parallel, source, stacks, args.steps, optimizer,
-                 not args.no_memory, True, _pin(args.routing)),
+                 not args.no_memory, True, _pin(args.routing),
+                 args.estimate_routing == "observed"),
                 timeout_s=args.timeout,
             )  # fmt: skip
         except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
@@ -381,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
-            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
+            observed = per_rank if args.estimate_routing == "observed" else None
+            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate), observed)
     report = build_report(args, model, parallel, records, memory_ranks)
     if args.routing == "balanced" and stacks:
         report["routing"] = {"mode": "balanced"}

@@ -81,7 +81,10 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
         raise BadInput(f"{flag} {str(path)!r}: is a folder; expected a file path")
     if str(path).endswith(("/", os.sep)):
         raise BadInput(f"{flag} {str(path)!r}: ends with a separator; expected a file path")
-    check_output_dir(file.parent if str(file.parent) else Path("."), f"{flag}'s folder")
+    try:
+        check_output_dir(file.parent, "its folder")
+    except BadInput as error:
+        raise BadInput(f"{flag} {str(path)!r}: {error}") from None
     if file.exists() and not os.access(file, os.W_OK):
         raise BadInput(f"{flag} {str(path)!r}: the file exists and is not writable")
     return file

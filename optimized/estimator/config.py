@@ -93,6 +93,10 @@ class EstimateConfig:
     first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
+    expert_load: tuple[int, ...] | None = None
+    """Rows each of this rank's local experts receives in the layer and micro-batch being
+    estimated, as a run saw them (`optimized.estimator.routing.ObservedRouting` builds one
+    config per layer and micro-batch); None: routing that picks every expert equally often."""
     first_step: bool = False
     """Estimate the first training step: AdamW creates its state in its first ``step()``, so
     the forward and backward run without it and the optimizer step then holds the weights,
@@ -264,6 +268,15 @@ class EstimateConfig:
                 f"ep * etp = {self.ep * self.etp} must divide the tp * dp = {stage_ranks} ranks "
                 f"of a pipeline stage",
             )
+        if self.expert_load is not None:
+            local = model.num_experts // self.ep
+            load = self.expert_load
+            if len(load) != local or any(not isinstance(c, int) or c < 0 for c in load):
+                raise _bad(
+                    "expert_load",
+                    load,
+                    f"expected {local} non-negative row counts (one per local expert)",
+                )
         shared = self.moe_shared_expert_intermediate_size
         if shared is not None and (not isinstance(shared, int) or shared < 0):
             raise _bad("moe_shared_expert_intermediate_size", shared, "expected None or >= 0")

@@ -40,6 +40,7 @@ from optimized.estimator.params import (
     shard,
     stage_params,
 )
+from optimized.estimator.reference_layer import dense_transients, moe_transients
 
 
 @dataclass(slots=True)
@@ -152,17 +153,14 @@ def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     expert_grad = weight_numel * config.grad_bytes // grad_divisor(config, experts=True)
     dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // grad_divisor(config)
     if not is_moe:
-        largest = max(item.nbytes for item in saved)
-        return LayerProfile(attention, 0, 0, 0, dense_grad, 0, boundary, largest + boundary)
+        forward, backward = dense_transients(config, saved)
+        return LayerProfile(attention, 0, 0, 0, dense_grad, 0, forward, backward)
     sent, grouped = routed_rows(config)
     rows = sent * m.hidden_size * b
     # With expert parallelism an all-to-all's input and output live side by side.
     exchanged = 2 * rows if config.ep > 1 else 0
     if config.stack == "reference":
-        # Per-expert outputs and their concatenation; in backward each expert's slice of the
-        # weight gradient is a full-size zero-filled buffer, two of them alive at a time.
-        forward = 2 * rows + exchanged
-        backward = 2 * local * 2 * inner * m.hidden_size * b + boundary
+        forward, backward = moe_transients(config, saved)
         deferred = 0
     else:
         # Padded grouped buffers: the gate_up output and its activation's input copy.
@@ -174,9 +172,13 @@ def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     )
 
 
-def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> ChunkProfile:
+def chunk_profile(
+    config: EstimateConfig, stage: int, layers: list[int], config_of=None
+) -> ChunkProfile:
+    """One stage for one micro-batch; ``config_of(layer)``: each layer's config (observed
+    routing), else ``config``."""
     m, b, tokens = config.model, config.param_bytes, config.tokens
-    profiles = [layer_profile(config, layer) for layer in layers]
+    profiles = [layer_profile(config_of(i) if config_of else config, i) for i in layers]
     head_saved = head_fwd = head_bwd = head_grad = embedding_grad = 0
     if stage == 0:
         embedding_grad = embedding_grad_bytes(config)

@@ -130,8 +130,8 @@ class CheckpointSection:
     """Resume from the newest checkpoint in ``dir`` when there is one; off: ``dir`` must
     hold no checkpoints (or pass ``overwrite``)."""
     overwrite: bool = False
-    """Delete the checkpoints of another run (or of a run not resumed) found in ``dir``
-    before training; off: refuse to write into a folder another run owns."""
+    """Delete every checkpoint in ``dir`` (and its run record) before training, and start a
+    new run there; off: never start a new run in a folder that holds one."""
 
 
 @dataclass(slots=True)

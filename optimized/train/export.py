@@ -78,6 +78,10 @@ def _check(args: argparse.Namespace) -> str | None:
             else "it holds no twinpipe checkpoint (step-* folders with a manifest.json)"
         )
         return f"--checkpoint {args.checkpoint!r}: {what}"
+    try:
+        ModelConfig.from_hf(folder / "config.json")
+    except (ValueError, OSError) as error:
+        return f"--checkpoint {args.checkpoint!r}: {error}"
     if args.max_shard_bytes is not None and args.max_shard_bytes < 1:
         return f"--max-shard-bytes={args.max_shard_bytes} is invalid: expected >= 1 or unset"
     try:

@@ -22,9 +22,9 @@ ranks agree at the end of the step, save, and return ``signal``; the command exi
 step are dropped from the metrics file before the steps are run again.
 
 Fault injection for tests: ``TWINPIPE_FAULT=KIND@STEP:RANK`` with KIND one of
-``nan-grad`` (fill this rank's gradients with NaN), ``crash`` (raise), ``sigterm``
-(signal this process) or ``ckpt-dir-gone`` (replace ``checkpoint.dir`` by a file, as a
-disk that went away would) at 0-based step STEP on global rank RANK.
+``nan-grad`` (fill this rank's gradients with NaN), ``crash`` (raise), ``sigterm`` or
+``sigkill`` (signal this process), or ``ckpt-dir-gone`` (replace ``checkpoint.dir`` by a
+file, as a disk that went away would) at 0-based step STEP on global rank RANK.
 """
 
 from __future__ import annotations
@@ -387,8 +387,8 @@ def _device(cfg: TrainConfig) -> torch.device:
 def _inject(kind: str, step: int, layout: Layout, cfg_dir: str | None) -> None:
     if kind == "crash":
         raise RuntimeError(f"injected fault: rank {layout.rank} crashed at step {step + 1}")
-    if kind == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
+    if kind in ("sigterm", "sigkill"):
+        os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
     if kind == "ckpt-dir-gone" and cfg_dir:
         shutil.rmtree(cfg_dir, ignore_errors=True)
         Path(cfg_dir).write_text("the disk went away\n")
