@@ -259,9 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reshard-after-forward",
         choices=("on", "off"),
-        default="on",
+        default="off",
         help="optimized-fsdp: free gathered parameters after each forward (on), or hold them "
-        "from a unit's first forward to its last backward (off)",
+        "from a unit's first forward to its last backward (off, as `twinpipe train`)",
     )
     parser.add_argument(
         "--estimate-routing",

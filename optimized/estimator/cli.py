@@ -79,10 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --fsdp: free gathered parameters after each forward; --no-reshard-after-"
-        "forward holds the part's parameters gathered from the first forward to the last "
-        "backward",
+        default=False,
+        help="with --fsdp: free gathered parameters after each forward (2 M all-gathers a "
+        "step); the default, --no-reshard-after-forward, holds the part's parameters gathered "
+        "from the first forward to the last backward (as `twinpipe train`)",
     )
     parser.add_argument(
         "--layers-per-stage",

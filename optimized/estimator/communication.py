@@ -327,3 +327,21 @@ def predict_ranks(config: EstimateConfig) -> Iterator[Counts]:
     partition = runner_partition(config)
     for rank in range(config.pp * config.dp):
         yield predict_traffic(config, rank, partition)
+
+
+PLAN_KINDS = {
+    "all_to_all": ("all_to_all",),
+    "p2p": ("send",),
+    "data_parallel": ("all_gather", "reduce_scatter", "all_reduce", "broadcast"),
+}
+"""How `twinpipe plan`'s three traffic kinds (`optimized.estimator.traffic.KINDS`) group the
+counter's kinds."""
+
+
+def bytes_sent_by_plan_kind(counts: Counts) -> dict[str, int]:
+    """Bytes a rank sends per step, grouped as `twinpipe plan` reports them (`PLAN_KINDS`):
+    what `optimized.estimator.traffic.step_traffic` estimates, from `predict_traffic`."""
+    return {
+        name: sum(t.sent for (kind, _), t in counts.items() if kind in kinds)
+        for name, kinds in PLAN_KINDS.items()
+    }

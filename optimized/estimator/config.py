@@ -88,7 +88,7 @@ class EstimateConfig:
     """With ``fsdp``: ``step`` (FSDP2 reduces each unit once per step, at its chunk's last
     backward: its gradient is held unsharded from the chunk's first backward) or
     ``micro-batch`` (reduced after every backward, held sharded)."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = False
     """With ``fsdp``: gathered parameters freed after each forward (on) or held from a unit's
     first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"

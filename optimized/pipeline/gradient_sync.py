@@ -118,7 +118,7 @@ class GradientSync:
         units: tuple[ChunkUnits, ChunkUnits],
         marks: SyncMarks,
         mode: str = "step",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool = False,
     ) -> None:
         if mode not in GRAD_SYNC:
             raise ValueError(f"grad_sync={mode!r} is invalid: expected one of {GRAD_SYNC}")

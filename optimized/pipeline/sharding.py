@@ -9,10 +9,12 @@ and the output layer. Each is `fully_shard`-ed on its own, so each is its own FS
 parameter group and its own FSDP2 root (nothing forwards the pipeline part as a whole):
 
 - parameters, gradients and AdamW state are sharded along dim 0; the pre-forward hook
-  all-gathers a module's parameters, the post-forward hook frees them
-  (``reshard_after_forward``), the pre-backward hook gathers them again and the
-  post-backward hook reduce-scatters the gradients (a *sum*: divide factor 1, the loss
-  is already the mean over the global batch) into the sharded ``.grad``;
+  all-gathers a module's parameters; with ``reshard_after_forward`` the post-forward hook
+  frees them and the pre-backward hook gathers them again, by default (off) they stay
+  gathered until the module's last backward of the step (`gradient_sync`: one all-gather
+  per step instead of 2 M); the post-backward hook reduce-scatters the gradients (a *sum*:
+  divide factor 1, the loss is already the mean over the global batch) into the sharded
+  ``.grad``, at the chunk's last backward;
 - every module but the routed experts is sharded over this rank's DP group; the routed
   experts (``layer.mlp.experts``, this EP rank's shard of them) over their
   *expert-replica* group, the DP ranks holding the same experts (size DP / EP). Where
@@ -107,7 +109,7 @@ def _shard(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> 
 
 
 def apply_fsdp(
-    part: CausalLM, layout: Layout, device: torch.device, reshard_after_forward: bool = True
+    part: CausalLM, layout: Layout, device: torch.device, reshard_after_forward: bool = False
 ) -> set[str]:
     """`fully_shard` each of `fsdp_modules` over the DP group and each of `expert_modules`
     over the expert replicas; the names of the parameters FSDP2 now manages (DTensors

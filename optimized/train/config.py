@@ -76,10 +76,10 @@ class ParallelSection:
     """With FSDP: ``step`` reduce-scatters each unit's gradients once per step, at the last
     backward (or W) the schedule gives its chunk, holding them unsharded across the
     micro-batches; ``micro-batch`` after every backward (M times the traffic, less memory)."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = False
     """With FSDP: free gathered parameters after each forward and gather them again for the
-    backward; off: gather once per step and hold the part's parameters unsharded until each
-    unit's last backward (fewer all-gathers, more memory)."""
+    backward (2 M all-gathers per step, less memory); off (default): gather once per step and
+    hold the part's parameters unsharded until each unit's last backward."""
     nproc: int | None = None
     """Processes launched on this machine; unset: the whole world (``pp * dp``)."""
 
