@@ -17,8 +17,7 @@ against a storage tracker on real layers), relative to the level when the step s
   (MLA pads the values to the query width), the fused attention's output and its
   float32 log-sum-exp;
 - the fused attention's backward: the output's gradient (padded), and the gradients of
-  ``q``, ``k``, ``v``; beside them the gradient of the block's output (``[T, H]``) and,
-  in a dense layer, the MLP's two input gradients, not yet summed;
+  ``q``, ``k``, ``v``; beside them the gradient of the block's output (``[T, H]``);
 - Qwen3's q norm backward, after the key branch (k norm, rotary) is done: five float32
   ``[T, heads, head_dim]`` temporaries of the RMSNorm's backward (the gradient through
   the normalised value, through the rsqrt, the mean's expand and pow's two factors)
@@ -95,8 +94,7 @@ def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) ->
     norms, fused = recomputed_block(config, layer)
     freed = freed_before(config, layer, is_moe)
     grads = rows * (2 * heads + 2 * kv_heads) * padded * b  # output, q, k, v
-    mlp_inputs = 0 if is_moe else 2 * th
-    fused_moment = _sum(norms) + _sum(fused) + grads + th + mlp_inputs - freed
+    fused_moment = _sum(norms) + _sum(fused) + grads + th - freed
     moments = [fused_moment]
     if m.model_type == "qwen3_moe":
         # q norm's backward: the fused attention's tensors, the key branch and the q norm's
@@ -127,8 +125,7 @@ def eager_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
     head_rows = config.micro_batch_size * heads * config.seq_len
     scores = head_rows * (config.seq_len + 1)
     tensors = 3 * rows * heads * m.head_dim * b + head_rows * (8 + b) + 3 * scores * b
-    mlp_inputs = 0 if is_moe else 2 * th
-    return norm + tensors + th + mlp_inputs - freed_before(config, layer, is_moe)
+    return norm + tensors + th - freed_before(config, layer, is_moe)
 
 
 def eager_forward(config: EstimateConfig) -> int:

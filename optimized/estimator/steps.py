@@ -38,6 +38,7 @@ from optimized.estimator.activations import (
     F32,
     GATHER_ALIGNMENT,
     I64,
+    Routed,
     dense_mlp_saved,
     layer_saved,
     routed,
@@ -53,6 +54,11 @@ class Step:
     transient: int = 0
     grad: str | None = None
     """``dense`` or ``experts``: the layer's gradient bytes of that kind appear here."""
+    grad_before_peak: int = 0
+    """Of those, the bytes already made at the step's high point when they are made for
+    the first time in the step (``zero_grad`` leaves none: a layer's first backward makes
+    them): the attention backward has made every dense weight gradient but the recomputed
+    block's projections' and input norm's by the fused attention's backward."""
 
 
 @dataclass(slots=True)
@@ -87,7 +93,7 @@ def _names(items, prefixes):
 
 
 def experts_backward_rise(
-    config: EstimateConfig, grouped: int, local: int, inner: int, deferred: bool
+    config: EstimateConfig, rows: Routed, local: int, inner: int, deferred: bool
 ) -> int:
     """The grouped expert MLP's backward (`optimized.ops.grouped_linear.GroupedLinear` and
     the fused activation), above the level it starts from, at the highest of three moments
@@ -102,11 +108,15 @@ def experts_backward_rise(
     - gate/up projection, once the activation's saved input and (not deferred) the down
       projection's input are freed: its input's gradient ``[G, H]``, the down
       projection's bias gradient, then its own bias temporaries or its weight gradient
-      ``[E, H, 2I]`` (GPT-OSS, whose weights are used untransposed, still holds the down
-      projection's weight gradient then).
+      ``[E, H, 2I]``;
+    - the scatter back to the received order: the received rows' gradient ``[R, H]``
+      beside the grouped input's (deferred: beside the W step's output gradients).
+
+    Weight gradients are added into existing ``.grad`` (a step's first backward of a layer
+    creates them: the walk counts them as gradients when the step ends).
     """
     m, b = config.model, config.param_bytes
-    hidden = m.hidden_size
+    hidden, grouped, received = m.hidden_size, rows.grouped, rows.received
     biased = m.model_type == "gpt_oss"
 
     def bias(width: int) -> tuple[int, int]:
@@ -123,16 +133,39 @@ def experts_backward_rise(
     gate_up_tmp, gate_up_kept = bias(2 * inner)
     base = grouped * hidden * b + grouped * inner * b
     down = base + max(down_tmp, down_kept + (0 if deferred else weight_down))
+    # Back to the received order at the end: the received rows' gradient ``[R, H]`` beside
+    # the grouped input's, the gate/up output and row groups freed.
+    scatter = received * hidden * b + grouped * hidden * b
+    scatter -= grouped * 2 * inner * b + (2 * grouped * I64 if biased else 0)
     activation = grouped * inner * b + grouped * 2 * inner * b + down_kept
     gate_up = grouped * hidden * b + down_kept
     if deferred:
         activation += grouped * hidden * b
         gate_up += grouped * hidden * b + gate_up_tmp
+        # The W step's inputs: the down projection's and gate/up's output gradients.
+        scatter += grouped * hidden * b + grouped * 2 * inner * b
     else:
+        scatter -= grouped * inner * b
         gate_up -= grouped * inner * b + (grouped * I64 if biased else 0)
-        held = weight_gate_up + (weight_down if biased else 0)
-        gate_up += max(gate_up_tmp, gate_up_kept + held)
-    return max(down, activation, gate_up)
+        gate_up += max(gate_up_tmp, gate_up_kept + weight_gate_up)
+    return max(down, activation, gate_up, scatter)
+
+
+def dense_grads_before_attention(config: EstimateConfig, layer: int) -> int:
+    """Dense weight-gradient bytes a layer's first backward has made when its recomputed
+    attention's fused backward runs: all but those of the input norm and the q / kv
+    projections and their norms (the output projection's is made before)."""
+    from optimized.estimator.memory import layer_profile  # noqa: PLC0415 (memory imports us)
+    from optimized.estimator.params import attention_params, shard  # noqa: PLC0415
+
+    m = config.model
+    late = shard(attention_params(m), config)
+    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    output = m.num_attention_heads * v_dim * m.hidden_size // config.tp
+    output += m.hidden_size if m.attention_bias and m.model_type != "deepseek_v2" else 0
+    unmade = (sum(late.values()) - output + m.hidden_size) * config.grad_bytes
+    dense = layer_profile(config, layer).dense_grad
+    return max(dense - unmade, 0)
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
@@ -186,7 +219,7 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
         # The MLP's and the recomputed attention block's backward (`recompute`).
         bwd["attention_backward"] = Step(
             "attention_backward", -(kept + th), attention_backward_rise(config, layer, False),
-            "dense",
+            "dense", dense_grads_before_attention(config, layer),
         )  # fmt: skip
         return profile
     profile.weight_transients = weight_step_transients(config)
@@ -204,8 +237,15 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     residual_is_h = b == F32 and not config.shared_expert_width
     attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
     attention += 0 if residual_is_h else th
+    # The stage's high point, gathering the router weights into expert order, beside what it
+    # keeps: the attention block's output (``h``'s other addend), the shared experts' output
+    # and, when neither kept float input nor residual, ``h`` itself (16-bit with shared
+    # experts), and the float32 top-k weights.
+    shared = bool(config.shared_expert_width)
+    block = th + (th if shared else 0) + (th if shared and b != F32 else 0)
+    top_k_weights = tokens * m.num_experts_per_tok * F32
     fwd["attention_forward"] = Step(
-        "attention_forward", attention, max(attention + 2 * th + sent * F32, eager)
+        "attention_forward", attention, max(attention + block + top_k_weights, eager)
     )
     rows_in = received * hidden * b
     if ep:
@@ -247,12 +287,10 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     bwd["experts_backward"] = Step(
         "experts_backward",
         -saved_experts - (0 if ep else expert_out),
-        experts_backward_rise(config, grouped, local, inner, deferred=False),
+        experts_backward_rise(config, rows, local, inner, deferred=False),
         "experts",
     )
-    profile.deferred_experts_rise = experts_backward_rise(
-        config, grouped, local, inner, deferred=True
-    )
+    profile.deferred_experts_rise = experts_backward_rise(config, rows, local, inner, deferred=True)
     if ep:
         bwd["dispatch_backward_start"] = Step("dispatch_backward_start", rows_out)
         bwd["dispatch_backward_wait"] = Step("dispatch_backward_wait", -rows_in)
@@ -271,8 +309,9 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     # What is left of the layer goes; the recomputed attention block's backward (`recompute`).
     left = sum(s.delta for s in fwd.values()) + sum(s.delta for s in bwd.values())
     bwd["attention_backward"] = Step(
-        "attention_backward", -left, attention_backward_rise(config, layer, True), "dense"
-    )
+        "attention_backward", -left, attention_backward_rise(config, layer, True), "dense",
+        dense_grads_before_attention(config, layer),
+    )  # fmt: skip
     return profile
 
 
