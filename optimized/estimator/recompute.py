@@ -23,7 +23,8 @@ against a storage tracker on real layers), relative to the level when the step s
   the normalised value, through the rsqrt, the mean's expand and pow's two factors)
   beside its float input;
 - GPT-OSS (attention sinks, no fused kernel): the eager softmax over ``S + 1`` columns,
-  its recomputed scores and probabilities and their gradients (`eager_backward`).
+  its recomputed scores and probabilities and their gradients, or the recompute's own
+  forward high point (`eager_backward`, `eager_forward`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,13 @@ def eager_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
     head_rows = config.micro_batch_size * heads * config.seq_len
     scores = head_rows * (config.seq_len + 1)
     tensors = 3 * rows * heads * m.head_dim * b + head_rows * (8 + b) + 3 * scores * b
-    return norm + tensors + th - freed_before(config, layer, is_moe)
+    freed = freed_before(config, layer, is_moe)
+    backward = norm + tensors + th - freed
+    # The recompute's own forward can be higher (short sequences): `eager_forward` beside the
+    # block output's gradient, the input norm's other saved tensors and the max's indices.
+    norm_rest = norm - _sum(items, "rotary.", "input_layernorm.output")
+    recompute = eager_forward(config) + th + norm_rest + head_rows * 8 - freed
+    return max(backward, recompute)
 
 
 def eager_forward(config: EstimateConfig) -> int:

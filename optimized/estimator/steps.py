@@ -137,7 +137,8 @@ def experts_backward_rise(
     # the grouped input's, the gate/up output and row groups freed.
     scatter = received * hidden * b + grouped * hidden * b
     scatter -= grouped * 2 * inner * b + (2 * grouped * I64 if biased else 0)
-    activation = grouped * inner * b + grouped * 2 * inner * b + down_kept
+    # (the down projection's bias gradient has gone into ``.grad``, its row groups are freed)
+    activation = grouped * inner * b + grouped * 2 * inner * b - (grouped * I64 if biased else 0)
     gate_up = grouped * hidden * b + down_kept
     if deferred:
         activation += grouped * hidden * b
