@@ -99,12 +99,17 @@ def estimate_rank_optimized(
         late_held[0] = 0
 
     def run_step(chunk, index, mb, step, defer=False):
+        transient = step.transient
+        if defer and step.name == "experts_backward":
+            transient = profiles_of(chunk, mb)[0][index].deferred_experts_rise
+        layer = profiles_of(chunk, mb)[1][index]
+        if step.grad == "dense" and (chunk, index, "dense") not in state.created:
+            transient += step.grad_before_peak  # this backward makes the layer's gradients
         if TRACE is not None:
             level = state.activations + state.gradients
-            TRACE.append((chunk_layers[chunk][index], step.name, level, level + step.transient))
-        state.moment(step.transient)
+            TRACE.append((chunk_layers[chunk][index], step.name, level, level + transient))
+        state.moment(transient)
         state.activations += step.delta
-        layer = profiles_of(chunk, mb)[1][index]
         if step.grad == "dense":
             state.grad((chunk, index, "dense"), layer.dense_grad)
         elif step.grad == "experts":

@@ -7,7 +7,8 @@ there that are not saved, and the saved ones not yet made (forward) or already f
 (backward). ``tests/test_estimator_layers.py`` holds every moment against a storage
 tracker on real layers.
 
-Forward (relative to the layer's saved tensors all made):
+Forward (relative to the layer's saved tensors all made; a dense layer peaks at its
+residual add, `dense_transients`):
 
 - ``aggregate``: ``scatter_add_rows``'s zero-filled ``[T, H]`` and its ``index_add``
   result, beside what `DecoderLayer.forward` still references: the stage records ``a``
@@ -75,10 +76,13 @@ def dense_transients(config: EstimateConfig, items: list[Saved]) -> tuple[int, i
     m, b = config.model, config.param_bytes
     th = config.tokens * m.hidden_size * b
     ffn = m.intermediate_size // config.tp
-    # Forward: the residual add's output beside everything saved. Backward: the SwiGLU's
-    # two input gradients once the down projection's input is freed (its gradient went in).
+    # Forward: the residual add ``h + mlp(x)`` beside everything saved: its output, the MLP's
+    # output and the attention block's (`DecoderLayer.attention` still references it), and
+    # in 16-bit ``h`` (the norm saved a float32 copy of it). Backward: the SwiGLU's two
+    # input gradients once the down projection's input is freed (its gradient went in).
+    forward = (3 if b == F32 else 4) * th
     mlp = 3 * config.tokens * ffn * b - _sum(items, "mlp.down_input")
-    return th, max(mlp, attention_backward_peak(config, items))
+    return forward, max(mlp, attention_backward_peak(config, items))
 
 
 def _activation_items(items: list[Saved]) -> int:
