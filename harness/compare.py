@@ -36,7 +36,7 @@ from harness.lockstep import RankPlan, run_rank
 from harness.planted import PLANTS
 from harness.stacks import SIDES, STACKS
 from harness.verdict import build_report
-from models import build_model, resolve_model
+from models import CheckpointWeights, SeededWeights, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch
 from models.training import OptimizerConfig, even_partition
 
@@ -65,17 +65,7 @@ def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
     return chosen
 
 
-def _weights(args: argparse.Namespace, model, parallel: ParallelConfig):
-    if args.checkpoint:
-        from models import from_pretrained  # noqa: PLC0415
-
-        state = from_pretrained(args.checkpoint).state_dict()
-    else:
-        state = build_model(model, seed=args.seed).state_dict()
-    return {k: v.to(parallel.torch_dtype) for k, v in state.items()}
-
-
-def _bisect(args, model, parallel, weights) -> dict | None:
+def _bisect(args, model, parallel, source) -> dict | None:
     """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops (tiny models)."""
     from harness.bisect import bisect, stack_ops  # noqa: PLC0415
     from models.training import synthetic_batch  # noqa: PLC0415
@@ -85,8 +75,8 @@ def _bisect(args, model, parallel, weights) -> dict | None:
     tol = 1e-5 if parallel.dtype == "float32" else 1e-2
     print("  bisecting micro-batch 0 stage by stage ...", file=sys.stderr)
     found = bisect(
-        model, weights, stack_ops(args.baseline), stack_ops(args.candidate),
-        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed,
+        model, source, stack_ops(args.baseline), stack_ops(args.candidate),
+        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed, dtype=parallel.torch_dtype,
     )  # fmt: skip
     if found is None:
         print(
@@ -123,11 +113,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routing",
-        choices=("pinned", "free"),
+        choices=("pinned", "free", "balanced"),
         default="pinned",
-        help="pinned: the candidate replays the baseline's expert choices; its router scores "
-        "must agree and its own choices may differ only at near-ties (two pipeline sides); "
-        "free: each side routes itself",
+        help="pinned: the candidate replays the baseline's expert choices (in bfloat16 "
+        "lockstep, the float32 truth's); its router scores must agree and its own choices may "
+        "differ only at near-ties (two pipeline sides); free: each side routes itself; "
+        "balanced: both take the same perfectly balanced choices (token t to experts "
+        "(t k + i) mod E), so the communication estimate is exact",
+    )
+    parser.add_argument(
+        "--grad-sync",
+        choices=("step", "micro-batch"),
+        default="step",
+        help="optimized-fsdp: reduce each FSDP unit's gradients once per step (at the "
+        "schedule's last backward) or after every backward",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        choices=("on", "off"),
+        default="off",
+        help="optimized-fsdp: free gathered parameters after each forward (on), or hold them "
+        "from a unit's first forward to its last backward (off, as `twinpipe train`)",
+    )
+    parser.add_argument(
+        "--estimate-routing",
+        choices=("balanced", "observed"),
+        default="balanced",
+        help="the memory estimate beside each measured peak: balanced routing, or the routing "
+        "counts the run saw (the balanced figure shown beside it)",
     )
     parser.add_argument(
         "--trajectory",
@@ -158,45 +171,103 @@ def _bad(message: str) -> int:
     return 2
 
 
-def _plan(args: argparse.Namespace) -> tuple[RankPlan, object] | int:
-    """The run every rank does, or exit code 2 with the bad input named."""
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments on their own (before any file is read), if anything."""
+    import math  # noqa: PLC0415
+
+    from models.inputs import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
+
     for side in ("baseline", "candidate"):
         if getattr(args, side) not in SIDES:
-            return _bad(f"--{side}={getattr(args, side)!r} is not one of {SIDES}")
+            return f"--{side}={getattr(args, side)!r} is not one of {SIDES}"
     if args.baseline == args.candidate:
-        return _bad(f"--baseline and --candidate are both {args.baseline!r}; pick two stacks")
+        return f"--baseline and --candidate are both {args.baseline!r}; pick two stacks"
     if args.steps < 1:
-        return _bad(f"--steps={args.steps} must be at least 1")
+        return f"--steps={args.steps} must be at least 1"
+    if args.routing == "balanced" and "oracle" in (args.baseline, args.candidate):
+        return "--routing balanced pins two pipeline sides; the oracle routes itself"
     if args.plant and "optimized" not in args.baseline + args.candidate:
-        return _bad(f"--plant={args.plant!r} plants a bug in the optimized stack; compare it")
+        return f"--plant={args.plant!r} plants a bug in the optimized stack; compare it"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr={args.lr!r} is invalid: expected a finite learning rate > 0"
+    if args.seed < 0:
+        return f"--seed={args.seed} is invalid: expected an integer >= 0"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout={args.timeout!r} is invalid: expected a finite number of seconds > 0"
+    try:
+        if args.json:
+            check_output_file(args.json, "--json")
+        if args.out:
+            check_output_dir(args.out, "--out")
+    except BadInput as error:
+        return str(error)
+    return None
+
+
+def _plan(args: argparse.Namespace) -> RankPlan | int:
+    """The run every rank does, or exit code 2 with the bad input named."""
+    problem = _argument_problem(args)
+    if problem:
+        return _bad(problem)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
+        grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward == "on",
     )  # fmt: skip
     try:
         model = resolve_model(args.checkpoint or args.model)
         parallel.validate(model)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         return _bad(str(error))
+    try:
+        # The ranks read their own slices of the weights; a checkpoint is checked here first.
+        source = (
+            CheckpointWeights(args.checkpoint, model)
+            if args.checkpoint
+            else SeededWeights(model, args.seed)
+        )
+    except (ValueError, OSError) as error:
+        return _bad(f"--checkpoint {args.checkpoint!r}: {error}")
     sides = (args.baseline, args.candidate)
-    plan = RankPlan(
-        model=model, parallel=parallel, weights=None, baseline=args.baseline,
+    return RankPlan(
+        model=model, parallel=parallel, weights=source, baseline=args.baseline,
         candidate=args.candidate, steps=args.steps, optimizer=OptimizerConfig(lr=args.lr),
         trajectory=args.trajectory, routing=args.routing,
         noise_floor=args.noise_floor == "on" and parallel.dtype != "float32",
         track_memory=not args.no_memory, progress=True,
         stages=shared_partition(model, parallel, sides), plant=args.plant,
+        count_routing=args.estimate_routing == "observed",
     )  # fmt: skip
-    return plan, model
+
+
+def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
+    """Write ``--json`` and ``--out``; a write that fails goes to a rescue folder, named on
+    stderr. True when everything went where it was asked."""
+    from harness.report import write_report  # noqa: PLC0415
+    from models.inputs import write_or_rescue  # noqa: PLC0415
+
+    def write_json(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+    rescued = False
+    if args.json:
+        rescued |= write_or_rescue(args.json, write_json, "the report JSON", "compare")[1]
+    if args.out:
+        written, lost = write_or_rescue(args.out, lambda p: write_report(report, p), "the report",
+                                        "compare")  # fmt: skip
+        rescued |= lost
+        if not lost:
+            print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    return not rescued
 
 
 def run(args: argparse.Namespace) -> int:
-    planned = _plan(args)
-    if isinstance(planned, int):
-        return planned
-    plan, model = planned
+    plan = _plan(args)
+    if isinstance(plan, int):
+        return plan
     parallel = plan.parallel
-    plan.weights = _weights(args, model, parallel)
     print(
         f"twinpipe compare: {args.model} PP={parallel.pp} DP={parallel.dp} EP={parallel.ep} "
         f"M={parallel.micro_batches} mbs={parallel.micro_batch_size} seq={parallel.seq_len} "
@@ -207,13 +278,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"  launching {parallel.world_size} ranks", file=sys.stderr)
     try:
         per_rank = launch(run_rank, parallel.world_size, (plan,), timeout_s=args.timeout)
-    except RankFailed as error:
+    except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
         print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
-        return 3
+        return 128 + error.signal if error.signal else 3
     report = build_report(plan, per_rank, args.model)
     if args.bisect and not report["passed"]:
-        report["bisect"] = _bisect(args, model, parallel, plan.weights)
-    from harness.report import format_table, write_report  # noqa: PLC0415
+        report["bisect"] = _bisect(args, plan.model, parallel, plan.weights)
+    from harness.report import format_table  # noqa: PLC0415
 
     print(format_table(report))
     memory_ranks = (report.get("memory") or {}).get("ranks") or []
@@ -221,10 +292,6 @@ def run(args: argparse.Namespace) -> int:
         estimates = format_estimates(memory_ranks, (args.baseline, args.candidate))
         if estimates:
             print("\nmemory estimate beside the measured peak\n" + estimates)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    if args.out:
-        written = write_report(report, args.out)
-        print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    if not _write_outputs(args, report):
+        return 3
     return 0 if report["passed"] else 1

@@ -38,6 +38,8 @@ import dataclasses
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,8 @@ class RankPlan:
     """Layers per stage, the same for both stacks; None: each stack chooses."""
     plant: str | None = None
     """A known bug to plant in the optimized stack (`harness.planted`), to see it caught."""
+    count_routing: bool = False
+    """Count each step's expert choices per router call (for the observed-routing estimate)."""
 
 
 def _build(name: str, plan: RankPlan, layout, dtype: str | None = None) -> Any:
@@ -129,11 +133,59 @@ class _Rank:
         if self.lockstep and plan.noise_floor:
             self.truth = _build("reference", plan, layout, dtype="float32")
         self.pin = plan.routing == "pinned" and pipelines
+        if plan.routing == "balanced" and pipelines:
+            from models.routing import BalancedRouting, attach_routing_tape  # noqa: PLC0415
+
+            for side in (self.baseline, self.candidate, self.truth):
+                if side is not None:
+                    attach_routing_tape(side.part, BalancedRouting())
         self.meters = {
             "baseline": Meter(self.baseline, plan.track_memory),
             "candidate": Meter(self.candidate, plan.track_memory),
         }
         self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
+        # Per stack, per step, as `harness.compare_communication` and the observed-routing
+        # estimate read them: collective and p2p counts, expert choices.
+        self.counted = pipelines
+        self.communication: dict[str, list] = {"baseline": [], "candidate": []}
+        self.counters = {}
+        if plan.count_routing and pipelines:
+            from harness.routing_counts import RoutingCounter  # noqa: PLC0415
+
+            for key in ("baseline", "candidate"):
+                side = getattr(self, key)
+                self.counters[key] = RoutingCounter(side.part, plan.model.num_experts)
+        self.routing_counts: dict[str, list] = {key: [] for key in self.counters}
+
+    @contextmanager
+    def region(self, key: str, phase: str, held: int = 0) -> Iterator[None]:
+        """A stack's own work: its memory region, its communication counted into this
+        step's figure (a step may have several regions)."""
+        if not self.counted:
+            with self.meters[key].region(phase, held):
+                yield
+            return
+        from models.communication import counted_step  # noqa: PLC0415
+
+        counts: list = []
+        with self.meters[key].region(phase, held), counted_step(self.layout, counts):
+            yield
+        mine = self.communication[key][-1]
+        for what, traffic in counts[0].items():
+            if what in mine:
+                mine[what].add(traffic)
+            else:
+                mine[what] = traffic
+
+    def start_step(self) -> None:
+        for key in self.communication:
+            self.communication[key].append({})
+        for counter in self.counters.values():
+            counter.start_step()
+
+    def end_step(self) -> None:
+        for key, counter in self.counters.items():
+            self.routing_counts[key].append(counter.end_step())
 
     # ------------------------------------------------------------------ helpers
     def _place(self, side: Any) -> RankPlace:
@@ -238,13 +290,13 @@ def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
     base, cand = rank.baseline, rank.candidate
     held32 = _truth_step(rank, batches, record)
     start = time.perf_counter()
-    with rank.meters["baseline"].region("forward-backward", storage_bytes(held32)):
+    with rank.region("baseline", "forward-backward", storage_bytes(held32)):
         record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
     record["time"]["baseline"] = time.perf_counter() - start
     grads_base = take_gradients(base.part)
     held = storage_bytes(grads_base) + storage_bytes(held32) + rank.truth_held()
     start = time.perf_counter()
-    with rank.meters["candidate"].region("forward-backward", held):
+    with rank.region("candidate", "forward-backward", held):
         record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
     record["time"]["candidate"] = time.perf_counter() - start
     record["held"] = held
@@ -257,7 +309,7 @@ def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
     put_gradients(base.part, grads_base)
     del grads_base
     start = time.perf_counter()
-    with rank.meters["baseline"].region("update", storage_bytes(after)):
+    with rank.region("baseline", "update", storage_bytes(after)):
         base.optimizer_step()
     update = time.perf_counter() - start
     record["time"]["baseline"] += update
@@ -275,24 +327,24 @@ def _lockstep_copied(rank: _Rank, batches: dict, record: dict) -> None:
     base, cand = rank.baseline, rank.candidate
     held32 = _truth_step(rank, batches, record)
     start = time.perf_counter()
-    with rank.meters["baseline"].region("forward-backward", storage_bytes(held32)):
+    with rank.region("baseline", "forward-backward", storage_bytes(held32)):
         record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
     record["time"]["baseline"] = time.perf_counter() - start
     copy_state(base, cand)
     held = rank.footprint(base) + storage_bytes(held32) + rank.truth_held()
     start = time.perf_counter()
-    with rank.meters["candidate"].region("forward-backward", held):
+    with rank.region("candidate", "forward-backward", held):
         record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
     record["held"] = held
     grads = {"baseline": rank.grads(base), "candidate": rank.grads(cand)}
     record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
     _compare_truth(rank, record, held32, grads)
     del held32, grads
-    with rank.meters["candidate"].region("update", rank.footprint(base)):
+    with rank.region("candidate", "update", rank.footprint(base)):
         cand.optimizer_step()
     record["time"]["candidate"] = time.perf_counter() - start
     start = time.perf_counter()
-    with rank.meters["baseline"].region("update", rank.footprint(cand)):
+    with rank.region("baseline", "update", rank.footprint(cand)):
         base.optimizer_step()
     record["time"]["baseline"] += time.perf_counter() - start
     record["params"] = rank.comparer.compare(rank.params(cand), rank.params(base))
@@ -303,7 +355,7 @@ def _free(rank: _Rank, batches: dict, record: dict) -> None:
         side = getattr(rank, key)
         other = rank.candidate if key == "baseline" else rank.baseline
         start = time.perf_counter()
-        with rank.meters[key].region("step", rank.footprint(other)):
+        with rank.region(key, "step", rank.footprint(other)):
             record["loss"][key] = side.forward_backward(*batches.pop(key))
             side.optimizer_step()
         record["time"][key] = time.perf_counter() - start
@@ -347,7 +399,9 @@ def _run(plan: RankPlan) -> dict[str, Any]:
         batches = _batches(plan, step)
         record: dict[str, Any] = {"loss": {}, "time": {}, "held": 0}
         _, replays = rank.tapes()
+        rank.start_step()
         step_function(rank, batches, record)
+        rank.end_step()
         del batches
         record["routing"] = {key: tape.result() for key, tape in replays.items()}
         rank.detach_tapes()
@@ -360,8 +414,19 @@ def _run(plan: RankPlan) -> dict[str, Any]:
             losses = "  ".join(f"{k} {v:.6f}" for k, v in record["loss"].items())
             print(f"  step {step + 1}/{plan.steps}  {losses}", file=sys.stderr)
     evaluation = _evaluate(rank, _batches(plan, plan.steps))
+    for counter in rank.counters.values():
+        counter.close()
     layout = rank.layout
+    stacks: dict[str, Any] = {}
+    for key in ("baseline", "candidate"):  # by stack name, as the estimate sections read it
+        name = getattr(plan, key)
+        stacks[name] = {"memory": [s["memory"][key] for s in steps if s["memory"][key]]}
+        if rank.counted:
+            stacks[name]["communication"] = rank.communication[key]
+        if key in rank.routing_counts:
+            stacks[name]["routing_counts"] = rank.routing_counts[key]
     return {
+        **stacks,
         "coords": (layout.pp_rank, layout.dp_rank, layout.ep_rank),
         "steps": steps,
         "eval": evaluation,

@@ -77,10 +77,11 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
         entry: dict[str, Any] = {"rank": rank, "coords": list(result["coords"])}
         for key in ("baseline", "candidate"):
             figures = [s["memory"][key] for s in result["steps"] if s["memory"].get(key)]
-            if not figures:
+            if len(figures) != len(result["steps"]):
                 return []
-            entry[key] = max(figures, key=lambda m: m["total"])
-            entry[key]["steps"] = [m["total"] for m in figures]
+            # The step whose peak is shown, so the estimate beside it is that step's.
+            step = max(range(len(figures)), key=lambda s: figures[s]["total"])
+            entry[key] = {**figures[step], "step": step, "steps": [m["total"] for m in figures]}
         b, c = entry["baseline"], entry["candidate"]
         entry["ratio"] = c["total"] / b["total"] if b["total"] else None
         entry["activation_ratio"] = (
@@ -231,9 +232,19 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         summary["recorded_by"] = "truth" if floor else "baseline"
         summary["steps"] = routing_steps
         report["routing"] = {"mode": "pinned", **summary}
-    memory = _memory(per_rank, (plan.baseline, plan.candidate))
+    if plan.routing == "balanced" and "oracle" not in (plan.baseline, plan.candidate):
+        report["routing"] = {"mode": "balanced"}
+    sides = (plan.baseline, plan.candidate)
+    if "oracle" not in sides:
+        from harness.compare_communication import communication_section  # noqa: PLC0415
+
+        communication = communication_section(per_rank, model, parallel, sides, plan.routing)
+        if communication:
+            report["communication"] = communication
+    memory = _memory(per_rank, sides)
     if memory:
-        _add_estimates(memory, model, parallel, (plan.baseline, plan.candidate), plan.stages)
+        observed = per_rank if plan.count_routing else None
+        _add_estimates(memory, model, parallel, sides, observed, plan.stages)
         report["memory"] = {"ranks": memory}
     return report
 

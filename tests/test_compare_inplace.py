@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from harness.compare_checks import compare_tensors
 from harness.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
 from harness.stacks import shadow_update
-from models import build_model, preset
+from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.model import is_expert_parameter
 from models.training import OptimizerConfig, synthetic_batch
@@ -213,10 +213,7 @@ def test_in_place_equals_the_whole_tensor_comparison(layout, dtype, sides):
     )
     names = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
     models = [preset(n) for n in names]
-    states = [
-        {k: v.to(parallel.torch_dtype) for k, v in build_model(m, seed=5).state_dict().items()}
-        for m in models
-    ]
+    states = [SeededWeights(m, seed=5) for m in models]
     per_rank = launch(_gradients_worker, parallel.world_size, (models, parallel, states, sides))
     for index in range(len(names)):
         results = [r[index] for r in per_rank]

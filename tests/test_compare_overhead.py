@@ -20,7 +20,7 @@ import torch
 from harness.lockstep import RankPlan, _batches, _lockstep_shared, _Rank
 from harness.memory import MemoryTracker
 from harness.stacks import stack_class
-from models import build_model, preset
+from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
 
@@ -76,7 +76,7 @@ def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor)
     parallel = ParallelConfig(
         pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=2, seq_len=64, dtype=dtype
     )
-    state = {k: v.to(parallel.torch_dtype) for k, v in build_model(model).state_dict().items()}
+    state = SeededWeights(model)
     results = launch(_overhead_worker, 4, (model, parallel, state, noise_floor))
     for rank, r in enumerate(results):
         added = r["harness"] - max(r["alone"].values())

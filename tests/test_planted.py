@@ -9,11 +9,10 @@ At real widths: the README's `twinpipe compare --plant` commands.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.lockstep import RankPlan, run_rank
 from harness.verdict import build_report
-from models import build_model, preset
+from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch
 from models.training import OptimizerConfig
 
@@ -42,11 +41,20 @@ _REPORTS: dict = {}
 def _reports(name: str) -> dict:
     if name not in _REPORTS:
         model = preset(name)
-        state = {k: v.to(torch.bfloat16) for k, v in build_model(model).state_dict().items()}
+        state = SeededWeights(model)
         plans = [
             RankPlan(
-                model, PARALLEL, state, "reference", "optimized", 1, OptimizerConfig(),
-                noise_floor=True, track_memory=False, progress=False, plant=plant,
+                model,
+                PARALLEL,
+                state,
+                "reference",
+                "optimized",
+                1,
+                OptimizerConfig(),
+                noise_floor=True,
+                track_memory=False,
+                progress=False,
+                plant=plant,
             )  # fmt: skip
             for plant in (None, *CASES[name])
         ]

@@ -170,6 +170,7 @@ def estimate_for_compare(
     parallel_layout: Any,
     stack: str,
     measured_peaks: list[int] | None = None,
+    routing: dict[int, dict] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """The estimate `twinpipe compare` puts beside its measured peaks.
@@ -179,7 +180,9 @@ def estimate_for_compare(
     attributes; ``overrides`` set any other `EstimateConfig` field. compare runs unsharded
     AdamW, so ``shard_optimizer`` defaults to False. With ``measured_peaks`` (bytes per
     pp-rank) each rank gets ``measured_bytes`` and ``error`` (estimate / measured - 1) for
-    our figure and for Megatron's.
+    our figure and for Megatron's. With ``routing`` (global rank -> ``{(layer, micro_batch):
+    rows per local expert}``, `optimized.estimator.routing.received_loads`) the report also
+    has ``observed_ranks``: per global rank, the estimate under the routing the run saw.
     """
     fields = {}
     names = (
@@ -197,6 +200,16 @@ def estimate_for_compare(
     fields.update(overrides)
     config = EstimateConfig(model_config, stack=stack, **fields)
     report = estimate(config)
+    if routing is not None:
+        from optimized.estimator.routing import ObservedRouting
+
+        partition = _partition(config)
+        report["observed_ranks"] = {
+            rank: estimate_rank(
+                config, rank // config.dp, partition, ObservedRouting(loads)
+            ).as_dict()
+            for rank, loads in sorted(routing.items())
+        }
     if measured_peaks is not None:
         megatron_total = report["megatron"]["total_bytes"]
         for rank, measured in zip(report["ranks"], measured_peaks):

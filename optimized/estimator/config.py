@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.config import ModelConfig
+from models.distributed import GRAD_SYNC
 
 STACKS = ("reference", "optimized")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,8 +84,24 @@ class EstimateConfig:
     a list of 0/1 per layer; None follows the model's own rule (`ModelConfig.is_moe_layer`)."""
     num_mtp_layers: int | None = None
     """Multi-token-prediction layers on the last stage; None takes the model's field."""
+    grad_sync: str = "step"
+    """With ``fsdp``: ``step`` (FSDP2 reduces each unit once per step, at its chunk's last
+    backward: its gradient is held unsharded from the chunk's first backward) or
+    ``micro-batch`` (reduced after every backward, held sharded)."""
+    reshard_after_forward: bool = False
+    """With ``fsdp``: gathered parameters freed after each forward (on) or held from a unit's
+    first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
+    expert_load: tuple[int, ...] | None = None
+    """Rows each of this rank's local experts receives in the layer and micro-batch being
+    estimated, as a run saw them (`optimized.estimator.routing.ObservedRouting` builds one
+    config per layer and micro-batch); None: routing that picks every expert equally often."""
+    first_step: bool = False
+    """Estimate the first training step: AdamW creates its state in its first ``step()``, so
+    the forward and backward run without it and the optimizer step then holds the weights,
+    every gradient and the new state (the peak `twinpipe compare --steps 1` measures).
+    False: a later step, with the state held throughout."""
     layers_per_stage: list[int] | None = None
     """Layers of each of the ``2 * pp`` stages; None lets the stack choose (see `stage_layers`)."""
     context_parallel_size: int = 1
@@ -201,6 +218,10 @@ class EstimateConfig:
             )
         if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
             raise _bad("num_mtp_layers", self.num_mtp_layers, "expected None or >= 0")
+        if self.grad_sync not in GRAD_SYNC:
+            raise _bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise _bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
         if self.stack not in STACKS:
             raise _bad("stack", self.stack, f"expected one of {STACKS}")
         if self.num_microbatches < 2 * self.pp:
@@ -247,6 +268,15 @@ class EstimateConfig:
                 f"ep * etp = {self.ep * self.etp} must divide the tp * dp = {stage_ranks} ranks "
                 f"of a pipeline stage",
             )
+        if self.expert_load is not None:
+            local = model.num_experts // self.ep
+            load = self.expert_load
+            if len(load) != local or any(not isinstance(c, int) or c < 0 for c in load):
+                raise _bad(
+                    "expert_load",
+                    load,
+                    f"expected {local} non-negative row counts (one per local expert)",
+                )
         shared = self.moe_shared_expert_intermediate_size
         if shared is not None and (not isinstance(shared, int) or shared < 0):
             raise _bad("moe_shared_expert_intermediate_size", shared, "expected None or >= 0")

@@ -30,17 +30,21 @@ class ParamCount:
     """Parameters per bucket."""
     tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
     """Parameter tensors per bucket."""
+    largest: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    """The largest single tensor per bucket (unsharded), for the optimizer's temporaries."""
 
     def add(self, bucket: str, *sizes: int) -> ParamCount:
         for size in sizes:
             self.numel[bucket] += size
             self.tensors[bucket] += 1
+            self.largest[bucket] = max(self.largest[bucket], size)
         return self
 
     def __iadd__(self, other: ParamCount) -> ParamCount:  # noqa: PYI034
         for bucket in BUCKETS:
             self.numel[bucket] += other.numel[bucket]
             self.tensors[bucket] += other.tensors[bucket]
+            self.largest[bucket] = max(self.largest[bucket], other.largest[bucket])
         return self
 
     def scaled(self, factor: int) -> ParamCount:
@@ -48,6 +52,7 @@ class ParamCount:
         for bucket in BUCKETS:
             out.numel[bucket] = self.numel[bucket] * factor
             out.tensors[bucket] = self.tensors[bucket] * factor
+            out.largest[bucket] = self.largest[bucket] if factor else 0
         return out
 
     @property

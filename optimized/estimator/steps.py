@@ -22,12 +22,12 @@ the tracker by ``tests/test_estimator_activations.py``:
 - the experts keep the grouped input, gate/up output, activation, the padded
   gathered output and the positions.
 
-Transients marked *fitted* were measured on tiny-deepseek-v2 (float32, 2 x 64
-tokens) and are scaled with the layer's token rows; everything else is derived.
-Everything is as measured with the Triton interpreter's launch cycles collected
-(on CPU each interpreted launch keeps its arguments alive until Python's GC
-runs; see tests/test_estimator_vs_measured.py): that garbage is no memory of the
-stack and is not modelled.
+Every transient is derived from the code; the attention block's recompute in backward
+(and GPT-OSS's eager attention with sinks) is `optimized.estimator.recompute`, and a W
+step's weight gradients `weight_step_transients`. Everything is as measured with the
+Triton interpreter's launch cycles collected (on CPU each interpreted launch keeps its
+arguments alive until Python's GC runs; see tests/test_estimator_vs_measured.py): that
+garbage is no memory of the stack and is not modelled.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ from optimized.estimator.activations import (
     F32,
     GATHER_ALIGNMENT,
     I64,
+    Routed,
     dense_mlp_saved,
     layer_saved,
-    routed_rows,
+    routed,
 )
 from optimized.estimator.config import EstimateConfig
+from optimized.estimator.recompute import attention_backward_rise, eager_forward
 
 
 @dataclass(slots=True)
@@ -52,12 +54,25 @@ class Step:
     transient: int = 0
     grad: str | None = None
     """``dense`` or ``experts``: the layer's gradient bytes of that kind appear here."""
+    grad_before_peak: int = 0
+    """Of those, the bytes already made at the step's high point when they are made for
+    the first time in the step (``zero_grad`` leaves none: a layer's first backward makes
+    them): the attention backward has made every dense weight gradient but the recomputed
+    block's projections' and input norm's by the fused attention's backward."""
 
 
 @dataclass(slots=True)
 class StepProfile:
     forward: dict[str, Step] = field(default_factory=dict)
     backward: dict[str, Step] = field(default_factory=dict)
+    weight_transients: list[int] = field(default_factory=list)
+    """Per grouped GEMM a W step runs for this layer (down, then gate_up: the order the
+    backward put them), the bytes it holds while it runs (see `weight_step_transients`)."""
+    deferred_experts_rise: int = 0
+    """The experts backward's rise when its weight gradients are deferred to a W step."""
+    weight_grad_shares: tuple[int, int] = (1, 2)
+    """Thirds of the layer's expert weight gradient each of those GEMMs makes (down: one,
+    gate/up: two)."""
     held_to_action_end: dict[str, int] = field(default_factory=dict)
     """Bytes a backward step would free, or a leaf's gradient it makes, that stay alive
     until the end of the action when this layer is the last of a chunk whose output is
@@ -77,28 +92,81 @@ def _names(items, prefixes):
     return sum(item.nbytes for item in items if item.name.startswith(prefixes))
 
 
-def _eager_attention_peaks(config: EstimateConfig) -> tuple[int, int]:
-    """(forward, backward) peaks of the attention core above the step's start when it
-    runs eagerly: with GPT-OSS's sinks the optimized attention falls back to the plain
-    computation (`optimized.ops.attention`), whose ``[B, h, S, S + 1]`` scores, in float
-    of the run dtype, dominate. Zero for the fused path.
+def experts_backward_rise(
+    config: EstimateConfig, rows: Routed, local: int, inner: int, deferred: bool
+) -> int:
+    """The grouped expert MLP's backward (`optimized.ops.grouped_linear.GroupedLinear` and
+    the fused activation), above the level it starts from, at the highest of three moments
+    (``G`` grouped rows):
 
-    Forward (recomputed in backward as well): two score-sized buffers at the softmax
-    (its input and output) and the float32 ``[S, S]`` mask; backward: three (the saved
-    probabilities, their gradient, the softmax's input gradient). Per token beside them,
-    *fitted* on tiny-gpt-oss at S = 64, 96, 128 (within 0.5% there): 7 x the hidden
-    state forward (normed input, q, k, v, the GQA-repeated k and v, the rotary
-    temporaries) and 4.5 x backward.
+    - down projection: its output's gradient ``[G, H]`` and its input's ``[G, I]``, then
+      either GPT-OSS's bias gradient (float32 per-expert sums of, in 16-bit, a float32 copy
+      of the output gradient) or the ``[E, I, H]`` weight gradient (not when deferred:
+      the W step computes it);
+    - the activation: its input's gradient ``[G, 2I]`` beside its output's ``[G, I]``
+      (and, deferred, the down projection's output gradient, kept for the W step);
+    - gate/up projection, once the activation's saved input and (not deferred) the down
+      projection's input are freed: its input's gradient ``[G, H]``, the down
+      projection's bias gradient, then its own bias temporaries or its weight gradient
+      ``[E, H, 2I]``;
+    - the scatter back to the received order: the received rows' gradient ``[R, H]``
+      beside the grouped input's (deferred: beside the W step's output gradients).
+
+    Weight gradients are added into existing ``.grad`` (a step's first backward of a layer
+    creates them: the walk counts them as gradients when the step ends).
     """
     m, b = config.model, config.param_bytes
-    if m.model_type != "gpt_oss":
-        return 0, 0
-    seq, heads = config.seq_len, m.num_attention_heads // config.tp
-    scores = config.micro_batch_size * heads * seq * (seq + 1) * b
-    th = config.tokens * m.hidden_size * b
-    forward = 2 * scores + seq * seq * F32 + 7 * th
-    backward = 3 * scores + round(4.5 * th)
-    return forward, backward
+    hidden, grouped, received = m.hidden_size, rows.grouped, rows.received
+    biased = m.model_type == "gpt_oss"
+
+    def bias(width: int) -> tuple[int, int]:
+        """(temporaries, the bias gradient left) of one biased GEMM's backward."""
+        if not biased:
+            return 0, 0
+        sums = (local + 1) * width * F32
+        if b == F32:
+            return sums, sums
+        return sums + grouped * width * F32, local * width * b
+
+    weight_down, weight_gate_up = local * inner * hidden * b, local * 2 * inner * hidden * b
+    down_tmp, down_kept = bias(hidden)
+    gate_up_tmp, gate_up_kept = bias(2 * inner)
+    base = grouped * hidden * b + grouped * inner * b
+    down = base + max(down_tmp, down_kept + (0 if deferred else weight_down))
+    # Back to the received order at the end: the received rows' gradient ``[R, H]`` beside
+    # the grouped input's, the gate/up output and row groups freed.
+    scatter = received * hidden * b + grouped * hidden * b
+    scatter -= grouped * 2 * inner * b + (2 * grouped * I64 if biased else 0)
+    # (the down projection's bias gradient has gone into ``.grad``, its row groups are freed)
+    activation = grouped * inner * b + grouped * 2 * inner * b - (grouped * I64 if biased else 0)
+    gate_up = grouped * hidden * b + down_kept
+    if deferred:
+        activation += grouped * hidden * b
+        gate_up += grouped * hidden * b + gate_up_tmp
+        # The W step's inputs: the down projection's and gate/up's output gradients.
+        scatter += grouped * hidden * b + grouped * 2 * inner * b
+    else:
+        scatter -= grouped * inner * b
+        gate_up -= grouped * inner * b + (grouped * I64 if biased else 0)
+        gate_up += max(gate_up_tmp, gate_up_kept + weight_gate_up)
+    return max(down, activation, gate_up, scatter)
+
+
+def dense_grads_before_attention(config: EstimateConfig, layer: int) -> int:
+    """Dense weight-gradient bytes a layer's first backward has made when its recomputed
+    attention's fused backward runs: all but those of the input norm and the q / kv
+    projections and their norms (the output projection's is made before)."""
+    from optimized.estimator.memory import layer_profile  # noqa: PLC0415 (memory imports us)
+    from optimized.estimator.params import attention_params, shard  # noqa: PLC0415
+
+    m = config.model
+    late = shard(attention_params(m), config)
+    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    output = m.num_attention_heads * v_dim * m.hidden_size // config.tp
+    output += m.hidden_size if m.attention_bias and m.model_type != "deepseek_v2" else 0
+    unmade = (sum(late.values()) - output + m.hidden_size) * config.grad_bytes
+    dense = layer_profile(config, layer).dense_grad
+    return max(dense - unmade, 0)
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
@@ -107,6 +175,21 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     if key not in config.cache:
         config.cache[key] = _step_profile(config, layer)
     return config.cache[key]
+
+
+def weight_step_transients(config: EstimateConfig) -> list[int]:
+    """What each deferred expert weight gradient holds while its W step computes it
+    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, and where the
+    parameter is used through a transposed view (all families but GPT-OSS, whose experts
+    are stored ``[E, in, out]``) a zero-filled parameter-sized copy laid out like the
+    parameter, which is added into ``.grad`` (or becomes it, the first time). Down
+    projection first, then gate/up."""
+    m, b = config.model, config.param_bytes
+    local = max(m.num_experts // config.ep, 1)
+    inner = m.moe_intermediate_size // config.etp
+    copies = 1 if m.model_type == "gpt_oss" else 2
+    down, gate_up = local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b
+    return [copies * down, copies * gate_up]
 
 
 def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
@@ -127,20 +210,22 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     for name in bnames:
         bwd[name] = Step(name)
     kept = _names(items, ("post_attention_layernorm.",))
-    eager_forward, eager_backward = _eager_attention_peaks(config)
+    # GPT-OSS's sinks take the eager attention (no fused kernel): its S x (S + 1) forward.
+    eager = eager_forward(config) if m.model_type == "gpt_oss" else 0
     if not is_moe:
         kept += _names(items, ("mlp.",))
         fwd["attention_forward"] = Step(
-            "attention_forward", kept + th, max(kept + th + 2 * th, eager_forward)
+            "attention_forward", kept + th, max(kept + th + 2 * th, eager)
         )
-        # fitted: the MLP's and the recomputed attention block's backward
+        # The MLP's and the recomputed attention block's backward (`recompute`).
         bwd["attention_backward"] = Step(
-            "attention_backward", -(kept + th), max(round(9.3359375 * th), eager_backward),
-            "dense",
+            "attention_backward", -(kept + th), attention_backward_rise(config, layer, False),
+            "dense", dense_grads_before_attention(config, layer),
         )  # fmt: skip
         return profile
-    sent, grouped = routed_rows(config)
-    received = sent
+    profile.weight_transients = weight_step_transients(config)
+    rows = routed(config)
+    sent, grouped, received = rows.sent, rows.grouped, rows.received
     ep = config.ep > 1
     padded_sent = _round_up(sent, GATHER_ALIGNMENT)
     padded_received = _round_up(received, GATHER_ALIGNMENT)
@@ -153,8 +238,15 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     residual_is_h = b == F32 and not config.shared_expert_width
     attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
     attention += 0 if residual_is_h else th
+    # The stage's high point, gathering the router weights into expert order, beside what it
+    # keeps: the attention block's output (``h``'s other addend), the shared experts' output
+    # and, when neither kept float input nor residual, ``h`` itself (16-bit with shared
+    # experts), and the float32 top-k weights.
+    shared = bool(config.shared_expert_width)
+    block = th + (th if shared else 0) + (th if shared and b != F32 else 0)
+    top_k_weights = tokens * m.num_experts_per_tok * F32
     fwd["attention_forward"] = Step(
-        "attention_forward", attention, max(attention + 2 * th + sent * F32, eager_forward)
+        "attention_forward", attention, max(attention + block + top_k_weights, eager)
     )
     rows_in = received * hidden * b
     if ep:
@@ -166,12 +258,15 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     # GPT-OSS's expert biases: each grouped linear keeps every row's expert (int64).
     row_groups = 2 * grouped * I64 if m.model_type == "gpt_oss" else 0
     experts += row_groups
+    # The high point: gathering the output into the received order (the down projection's
+    # output beside everything kept); with GPT-OSS's biases, or adding the down
+    # projection's bias before that: its product, the gathered bias rows and their sum.
+    gather = experts + grouped * hidden * b
+    bias_add = 0
+    if row_groups:
+        bias_add = experts - expert_out + 3 * grouped * hidden * b + (local + 1) * hidden * b
     fwd["experts_forward"] = Step(
-        "experts_forward",
-        experts - freed_input,
-        # the down projection's product beside its output (and, with GPT-OSS's biases, the
-        # gathered bias rows beside both)
-        experts + (2 if row_groups else 1) * grouped * hidden * b + received * I64 + 64,
+        "experts_forward", experts - freed_input, max(gather, bias_add) + received * I64 + 64
     )
     rows_out = sent * hidden * b
     if ep:
@@ -193,9 +288,10 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     bwd["experts_backward"] = Step(
         "experts_backward",
         -saved_experts - (0 if ep else expert_out),
-        grouped * 3 * inner * b + local * hidden * inner * b,
+        experts_backward_rise(config, rows, local, inner, deferred=False),
         "experts",
     )
+    profile.deferred_experts_rise = experts_backward_rise(config, rows, local, inner, deferred=True)
     if ep:
         bwd["dispatch_backward_start"] = Step("dispatch_backward_start", rows_out)
         bwd["dispatch_backward_wait"] = Step("dispatch_backward_wait", -rows_in)
@@ -211,11 +307,12 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
         late = {"experts_backward": expert_out + rows_out}
     late["attention_backward"] = 2 * th + 2 * sent * F32
     profile.held_to_action_end = late
-    # What is left of the layer goes; fitted: the recomputed attention block's backward.
+    # What is left of the layer goes; the recomputed attention block's backward (`recompute`).
     left = sum(s.delta for s in fwd.values()) + sum(s.delta for s in bwd.values())
     bwd["attention_backward"] = Step(
-        "attention_backward", -left, max(round(12.8671875 * th), eager_backward), "dense"
-    )
+        "attention_backward", -left, attention_backward_rise(config, layer, True), "dense",
+        dense_grads_before_attention(config, layer),
+    )  # fmt: skip
     return profile
 
 

@@ -1,0 +1,165 @@
+"""The optimized stack's attention backward, read off its code: the recomputed block.
+
+The optimized stack keeps only the attention block's input and reruns the block in
+backward (`models.decoder.DecoderLayer.attention` under non-reentrant checkpoint with
+`optimized.ops.OptimizedOps`). Its ``attention_backward`` step therefore holds, at its
+high point, the recomputed block's saved tensors beside the gradients of its backward.
+Each moment below lists those tensors (``tests/test_estimator_layers.py`` holds them
+against a storage tracker on real layers), relative to the level when the step starts
+(the layer's kept tensors, the gradients the earlier stages passed on):
+
+- freed first: the stage's own saved tensors past the attention block (post-attention
+  norm, router, shared experts, a dense layer's MLP) as their backward runs; the
+  post-attention norm's float input stays when it is the residual (float32, no shared
+  experts), which is kept to the step's end;
+- the recomputed block: the input norm (its float copy in 16-bit; in float32 the block's
+  input itself), the q / kv projections' norms, the rotary tables, ``q``, ``k``, ``v``
+  (MLA pads the values to the query width), the fused attention's output and its
+  float32 log-sum-exp;
+- the fused attention's backward: the output's gradient (padded), and the gradients of
+  ``q``, ``k``, ``v``; beside them the gradient of the block's output (``[T, H]``);
+- Qwen3's q norm backward, after the key branch (k norm, rotary) is done: five float32
+  ``[T, heads, head_dim]`` temporaries of the RMSNorm's backward (the gradient through
+  the normalised value, through the rsqrt, the mean's expand and pow's two factors)
+  beside its float input;
+- GPT-OSS (attention sinks, no fused kernel): the eager softmax over ``S + 1`` columns,
+  its recomputed scores and probabilities and their gradients, or the recompute's own
+  forward high point (`eager_backward`, `eager_forward`).
+"""
+
+from __future__ import annotations
+
+from optimized.estimator.activations import F32, Saved, attention_saved, layer_saved
+from optimized.estimator.config import EstimateConfig
+
+
+def _sum(items: list[Saved], *prefixes: str) -> int:
+    """Bytes of the items whose names start with one of ``prefixes`` (all without)."""
+    return sum(item.nbytes for item in items if not prefixes or item.name.startswith(prefixes))
+
+
+def _shapes(config: EstimateConfig) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, query/key width, padded width) of the fused attention."""
+    m = config.model
+    heads = m.num_attention_heads // config.tp
+    if m.model_type == "deepseek_v2":
+        width = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return heads, heads, width, max(width, m.v_head_dim)
+    return heads, m.num_key_value_heads // config.tp, m.head_dim, m.head_dim
+
+
+def freed_before(config: EstimateConfig, layer: int, is_moe: bool) -> int:
+    """The stage's saved tensors past the attention block, freed before it is recomputed."""
+    b = config.param_bytes
+    items = layer_saved(config.replace(stack="reference"), layer)
+    freed = _sum(items, "post_attention_layernorm.", "router.", "shared_experts.", "mlp.")
+    freed += _sum(items, "dispatch.weight_order")
+    residual_is_h = is_moe and b == F32 and not config.shared_expert_width
+    if residual_is_h:
+        freed -= _sum(items, "post_attention_layernorm.float_input")
+    return freed
+
+
+def recomputed_block(config: EstimateConfig, layer: int) -> tuple[list[Saved], list[Saved]]:
+    """(norm and rotary tensors, fused attention's tensors) the recompute saves."""
+    b = config.param_bytes
+    items = attention_saved(config.replace(stack="reference"), layer)
+    keep = ("input_layernorm.", "q_a_layernorm.", "kv_a_layernorm.", "q_norm.", "k_norm.",
+            "rotary.")  # fmt: skip
+    norms = [
+        item for item in items
+        if item.name.startswith(keep)
+        # In float32 the input norm's float input is the block's input itself.
+        and not (b == F32 and item.name == "input_layernorm.float_input")
+    ]  # fmt: skip
+    heads, kv_heads, _, padded = _shapes(config)
+    rows = config.micro_batch_size * config.seq_len
+    fused = [
+        Saved("q", rows * heads * padded * b),
+        Saved("k", rows * kv_heads * padded * b),
+        Saved("v", rows * kv_heads * padded * b),
+        Saved("out", rows * heads * padded * b),
+        Saved("logsumexp", rows * heads * F32),
+    ]
+    return norms, fused
+
+
+def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) -> int:
+    """The ``attention_backward`` step's high point above its start (flash path)."""
+    m, b = config.model, config.param_bytes
+    if m.model_type == "gpt_oss":
+        return eager_backward(config, layer, is_moe)
+    rows = config.tokens
+    th = rows * m.hidden_size * b
+    heads, kv_heads, width, padded = _shapes(config)
+    norms, fused = recomputed_block(config, layer)
+    freed = freed_before(config, layer, is_moe)
+    grads = rows * (2 * heads + 2 * kv_heads) * padded * b  # output, q, k, v
+    fused_moment = _sum(norms) + _sum(fused) + grads + th - freed
+    moments = [fused_moment]
+    if m.model_type == "qwen3_moe":
+        # q norm's backward: the fused attention's tensors, the key branch and the q norm's
+        # normalised value and rsqrt are gone; the keys' and values' gradients wait.
+        q_norm = _sum(norms, "q_norm.float_input")
+        others = _sum(norms) - _sum(norms, "q_norm.", "k_norm.", "rotary.")
+        temporaries = 5 * rows * heads * width * F32
+        moments.append(others + q_norm + temporaries + th + 2 * rows * kv_heads * width * b - freed)
+    return max(moments)
+
+
+def eager_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
+    """GPT-OSS's recomputed eager attention with sinks (`models.layers.eager_attention`): the
+    high point of its backward, at the gradient of the sliced-off sink column. Alive: the
+    recomputed input norm, rotary tables and ``q``, one of ``k`` / ``v`` repeated to every
+    query head, the values' gradient (``[B, h, S, D]`` each), the max's indices and the
+    softmax's row sums, and three ``[B, h, S, S + 1]`` score-sized tensors in the run dtype
+    (the zero-filled gradient of the sliced probabilities, its scattered copy and the
+    softmax's input gradient), beside the block output's gradient."""
+    m, b = config.model, config.param_bytes
+    rows = config.tokens
+    th = rows * m.hidden_size * b
+    heads = m.num_attention_heads // config.tp
+    items = attention_saved(config.replace(stack="reference"), layer)
+    norm = _sum(items, "input_layernorm.", "rotary.")
+    if b == F32:  # the block's input itself
+        norm -= _sum(items, "input_layernorm.float_input")
+    head_rows = config.micro_batch_size * heads * config.seq_len
+    scores = head_rows * (config.seq_len + 1)
+    tensors = 3 * rows * heads * m.head_dim * b + head_rows * (8 + b) + 3 * scores * b
+    freed = freed_before(config, layer, is_moe)
+    backward = norm + tensors + th - freed
+    # The recompute's own forward can be higher (short sequences): `eager_forward` beside the
+    # block output's gradient, the input norm's other saved tensors and the max's indices.
+    norm_rest = norm - _sum(items, "rotary.", "input_layernorm.output")
+    recompute = eager_forward(config) + th + norm_rest + head_rows * 8 - freed
+    return max(backward, recompute)
+
+
+def eager_forward(config: EstimateConfig) -> int:
+    """GPT-OSS's eager attention with sinks in the forward (nothing saved: the block runs
+    under checkpoint): its high point, at the copy of the output into the output
+    projection's layout. Alive: the input norm's output, ``q``, ``k``, the values'
+    projection, ``k`` and ``v`` repeated to every query head, the probabilities times
+    ``v`` and its copy (``[T, h * D]``), the max-subtracted scores and their softmax
+    (``[B, h, S, S + 1]``, run dtype), the float32 ``[S, S]`` causal mask and the cos and
+    sin tables with their product (float32 ``[S, D / 2]`` each)."""
+    m, b = config.model, config.param_bytes
+    rows, seq = config.tokens, config.seq_len
+    heads, kv_heads = m.num_attention_heads // config.tp, m.num_key_value_heads // config.tp
+    width = m.head_dim
+    scores = config.micro_batch_size * heads * seq * (seq + 1)
+    per_head = rows * width * b
+    tensors = per_head * (heads + kv_heads + kv_heads + 2 * heads + heads + heads)
+    return (
+        rows * m.hidden_size * b
+        + tensors
+        + 2 * scores * b
+        + seq * seq * F32
+        + (3 * seq * (width // 2) * F32)
+    )
+
+
+__all__ = [
+    "attention_backward_rise", "eager_backward", "eager_forward", "freed_before",
+    "recomputed_block",
+]  # fmt: skip

@@ -1,0 +1,171 @@
+"""Each stack's per-layer memory moments against a storage tracker on real layers (fast).
+
+The estimator's transients are read off the code (`optimized.estimator.reference_layer`,
+`optimized.estimator.steps`, `optimized.estimator.recompute`); here every one is held
+against what a byte-accurate tracker sees while one decoder layer runs: the reference
+layer's forward and backward, the optimized layer's fourteen stage steps (and a
+deferred backward's experts step and its W step). Routing is the layer's own (the
+estimate takes the rows each expert received: ``expert_load``), weight gradients already
+exist (a steady step). Known small misses, under 4 KiB each, are bounded below; a
+transient left out costs tens of kilobytes and fails.
+
+The last test pins the optimized walk's per-rank peaks at a small layout to the tracker's
+measurement, so a step transient dropped from the walk itself fails here, not only in the
+slow estimator-vs-measured test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from models.decoder import DecoderLayer  # noqa: E402
+from models.layers import Router  # noqa: E402
+from models.presets import preset  # noqa: E402
+from optimized.estimator import EstimateConfig, estimate_for_compare  # noqa: E402
+from optimized.estimator.memory import layer_profile  # noqa: E402
+from optimized.estimator.steps import step_profile  # noqa: E402
+from reference.ops import ReferenceOps  # noqa: E402
+from tests._memtrack import StorageTracker  # noqa: E402
+
+PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+BATCH, SEQ = 2, 32
+
+
+def _layer(name: str, index: int, dtype: str):
+    model = preset(name)
+    torch.manual_seed(0)
+    layer = DecoderLayer(model, index).to(getattr(torch, dtype))
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0.0, 0.02)
+    loads: list[np.ndarray] = []
+    for module in layer.modules():
+        if isinstance(module, Router):
+            module.register_forward_hook(
+                lambda _m, _i, out: loads.append(
+                    np.bincount(out[1].detach().numpy().ravel(), minlength=model.num_experts)
+                )
+            )
+    return model, layer, loads
+
+
+def _config(model, dtype: str, stack: str, loads) -> EstimateConfig:
+    config = EstimateConfig(
+        model, micro_batch_size=BATCH, seq_len=SEQ, dtype=dtype, stack=stack, num_microbatches=2
+    )
+    if loads:
+        config = config.replace(expert_load=tuple(int(count) for count in loads[-1]))
+    return config
+
+
+# DeepSeek-V2's first layer is dense; GPT-OSS's and Qwen3-MoE's layers are all alike.
+LAYERS = [("tiny-deepseek-v2", 0), ("tiny-deepseek-v2", 1), ("tiny-gpt-oss", 1),
+          ("tiny-qwen3-moe", 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "index"), LAYERS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_layer_moments_match_tracker(name, index, dtype):
+    model, layer, loads = _layer(name, index, dtype)
+    dt = getattr(torch, dtype)
+    for _ in range(2):  # the first run under a tracker pays one-time imports and makes grads
+        loads.clear()
+        x = torch.randn(BATCH, SEQ, model.hidden_size, dtype=dt, requires_grad=True)
+        grad = torch.randn(BATCH, SEQ, model.hidden_size, dtype=dt)
+        gc.collect()
+        gc.disable()
+        tracker = StorageTracker()
+        with tracker:
+            out = layer(x, ReferenceOps())
+            forward = tracker.peak
+            tracker.peak = start = tracker.current
+            torch.autograd.backward(out, grad)
+            backward = tracker.peak - start
+        gc.enable()
+        del out
+    profile = layer_profile(_config(model, dtype, "reference", loads), index)
+    # The layer's input was made outside the tracker: in float32 it is the saved float input.
+    leaf = BATCH * SEQ * model.hidden_size * 4 if dtype == "float32" else 0
+    assert abs(forward - (profile.saved - leaf + profile.forward_transient)) <= 1024
+    assert abs(backward - (profile.backward_transient - profile.aggregate)) <= 2048
+
+
+def _optimized_rises(model, layer, dtype: str, defer: bool):
+    from optimized.pipeline.execution import ExecutionContext
+    from optimized.pipeline.overlap import BACKWARD_STEPS, FORWARD_STEPS, LayerRun
+
+    dt = getattr(torch, dtype)
+    for _ in range(2):
+        ctx = ExecutionContext()
+        rises = {}
+        gc.collect()
+        gc.disable()
+        tracker = StorageTracker()
+        with tracker:
+            run = LayerRun(layer, ctx)
+            run.input = torch.randn(BATCH, SEQ, model.hidden_size, dtype=dt)
+            for step in FORWARD_STEPS:
+                tracker.peak = start = tracker.current
+                step(run)
+                rises[step.__name__] = tracker.peak - start
+            run.grad_output = torch.randn_like(run.output)
+            deferring = ctx.weight_grads.deferring() if defer else contextlib.nullcontext()
+            with deferring:
+                for step in BACKWARD_STEPS:
+                    tracker.peak = start = tracker.current
+                    step(run)
+                    rises[step.__name__] = tracker.peak - start
+            if defer:
+                tracker.peak = start = tracker.current
+                ctx.weight_grads.pop()
+                rises["W"] = tracker.peak - start
+        gc.enable()
+        del run
+    return rises
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("defer", [False, True])
+def test_optimized_layer_steps_match_tracker(name, dtype, defer):
+    model, layer, loads = _layer(name, 1, dtype)
+    rises = _optimized_rises(model, layer, dtype, defer)
+    profile = step_profile(_config(model, dtype, "optimized", loads), 1)
+    expected = {name: step.transient for name, step in profile.forward.items()}
+    expected.update({name: step.transient for name, step in profile.backward.items()})
+    if defer:
+        expected["experts_backward"] = profile.deferred_experts_rise
+        expected["W"] = max(profile.weight_transients)
+    misses = {
+        step: (rises[step], want) for step, want in expected.items()
+        if abs(rises[step] - want) > 4096
+    }  # fmt: skip
+    assert not misses, misses
+
+
+# Measured by the harness's tracker (`harness.compare._rank_main`, step 1, seed 0) at the
+# commit that added this test; the estimate equals them to the byte but for rank 0 of
+# tiny-deepseek-v2 (4 bytes: a scalar the tracker sees and the walk does not count).
+PINNED = {
+    "tiny-deepseek-v2": ([6_018_160, 8_182_924], [6_018_156, 8_182_924]),
+    "tiny-qwen3-moe": ([8_320_040, 7_486_108], [8_320_040, 7_486_108]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_optimized_walk_peaks_pinned_to_the_tracker(name):
+    measured, pinned = PINNED[name]
+    layout = dict(pp=2, dp=1, ep=1, micro_batch_size=2, seq_len=64, num_microbatches=4)
+    report = estimate_for_compare(preset(name), {**layout, "dtype": "float32"}, "optimized")
+    peaks = [rank["peak_bytes"] for rank in report["ranks"]]
+    assert peaks == pinned
+    for estimated, tracked in zip(peaks, measured, strict=True):
+        assert abs(estimated - tracked) <= 8
