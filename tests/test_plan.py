@@ -145,3 +145,53 @@ def test_plan_cli(capsys):
     assert "--gpu-memory='lots'" in capsys.readouterr().err
     assert cli_main([*args, "--margin", "1.5"]) == 2
     assert "--margin=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_top_layouts_run_and_fit():
+    """The two best layouts `twinpipe plan` proposes for a budget run under the harness
+    (the optimized stack as `twinpipe compare` runs it: torch's AdamW), and their measured
+    peaks are below the budget and within the estimator's accuracy: 1% from the routing
+    the run saw, and the balanced figure the plan used within what skewed routing moves."""
+    from harness.compare import _rank_main
+    from models import build_model
+    from models.distributed import ParallelConfig, launch
+    from models.training import OptimizerConfig
+    from optimized.estimator import estimate_for_compare
+    from optimized.estimator.routing import received_loads
+
+    ask = request(gpu_memory=5 * MIB, optimizer="adamw", fsdp="off")
+    fitting = [p for p in plan(ask) if p.fits][:2]
+    assert len(fitting) == 2
+    model = ask.model
+    state = build_model(model).state_dict()
+    for planned in fitting:
+        c = planned.config
+        parallel = ParallelConfig(
+            pp=c.pp, dp=c.dp, ep=c.ep, micro_batches=c.num_microbatches,
+            micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, dtype=c.dtype,
+        )  # fmt: skip
+        args = (model, parallel, state, ["optimized"], 2, OptimizerConfig(), True, False, False,
+                True)  # fmt: skip
+        per_rank = launch(_rank_main, parallel.world_size, args)
+        step = 1  # AdamW's state exists in the second step, as the plan assumes
+        counts = {r: res["optimized"]["routing_counts"][step] for r, res in enumerate(per_rank)}
+        loads = received_loads(counts, c.dp, c.ep, model.num_experts)
+        layout = dict(
+            pp=c.pp,
+            dp=c.dp,
+            ep=c.ep,
+            micro_batch_size=c.micro_batch_size,
+            seq_len=c.seq_len,
+            num_microbatches=c.num_microbatches,
+            dtype=c.dtype,
+        )
+        observed = estimate_for_compare(model, layout, "optimized", routing=loads)
+        for rank, result in enumerate(per_rank):
+            measured = result["optimized"]["memory"][step]["total"]
+            assert measured <= ask.budget, (c, rank, measured, ask.budget)
+            seen = observed["observed_ranks"][rank]["peak_bytes"]
+            assert abs(seen / measured - 1) <= 0.01, (c, rank, seen, measured)
+            balanced = planned.peaks[result["coords"][0]]
+            assert abs(balanced / measured - 1) <= 0.035, (c, rank, balanced, measured)
