@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from models import build_model
+from models import WeightSource, build_part
 from models.config import ModelConfig
 from models.decoder import AttentionOut, CombineOut, DispatchOut, ExpertsOut
 from models.model import IGNORE_INDEX
@@ -159,22 +159,18 @@ def _grads(outputs, cotangents, inputs: dict, params: dict) -> dict[str, torch.T
 
 def bisect(
     model: ModelConfig,
-    full_state: dict[str, torch.Tensor],
+    source: WeightSource | dict[str, torch.Tensor],
     baseline_ops,
     candidate_ops,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     tolerance: float = 1e-5,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> Divergence | None:
     """Name the first stage where ``candidate_ops`` disagree with ``baseline_ops``, or None."""
-    base = build_model(model, baseline_ops)
-    cand = build_model(model, candidate_ops)
-    base.load_state_dict(full_state)
-    cand.load_state_dict(full_state)
-    dtype = next(iter(full_state.values())).dtype
-    base.to(dtype)
-    cand.to(dtype)
+    base = build_part(model, source, ops=baseline_ops, dtype=dtype)
+    cand = build_part(model, source, ops=candidate_ops, dtype=dtype)
     checker = _Checker(tolerance, torch.Generator().manual_seed(seed))
     models = {"baseline": base, "candidate": cand}
     ops = {"baseline": baseline_ops, "candidate": candidate_ops}

@@ -193,7 +193,8 @@ def _add_estimates(
             return estimate_for_compare(
                 model, layout, "optimized", fsdp=True, shard_optimizer=True,
                 optimizer_state_dtype="float32", master_weights=True, first_step=first,
-                routing=routing,
+                routing=routing, grad_sync=parallel.grad_sync,
+                reshard_after_forward=parallel.reshard_after_forward,
             )  # fmt: skip
         return estimate_for_compare(model, layout, stack, first_step=first, routing=routing)
 

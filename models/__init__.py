@@ -1,4 +1,5 @@
-"""Model math written once: configs, presets, layers as five stages, HF checkpoints."""
+"""Model math written once: configs, presets, layers as five stages, weight sources, HF
+checkpoints."""
 
 import os as _os
 
@@ -10,7 +11,13 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from models.checkpoint import from_pretrained, save_pretrained
+from models.checkpoint import (
+    CheckpointError,
+    CheckpointWeights,
+    from_pretrained,
+    save_pretrained,
+    validate_checkpoint,
+)
 from models.config import ModelConfig
 from models.decoder import DecoderLayer, ExpertParallel
 from models.model import (
@@ -22,11 +29,14 @@ from models.model import (
     shift_labels,
 )
 from models.presets import PRESET_NAMES, preset, resolve_model
+from models.weights import SeededWeights, StateDictWeights, WeightSource
 
 __all__ = [
     "IGNORE_INDEX",
     "PRESET_NAMES",
     "CausalLM",
+    "CheckpointError",
+    "CheckpointWeights",
     "DecoderLayer",
     "ExpertParallel",
     "ModelConfig",
@@ -37,5 +47,9 @@ __all__ = [
     "preset",
     "resolve_model",
     "save_pretrained",
+    "SeededWeights",
     "shift_labels",
+    "StateDictWeights",
+    "validate_checkpoint",
+    "WeightSource",
 ]

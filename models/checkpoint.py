@@ -1,166 +1,113 @@
-"""Hugging Face checkpoints: read and write the on-disk layout of transformers 5.
+"""Hugging Face checkpoints in: checked before anything trains, read a slice at a time.
 
-In memory, twinpipe's names are transformers 5's (``model.layers.3.mlp.experts.gate_up_proj``),
-but the files differ from memory in two ways, and this module is where that is handled:
+`validate_checkpoint` reads only what describes a checkpoint (``config.json``, the shard
+index, each safetensors header) and refuses, naming the file, the tensor, and the expected
+and found shape or dtype, anything that does not match the model: missing, unexpected or
+mis-shaped tensors, a dtype that is no float (int32 weights), a file shorter than its own
+header says (truncated), a quantisation we do not read. CLIs call it in the parent,
+before any process group starts.
 
-- DeepSeek-V2 and Qwen3-MoE store one ``gate_proj``/``up_proj``/``down_proj`` per expert
-  (``model.layers.3.mlp.experts.7.up_proj.weight [I, H]``), the layout of the published
-  checkpoints; transformers fuses them on load into ``gate_up_proj [E, 2I, H]`` (gate rows
-  first) and ``down_proj [E, H, I]``, and so do we. GPT-OSS is fused on disk as in memory.
-- With tied embeddings ``lm_head.weight`` is not written; it is the embedding.
-
-DeepSeek-V2 in transformers always builds shared experts, of width
-``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width
-``shared_experts`` tensors, which we write and accept (our model has no module for them).
-
-Loading opens safetensors files lazily, so an expert-parallel rank reads only the experts
-it keeps (rank ``r`` of ``EP`` holds experts ``[r * E / EP, (r + 1) * E / EP)``). Every
-tensor name and shape is checked against the config before a byte of weights is read, and
-one error lists everything that is missing, unexpected or mis-shaped.
+`CheckpointWeights` is the weight source (`models.weights`) of a checkpoint folder: a
+rank fills each of its parameters with only the rows it holds, from memory-mapped
+safetensors slices (``safe_open(...).get_slice``), one tensor -- for routed experts one
+expert -- at a time, each file mapped only while that slice is read. On-disk layouts are
+those of `models.hf_layout`; GPT-OSS's MXFP4 experts are dequantised per expert into the
+parameter's dtype, bit for bit as transformers does (`models.mxfp4`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from models.checkpoint_write import save_pretrained
 from models.config import ModelConfig
+from models.config_json import read_config_json
 from models.decoder import SINGLE, ExpertParallel
-from models.model import CausalLM
+from models.hf_layout import (
+    CONFIG_NAME,
+    FLOAT_DTYPES,
+    FUSED_EXPERTS,
+    INDEX_NAME,
+    MXFP4,
+    WEIGHTS_NAME,
+    CheckpointError,
+    check_tensors,
+    expected_hf_shapes,
+    experts_split_on_disk,
+    to_hf_state_dict,
+)
+from models.model import CausalLM, build_part
+from models.mxfp4 import dequantize
+from models.progress import ProgressLine
+from models.weights import Reporting
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_LIST_AT_MOST = 12
-_SHAPES_ONLY = object()  # ops of a meta-device model that is never run
+__all__ = [
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "CheckpointWeights",
+    "from_pretrained",
+    "load_state_dict_hf",
+    "save_pretrained",
+    "to_hf_state_dict",
+    "validate_checkpoint",
+]
 
 
-# ------------------------------------------------------------------ layouts
-def _experts_split_on_disk(config: ModelConfig) -> bool:
-    return config.model_type != "gpt_oss"
+class StoredTensor(NamedTuple):
+    """One tensor of a safetensors file, as its header describes it."""
+
+    file: str
+    dtype: str
+    """safetensors dtype code: ``F32``, ``BF16``, ``U8``, ``I32``, ..."""
+    shape: tuple[int, ...]
+    end: int
+    """Byte of the file where its data ends."""
 
 
-def expected_state_shapes(
-    config: ModelConfig, ep: ExpertParallel = SINGLE
-) -> dict[str, torch.Size]:
-    """Names and shapes of `CausalLM`'s state dict (our naming) for ``config`` at ``ep``.
-
-    Built on the meta device, so it costs no memory at any model size.
-    """
-    with torch.device("meta"):
-        model = CausalLM(config, ops=_SHAPES_ONLY, ep=ep)
-    return {name: t.shape for name, t in model.state_dict().items()}
-
-
-def _meta_state(config: ModelConfig) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.empty(shape, device="meta")
-        for name, shape in expected_state_shapes(config).items()
+def read_header(file: str) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, from its header alone; `CheckpointError` when
+    the file is not safetensors or is shorter than its header says (truncated)."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            raise CheckpointError(
+                f"{file} is truncated or not a safetensors file: it has {size} bytes, "
+                f"less than its header needs ({'8' if length is None else 8 + length})"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as error:
+            raise CheckpointError(f"{file}: unreadable safetensors header ({error})") from None
+    stored = {
+        name: StoredTensor(
+            file, info["dtype"], tuple(info["shape"]), 8 + length + info["data_offsets"][1]
+        )
+        for name, info in header.items()
+        if name != "__metadata__"
     }
+    beyond = [(t.end, name) for name, t in stored.items() if t.end > size]
+    if beyond:
+        end, name = min(beyond)
+        t = stored[name]
+        raise CheckpointError(
+            f"{file} is truncated: it has {size} bytes, but tensor {name} "
+            f"({t.dtype} {list(t.shape)}) ends at byte {end}"
+        )
+    return stored
 
 
-def expected_hf_shapes(config: ModelConfig) -> dict[str, torch.Size]:
-    """Names and shapes of the tensors a full Hugging Face checkpoint of ``config`` holds."""
-    return {name: t.shape for name, t in to_hf_state_dict(_meta_state(config), config).items()}
-
-
-def to_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """Our state dict (whole model, our naming) as the tensors of an HF checkpoint on disk.
-
-    Per-expert tensors are views of the fused ones (no copy); `save_pretrained` writes them.
-    Raises ``ValueError`` naming any tensor that is missing, unexpected or mis-shaped.
-    """
-    _check_tensors(
-        "state dict",
-        expected_state_shapes(config),
-        {name: t.shape for name, t in state_dict.items()},
-        config,
-    )
-    split = _experts_split_on_disk(config)
-    inner = config.moe_intermediate_size
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        fused = _FUSED_EXPERTS.match(name)
-        if not (fused and split):
-            out[name] = tensor
-            continue
-        prefix, kind = fused.groups()
-        for expert in range(tensor.shape[0]):
-            if kind == "gate_up_proj":
-                out[f"{prefix}.{expert}.gate_proj.weight"] = tensor[expert, :inner]
-                out[f"{prefix}.{expert}.up_proj.weight"] = tensor[expert, inner:]
-            else:
-                out[f"{prefix}.{expert}.down_proj.weight"] = tensor[expert]
-    if config.model_type == "deepseek_v2" and not config.n_shared_experts:
-        reference = state_dict["model.embed_tokens.weight"]
-        for layer in range(config.num_hidden_layers):
-            if config.is_moe_layer(layer):
-                out.update(_zero_width_shared_experts(layer, config.hidden_size, reference))
-    return out
-
-
-def _zero_width_shared_experts(
-    layer: int, hidden: int, like: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{layer}.mlp.shared_experts"
-    empty = {"dtype": like.dtype, "device": like.device}
-    return {
-        f"{prefix}.gate_proj.weight": torch.empty(0, hidden, **empty),
-        f"{prefix}.up_proj.weight": torch.empty(0, hidden, **empty),
-        f"{prefix}.down_proj.weight": torch.empty(hidden, 0, **empty),
-    }
-
-
-def _check_tensors(
-    where: str,
-    expected: dict[str, torch.Size],
-    found: dict[str, torch.Size],
-    config: ModelConfig,
-    optional: frozenset[str] = frozenset(),
-) -> None:
-    """One ``ValueError`` listing every missing, unexpected and mis-shaped tensor."""
-    missing = [name for name in expected if name not in found]
-    unexpected = [name for name in found if name not in expected and name not in optional]
-    wrong = [
-        f"{name}: expected {list(expected[name])}, found {list(found[name])}"
-        for name in expected
-        if name in found and tuple(found[name]) != tuple(expected[name])
-    ]
-    if not (missing or unexpected or wrong):
-        return
-    lines = [f"{where} does not match the {config.model_type} config:"]
-    for title, items in (
-        ("missing", [f"{name} {list(expected[name])}" for name in missing]),
-        ("unexpected", [f"{name} {list(found[name])}" for name in unexpected]),
-        ("wrong shape", wrong),
-    ):
-        if items:
-            lines.append(f"  {len(items)} {title}:")
-            lines.extend(f"    {item}" for item in items[:_LIST_AT_MOST])
-            if len(items) > _LIST_AT_MOST:
-                lines.append(f"    ... and {len(items) - _LIST_AT_MOST} more")
-    raise ValueError("\n".join(lines))
-
-
-# ------------------------------------------------------------------ reading
-def _weight_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file, from ``model.safetensors`` or the shard index."""
+def _weight_files(path: str) -> list[str]:
     single = os.path.join(path, WEIGHTS_NAME)
     if os.path.exists(single):
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(_names_in(f), single)
+        return [single]
     index_path = os.path.join(path, INDEX_NAME)
     if not os.path.exists(index_path):
         raise FileNotFoundError(
@@ -169,54 +116,164 @@ def _weight_files(path: str) -> dict[str, str]:
     with open(index_path) as f:
         weight_map = json.load(f).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise TypeError(f"{index_path} has no 'weight_map' of tensor name -> shard file")
-    files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
-    for shard in sorted(set(files.values())):
-        if not os.path.exists(shard):
+        raise CheckpointError(f"{index_path} has no 'weight_map' of tensor name -> shard file")
+    files = sorted(set(weight_map.values()))
+    for shard in files:
+        if not os.path.exists(os.path.join(path, shard)):
             raise FileNotFoundError(f"shard {shard} named in {index_path} does not exist")
-    return files
+    return [os.path.join(path, shard) for shard in files]
 
 
-def _names_in(handle) -> list[str]:
-    return list(handle.keys())  # a safetensors handle is no mapping: no `in`, no iteration
+def quantization_of(raw_config: dict) -> str | None:
+    """``quantization_config.quant_method`` of a ``config.json`` (None: not quantised)."""
+    quantization = raw_config.get("quantization_config")
+    if quantization is None:
+        return None
+    return str(quantization.get("quant_method")) if isinstance(quantization, dict) else "?"
 
 
-class _Reader:
-    """Lazily opened safetensors files; reads whole tensors or a range of their first dim."""
+class CheckpointLayout(NamedTuple):
+    """What a checked checkpoint folder holds."""
 
-    def __init__(self, files: dict[str, str], stack: contextlib.ExitStack) -> None:
-        self.files, self.stack = files, stack
-        self.handles: dict[str, object] = {}
+    path: str
+    config: ModelConfig
+    """The model of its ``config.json``."""
+    quantization: str | None
+    """None, or ``mxfp4`` (GPT-OSS's routed experts)."""
+    tensors: dict[str, StoredTensor]
+    """Every tensor on disk, by name."""
 
-    def _handle(self, name: str):
-        file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(file, framework="pt"))
-        return self.handles[file]
 
-    def shapes(self) -> dict[str, torch.Size]:
-        shapes = {}
-        first_name = {file: name for name, file in self.files.items()}
-        names = {file: set(_names_in(self._handle(name))) for file, name in first_name.items()}
-        for name, file in self.files.items():
-            handle = self._handle(name)
-            if name not in names[file]:
-                raise ValueError(f"tensor {name} is listed for {file} but that file lacks it")
-            shapes[name] = torch.Size(handle.get_slice(name).get_shape())
-        return shapes
+def validate_checkpoint(
+    path: str | os.PathLike, config: ModelConfig | None = None
+) -> CheckpointLayout:
+    """Check a Hugging Face checkpoint folder against ``config`` (default: its own
+    ``config.json``) from its headers alone; raise `CheckpointError` (a ``ValueError``)
+    naming the file, the tensor, and the expected and found shape or dtype."""
+    path = os.fspath(path)
+    config_file = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"no Hugging Face config at {config_file}")
+    _, raw = read_config_json(config_file)  # a truncated or odd file: an error naming it
+    own = ModelConfig.from_hf(config_file)
+    config = config or own
+    quantization = quantization_of(raw)
+    if quantization not in (None, MXFP4) or (quantization and config.model_type != "gpt_oss"):
+        raise CheckpointError(
+            f"{config_file}: quantization_config.quant_method={quantization!r} is not read "
+            f"here; twinpipe reads unquantised checkpoints and GPT-OSS's {MXFP4!r} experts"
+        )
+    if own.model_type != config.model_type:
+        raise CheckpointError(
+            f"{config_file} is a {own.model_type} model, not the {config.model_type} model "
+            "being trained: pass --model for this checkpoint, or another checkpoint"
+        )
+    tensors: dict[str, StoredTensor] = {}
+    index: dict[str, str] = {}
+    if not os.path.exists(os.path.join(path, WEIGHTS_NAME)) and os.path.exists(
+        os.path.join(path, INDEX_NAME)
+    ):
+        with open(os.path.join(path, INDEX_NAME)) as f:
+            index = {
+                n: os.path.join(path, s) for n, s in json.load(f).get("weight_map", {}).items()
+            }
+    for file in _weight_files(path):
+        tensors.update(read_header(file))
+    for name, file in index.items():
+        if name not in tensors or tensors[name].file != file:
+            raise CheckpointError(f"tensor {name} is listed for {file} but that file lacks it")
+    if index:
+        tensors = {name: t for name, t in tensors.items() if name in index}
+    tied = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+    wrong_dtype = [p for n, t in tensors.items() if (p := _dtype_problem(n, t, quantization))]
+    check_tensors(
+        f"checkpoint {path}",
+        expected_hf_shapes(config, quantization),
+        {name: torch.Size(t.shape) for name, t in tensors.items()},
+        config,
+        tied,
+        {name: t.file for name, t in tensors.items()},
+        wrong_dtype,
+    )
+    return CheckpointLayout(path, config, quantization, tensors)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
 
-    def fused_expert(self, prefix: str, kind: str, expert: int) -> torch.Tensor:
-        """One expert's slice of our fused tensor from its per-expert tensors on disk."""
-        if kind == "down_proj":
-            return self.tensor(f"{prefix}.{expert}.down_proj.weight")
-        gate = self.tensor(f"{prefix}.{expert}.gate_proj.weight")
-        return torch.cat([gate, self.tensor(f"{prefix}.{expert}.up_proj.weight")])
+def _dtype_problem(name: str, stored: StoredTensor, quantization: str | None) -> str | None:
+    packed = quantization == MXFP4 and name.endswith(("_blocks", "_scales"))
+    allowed = ("U8",) if packed else FLOAT_DTYPES
+    if stored.dtype in allowed:
+        return None
+    expected = " or ".join(allowed)
+    return f"{name}: expected {expected}, found {stored.dtype} (in {stored.file})"
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._handle(name).get_slice(name)[start:stop]
+
+class CheckpointWeights:
+    """A Hugging Face checkpoint folder as a weight source; checked when built (in the
+    parent), then picklable to every rank."""
+
+    def __init__(self, path: str | os.PathLike, config: ModelConfig | None = None) -> None:
+        self.layout = validate_checkpoint(path, config)
+        """The checked folder: its model, quantisation and tensors."""
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.layout.config
+
+    def __repr__(self) -> str:
+        return f"CheckpointWeights({self.layout.path!r})"
+
+    def _read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a tensor on disk, its file mapped only meanwhile."""
+        with safe_open(self.layout.tensors[name].file, framework="pt") as handle:
+            if start is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[start:stop]
+
+    def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        config = self.config
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        fused = FUSED_EXPERTS.match(name)
+        if fused and experts_split_on_disk(config):
+            prefix, kind = fused.groups()
+            inner = config.moe_intermediate_size
+            for i in range(out.shape[0]):
+                expert = f"{prefix}.{start + i}"
+                if kind == "down_proj":
+                    out[i].copy_(self._read(f"{expert}.down_proj.weight"))
+                else:
+                    out[i, :inner].copy_(self._read(f"{expert}.gate_proj.weight"))
+                    out[i, inner:].copy_(self._read(f"{expert}.up_proj.weight"))
+        elif fused and self.layout.quantization == MXFP4:
+            for i in range(out.shape[0]):  # one expert at a time: [N, K / 32, 16] -> [K, N]
+                e = start + i
+                blocks = self._read(f"{name}_blocks", e, e + 1)
+                scales = self._read(f"{name}_scales", e, e + 1)
+                out[i].copy_(dequantize(blocks, scales, out.dtype)[0].transpose(0, 1))
+        elif start == 0 and out.shape[0] == self.layout.tensors[name].shape[0]:
+            out.copy_(self._read(name))
+        else:
+            out.copy_(self._read(name, start, start + out.shape[0]))
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    ops=None,
+    ep: ExpertParallel = SINGLE,
+    progress: bool | None = None,
+) -> CausalLM:
+    """A `CausalLM` with the weights of an HF checkpoint folder (``ep``'s experts only).
+
+    Built on the meta device and filled in ``dtype`` a tensor at a time: the peak is the
+    model in ``dtype`` plus one tensor. ``progress`` (default: on a terminal) prints
+    tensors and GB read.
+    """
+    source = CheckpointWeights(path)
+    line = ProgressLine(f"loading {os.fspath(path)}", enabled=progress)
+    model = build_part(source.config, Reporting(source, line), ops=ops, ep=ep, dtype=dtype)
+    line.close()
+    return model
 
 
 def load_state_dict_hf(
@@ -227,123 +284,12 @@ def load_state_dict_hf(
 ) -> dict[str, torch.Tensor]:
     """The state dict (our naming) of an HF checkpoint folder, only ``ep``'s expert shard.
 
-    ``config`` defaults to the folder's ``config.json``; ``dtype`` casts (default: as stored).
-    With tied embeddings ``lm_head.weight`` is the embedding tensor (and ignored on disk).
+    ``config`` defaults to the folder's ``config.json``; ``dtype`` casts (default: the
+    embedding's stored dtype). With tied embeddings ``lm_head.weight`` is the embedding.
     """
-    path = os.fspath(path)
-    if config is None:
-        config = ModelConfig.from_hf(path)
-    tied = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
-    files = _weight_files(path)
-    local = expected_state_shapes(config, ep)  # validates ep against num_experts
-    num_local = config.num_experts // ep.size
-    first = ep.rank * num_local
-    split = _experts_split_on_disk(config)
-    out: dict[str, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack:
-        reader = _Reader(files, stack)
-        _check_tensors(
-            f"checkpoint {path}", expected_hf_shapes(config), reader.shapes(), config, tied
-        )
-        for name in local:
-            fused = _FUSED_EXPERTS.match(name)
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                tensor = out["model.embed_tokens.weight"]
-            elif fused and split:
-                prefix, kind = fused.groups()
-                experts = range(first, first + num_local)
-                tensor = torch.stack([reader.fused_expert(prefix, kind, e) for e in experts])
-            elif name.startswith("model.layers.") and ".mlp.experts." in name:
-                tensor = reader.rows(name, first, first + num_local)  # fused on disk
-            else:
-                tensor = reader.tensor(name)
-            if dtype is not None:
-                tensor = tensor.to(dtype)
-            out[name] = tensor
-    return out
-
-
-def from_pretrained(
-    path: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
-    ops=None,
-    ep: ExpertParallel = SINGLE,
-) -> CausalLM:
-    """A `CausalLM` with the weights of an HF checkpoint folder (``ep``'s experts only)."""
-    config = ModelConfig.from_hf(path)
-    state = load_state_dict_hf(path, config, ep)
-    model = CausalLM(config, ops, ep)
-    model.load_state_dict(state, strict=True)
-    return model.to(dtype)
-
-
-# ------------------------------------------------------------------ writing
-def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns its storage (safetensors refuses views into a shared one)."""
-    tensor = tensor.detach().cpu()
-    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    return tensor if whole and tensor.is_contiguous() else tensor.clone()
-
-
-def _plan_shards(state: dict[str, torch.Tensor], max_shard_bytes: int | None) -> list[list[str]]:
-    """Names per shard, in order; a new shard starts when the next tensor would overflow."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _remove_old_weights(path: str) -> None:
-    for entry in os.listdir(path):
-        if entry in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_NAME.match(entry):
-            os.remove(os.path.join(path, entry))
-
-
-def save_pretrained(
-    model: CausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None
-) -> None:
-    """Write ``config.json`` and the weights in the HF on-disk layout, in the model's dtype.
-
-    Over ``max_shard_bytes`` the weights go to ``model-0000i-of-0000n.safetensors`` shards with
-    a ``model.safetensors.index.json``, as transformers writes them. The model must hold every
-    layer and every expert (gather an expert-parallel model first).
-    """
-    config = model.config
-    if model.ep.size > 1:
-        raise ValueError(
-            f"save_pretrained needs every expert, but this model holds expert shard "
-            f"{model.ep.rank} of {model.ep.size}; gather the experts first"
-        )
-    state = to_hf_state_dict(model.state_dict(), config)
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    _remove_old_weights(path)
-    hf_config = config.to_hf()
-    hf_config["dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    shards = _plan_shards(state, max_shard_bytes)
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(
-            {n: _owned(t) for n, t in state.items()},
-            os.path.join(path, WEIGHTS_NAME),
-            metadata=metadata,
-        )
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: _owned(state[n]) for n in names}, os.path.join(path, file), metadata)
-        weight_map.update({n: file for n in names})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(path, INDEX_NAME), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        f.write("\n")
+    source = CheckpointWeights(path, config)
+    if dtype is None:
+        with safe_open(source.layout.tensors["model.embed_tokens.weight"].file, "pt") as f:
+            dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+    return build_part(source.config, source, ep=ep, dtype=dtype).state_dict()

@@ -137,6 +137,12 @@ def eager_attention(
 
 
 # ------------------------------------------------------------------- attention
+def _init_rope_buffer(attention: nn.Module, dim: int) -> None:
+    """Recompute the rotary table (a meta-device module has none), in the buffer's dtype."""
+    inv_freq = rope_frequencies(attention.config, dim)[0]
+    attention.inv_freq = inv_freq.to(attention.inv_freq.dtype).to(attention.inv_freq.device)
+
+
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2 MLA: low-rank joint KV, optional low-rank Q, one shared rotary key."""
 
@@ -162,12 +168,16 @@ class MultiHeadLatentAttention(nn.Module):
             c.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.config = c
         inv_freq, self.rope_scale = rope_frequencies(c, self.rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = qk_dim**-0.5
         if c.rope_scaling is not None and c.rope_scaling.get("mscale_all_dim"):
             m = _yarn_mscale(c.rope_scaling["factor"], c.rope_scaling["mscale_all_dim"])
             self.scaling *= m * m
+
+    def init_buffers(self) -> None:
+        _init_rope_buffer(self, self.rope)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -215,9 +225,13 @@ class GroupedQueryAttention(nn.Module):
         if self.has_sinks:
             self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.window = c.sliding_window if c.layer_type(layer) == "sliding_attention" else None
+        self.config = c
         inv_freq, self.rope_scale = rope_frequencies(c, self.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = self.head_dim**-0.5
+
+    def init_buffers(self) -> None:
+        _init_rope_buffer(self, self.head_dim)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         batch, seq, _ = x.shape

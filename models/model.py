@@ -7,12 +7,15 @@ in memory (``model.layers.3.mlp.experts.gate_up_proj``, ``lm_head.weight``);
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+
 import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.decoder import SINGLE, DecoderLayer, ExpertParallel, Experts, MoE
-from models.layers import OutputLayer, RMSNorm, Router
+from models.decoder import SINGLE, DecoderLayer, ExpertParallel
+from models.layers import OutputLayer, RMSNorm
+from models.weights import SeededWeights, WeightSource, as_source, materialise
 
 IGNORE_INDEX = -100
 
@@ -72,10 +75,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, ep, layers, embedding, head)
         if head:
             self.lm_head = OutputLayer(config.hidden_size, config.vocab_size)
-            if config.tie_word_embeddings and embedding:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        if embedding and head and len(layers) == config.num_hidden_layers:
-            self.init_weights(torch.Generator().manual_seed(0))
+        self.tie_weights()
 
     @property
     def ops(self):
@@ -98,49 +98,10 @@ class CausalLM(nn.Module):
     def layer(self, index: int) -> DecoderLayer:
         return self.model.layers[str(index)]
 
-    # -------------------------------------------------------------- init
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases.
-
-        Draws from ``generator`` in a fixed order over the full (unsharded) model,
-        so an expert shard gets the same values as the same experts of the whole model.
-        """
-        std = self.config.initializer_range
-        for module in self._init_order():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.copy_(_normal(module.weight.shape, std, generator))
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, Router):
-                module.weight.copy_(_normal(module.weight.shape, std, generator))
-                if hasattr(module, "bias"):
-                    module.bias.zero_()
-            elif isinstance(module, Experts):
-                for name in ("gate_up_proj", "down_proj"):
-                    param = getattr(module, name)
-                    full = (module.num_experts,) + tuple(param.shape[1:])
-                    values = _normal(full, std, generator)
-                    start = module.first_expert
-                    param.copy_(values[start : start + module.num_local])
-                if module.transposed:
-                    module.gate_up_proj_bias.zero_()
-                    module.down_proj_bias.zero_()
-        for layer in self.decoder_layers:
-            if hasattr(layer.self_attn, "sinks"):
-                layer.self_attn.sinks.zero_()
-
-    def _init_order(self):
-        yield self.model.embed_tokens
-        for layer in self.decoder_layers:
-            for module in layer.modules():
-                if not isinstance(module, (MoE,)):
-                    yield module
-        yield self.model.norm
-        if not self.config.tie_word_embeddings:
-            yield self.lm_head
+    def tie_weights(self) -> None:
+        """With tied embeddings, make the output layer's weight the embedding's (again)."""
+        if self.config.tie_word_embeddings and self.has_embedding and self.has_head:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     # ----------------------------------------------------------- forward
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -177,8 +138,33 @@ class CausalLM(nn.Module):
         return self.loss_sum(hidden, labels) / count
 
 
-def _normal(shape, std: float, generator: torch.Generator) -> torch.Tensor:
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+def build_part(
+    config: ModelConfig,
+    source: WeightSource | Mapping[str, torch.Tensor],
+    layers: Iterable[int] | None = None,
+    embedding: bool = True,
+    head: bool = True,
+    ops=None,
+    ep: ExpertParallel = SINGLE,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    shard: Callable[[CausalLM], object] | None = None,
+) -> CausalLM:
+    """The part of the model one rank holds, its weights read from ``source``.
+
+    Built on the meta device, cast to ``dtype`` there, optionally sharded there
+    (``shard(part)``, e.g. FSDP2's `fully_shard` of its modules, which then allocates only
+    this rank's rows), and materialised: each parameter reads only the rows this rank
+    holds (its EP experts, its FSDP2 rows) from the source, in ``dtype``, on ``device``.
+    No random initialisation runs for a tensor that is loaded.
+    """
+    with torch.device("meta"):
+        part = CausalLM(config, ops, ep, layers, embedding, head)
+    part.to(dtype)
+    if shard is not None:
+        shard(part)
+    materialise(part, as_source(source), device)
+    return part
 
 
 def build_model(
@@ -188,34 +174,9 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> CausalLM:
-    """A freshly initialised model; the same ``seed`` gives the same weights at any EP."""
-    model = CausalLM(config, ops, ep)
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model.to(dtype)
-
-
-def build_part(
-    config: ModelConfig,
-    full_state: dict[str, torch.Tensor],
-    layers,
-    embedding: bool,
-    head: bool,
-    ops=None,
-    ep: ExpertParallel = SINGLE,
-    dtype: torch.dtype = torch.float32,
-) -> CausalLM:
-    """The part of the model one pipeline rank holds, with weights taken from ``full_state``
-    (the whole model's state dict; routed experts are sliced to this EP rank's shard)."""
-    part = CausalLM(config, ops, ep, layers, embedding, head).to(dtype)
-    state = {}
-    for name in part.state_dict():
-        source = full_state[name]
-        if ".mlp.experts." in name and source.shape[0] == config.num_experts:
-            per_rank = config.num_experts // ep.size
-            source = source[ep.rank * per_rank : (ep.rank + 1) * per_rank]
-        state[name] = source
-    part.load_state_dict(state, strict=True)
-    return part
+    """A whole model (``ep``'s experts) with `SeededWeights`: the same ``seed`` gives the
+    same weights at any layout."""
+    return build_part(config, SeededWeights(config, seed), ops=ops, ep=ep, dtype=dtype)
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -1,11 +1,12 @@
-"""Named model shapes: the published checkpoints and tiny ones of the same families.
+"""Named model shapes: the published checkpoints, real-width mid-size and tiny ones.
 
-The published shapes are those of the public ``config.json`` files; tiny
-presets keep every feature of their family (MLA, a first dense layer, shared
-experts, group-limited routing, YaRN, sinks, sliding windows, biases, q/k
-norm, normalised top-k) at a size where a forward and backward of 2 x 64
-tokens takes a fraction of a second on one CPU core.
-"""
+The published shapes are those of the public ``config.json`` files. ``mid-*`` presets
+keep a published model's widths with 4 layers, 8 or 16 experts and a 32000 vocabulary
+(0.5 to 1.1 B parameters: real-width tensors one machine can hold). Tiny presets keep
+every feature of their family (MLA, a first dense layer, shared experts, group-limited
+routing, YaRN, sinks, sliding windows, biases, q/k norm, normalised top-k) at a size
+where a forward and backward of 2 x 64 tokens takes a fraction of a second on one CPU
+core."""
 
 from __future__ import annotations
 
@@ -170,6 +171,22 @@ _PRESETS: dict[str, dict] = {
         max_position_embeddings=256,
     ),
 }
+
+
+def _mid(published: str, **changes) -> dict:
+    """A published preset at its real widths with 4 layers, few experts, a 32000 vocabulary."""
+    fields = dict(_PRESETS[published], num_hidden_layers=4, vocab_size=32000, **changes)
+    if fields.get("layer_types"):
+        fields["layer_types"] = fields["layer_types"][:4]
+    return fields
+
+
+# Real-width models with few layers and experts (0.5 to 1.1 B parameters): what the
+# checkpoint, memory and export paths are measured on, on one machine, at the widths
+# the published checkpoints have (hidden, attention, head and expert widths unchanged).
+_PRESETS["mid-deepseek-v2"] = _mid("deepseek-v2-lite", num_experts=16)  # 0.72 B
+_PRESETS["mid-qwen3-moe"] = _mid("qwen3-30b-a3b", num_experts=16)  # 0.51 B
+_PRESETS["mid-gpt-oss"] = _mid("gpt-oss-20b", num_experts=8)  # 1.09 B
 
 PRESET_NAMES = tuple(_PRESETS)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
-from models.model import CausalLM
+from models.model import build_part
 from models.training import OptimizerConfig
+from models.weights import WeightSource
 from reference.ops import ReferenceOps
 
 
@@ -18,12 +19,11 @@ class Oracle:
     def __init__(
         self,
         model: ModelConfig,
-        full_state: dict[str, torch.Tensor],
+        source: WeightSource,
         optimizer: OptimizerConfig,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model = CausalLM(model, ReferenceOps()).to(dtype)
-        self.model.load_state_dict(full_state)
+        self.model = build_part(model, source, ops=ReferenceOps(), dtype=dtype)
         self.part = self.model
         self.optimizer = optimizer.build(self.model.parameters())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from models.config import ModelConfig
@@ -13,6 +15,7 @@ from models.training import (
     even_partition,
     rank_chunks,
 )
+from models.weights import WeightSource
 from reference.dualpipev import ReferenceDualPipeV
 from reference.ops import ReferenceOps
 
@@ -27,18 +30,23 @@ class ReferencePipeline(PipelineRunner):
         model: ModelConfig,
         parallel: ParallelConfig,
         layout: Layout,
-        full_state: dict[str, torch.Tensor],
+        source: WeightSource,
         optimizer: OptimizerConfig,
         stages: list[list[int]] | None = None,
+        device: torch.device | str = "cpu",
+        shard: Callable[[torch.nn.Module], object] | None = None,
     ) -> None:
+        """``source``: where this rank reads its weights (`models.weights`); ``shard``:
+        applied to the meta-device part before it is materialised (FSDP2)."""
         self.model_config, self.parallel, self.layout = model, parallel, layout
         self.ops = ReferenceOps()
         self.stages = stages or even_partition(model.num_hidden_layers, 2 * parallel.pp)
         chunks = rank_chunks(self.stages, layout.pp_rank)
         first_rank = layout.pp_rank == 0
         self.part = build_part(
-            model, full_state, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
-            ops=self.ops, ep=layout.expert_parallel, dtype=parallel.torch_dtype,
+            model, source, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
+            ops=self.ops, ep=layout.expert_parallel, dtype=parallel.torch_dtype, device=device,
+            shard=shard,
         )  # fmt: skip
         self.schedule = ReferenceDualPipeV(self.part, chunks, layout, self.ops)
         self.optimizer = optimizer.build(self.part.parameters())

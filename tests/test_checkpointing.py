@@ -21,7 +21,8 @@ def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path):
     cfg = config("steps=4", "checkpoint.save_every=2", "checkpoint.keep_last=0",
                  f"checkpoint.dir={tmp_path}")  # fmt: skip
     train(cfg)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "run.json", "step-00000002", "step-00000004"]  # fmt: skip
     data = next((tmp_path / "step-00000004").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

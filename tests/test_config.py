@@ -296,3 +296,31 @@ def test_published_preset_parameter_counts(name):
         ours = CausalLM(config, ops=object())
     assert sum(p.numel() for p in hf_model.parameters()) == PUBLISHED_TOTALS[name]
     assert sum(p.numel() for p in ours.parameters()) == PUBLISHED_TOTALS[name]
+
+
+MID_OF = {"mid-deepseek-v2": "deepseek-v2-lite", "mid-qwen3-moe": "qwen3-30b-a3b",
+          "mid-gpt-oss": "gpt-oss-20b"}  # fmt: skip
+WIDTHS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MID_OF))
+def test_mid_presets_have_published_widths(name):
+    """Real widths (hidden, attention, heads, experts) with 4 layers, 8 to 16 experts, a 32000
+    vocabulary, 0.5 to 1.1 B parameters (counted by transformers and by us on meta)."""
+    config, published = preset(name), preset(MID_OF[name])
+    for width in WIDTHS:
+        assert getattr(config, width) == getattr(published, width), width
+    assert config.num_hidden_layers == 4 and 8 <= config.num_experts <= 16
+    assert config.vocab_size == 32000
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**config.to_hf())
+        )
+        ours = CausalLM(config, ops=object())
+    total = sum(p.numel() for p in ours.parameters())
+    assert total == sum(p.numel() for p in hf_model.parameters())
+    assert 0.5e9 <= total <= 1.1e9, total

@@ -162,8 +162,8 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
     # tiny-qwen3-moe at PP=1: routed experts 4 * 49,152 = 196,608, of which an EP=2 rank
     # holds half; everything else 314,048 - 196,608 = 117,440, the output layer
     # (512 * 64 = 32,768) included, is split over the 2 DP ranks.
-    def bytes_for(fsdp, ep=2):
-        config = cfg(pp=1, dp=2, ep=ep, fsdp=fsdp)
+    def bytes_for(fsdp, ep=2):  # parameters resharded after forward: the shards alone
+        config = cfg(pp=1, dp=2, ep=ep, fsdp=fsdp, reshard_after_forward=True)
         stages = (0, 1)
         partition = [range(0, 2), range(2, 4)]
         count = rank_params(config, stages, partition)
@@ -182,7 +182,10 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
     assert weights == gradients == 4 * (117_440 // 2 + 196_608 // 2)
     # A tied output layer stays whole (its 32,768 weights are the embedding's); untied, none.
     model = dataclasses.replace(preset("tiny-qwen3-moe"), tie_word_embeddings=True)
-    tied = EstimateConfig(model, pp=1, dp=2, ep=2, fsdp=True, num_microbatches=2, seq_len=64)
+    tied = EstimateConfig(
+        model, pp=1, dp=2, ep=2, fsdp=True, num_microbatches=2, seq_len=64,
+        reshard_after_forward=True,
+    )  # fmt: skip
     assert head_weight_numel(tied, (0, 1)) == 32_768
     assert head_weight_numel(cfg(pp=1, dp=2, ep=2, fsdp=True), (0, 1)) == 0
     count = rank_params(tied, (0, 1), [range(0, 2), range(2, 4)])
@@ -190,10 +193,22 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
     dense = params["tensor_sharded"] + params["replicated"]
     held = -(-(dense - 32_768) // 2) + 32_768 + 98_304
     assert static_bytes(tied, count, 32_768)[1] == 4 * held
-    # Per layer: the expert gradient over the replicas, the rest over DP.
-    plain, sharded = (layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=f), 1) for f in (False, True))
+    # Per layer, reducing after every micro-batch: the expert gradient over the replicas, the
+    # rest over DP. Reducing once per step (the default): whole until the chunk's last backward.
+    plain = layer_profile(cfg(pp=1, dp=2, ep=1), 1)
+    sharded = layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=True, grad_sync="micro-batch"), 1)
     assert sharded.expert_grad * 2 == plain.expert_grad > 0
     assert sharded.dense_grad * 2 == plain.dense_grad > 0
+    accumulated = layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=True), 1)
+    assert (accumulated.expert_grad, accumulated.dense_grad) == (
+        plain.expert_grad,
+        plain.dense_grad,
+    )
+    # Parameters held gathered from the first forward to the last backward: the whole part's
+    # unsharded weights on top of the shards (experts where EP = DP are whole already).
+    count = rank_params(cfg(pp=1, dp=2, ep=2), (0, 1), [range(0, 2), range(2, 4)])
+    gathered = static_bytes(cfg(pp=1, dp=2, ep=2, fsdp=True, reshard_after_forward=False), count)
+    assert gathered[1] == 4 * (117_440 // 2 + 98_304) + 4 * 117_440
 
 
 def count_tensors():
@@ -222,9 +237,16 @@ def test_estimate_cli_counts_fsdp(capsys):
     ]
     assert cli_main(args) == 0
     plain = json.loads(capsys.readouterr().out)
+    assert cli_main([*args, "--fsdp", "--reshard-after-forward"]) == 0
+    resharded = json.loads(capsys.readouterr().out)
+    assert resharded["ranks"][0]["weights_bytes"] < plain["ranks"][0]["weights_bytes"]
+    # By default (as `twinpipe train`) the part's parameters stay gathered through the step:
+    # the shards plus the whole non-expert part, 117,440 bfloat16 values (EP = DP: the
+    # experts are whole already).
     assert cli_main([*args, "--fsdp"]) == 0
     sharded = json.loads(capsys.readouterr().out)
-    assert sharded["ranks"][0]["weights_bytes"] < plain["ranks"][0]["weights_bytes"]
+    gathered = sharded["ranks"][0]["weights_bytes"] - resharded["ranks"][0]["weights_bytes"]
+    assert gathered == 2 * 117_440
     # The trainer's optimizer precision comes with --fsdp: float32 moments and masters of
     # the bfloat16 parameters, 12 bytes per sharded parameter instead of 4.
     assert (

@@ -29,7 +29,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from harness.compare import _rank_main  # noqa: E402
-from models import build_model, preset  # noqa: E402
+from models import SeededWeights, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402
 from optimized.estimator import estimate_for_compare  # noqa: E402
@@ -74,7 +74,7 @@ def _measure(name, layout, dtype):
             micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, dtype=dtype,
         )  # fmt: skip
         models = {n: preset(n) for n in MODELS}
-        states = {n: build_model(m).state_dict() for n, m in models.items()}
+        states = {n: SeededWeights(m) for n, m in models.items()}
         args = (models, parallel, states, OptimizerConfig())
         per_rank = launch(_rank_all, parallel.world_size, args)
         _RESULTS[key] = (models, parallel, per_rank)

@@ -7,7 +7,7 @@ import torch
 
 from harness.compare import _assemble, _rank_main, _run_oracle
 from harness.compare_checks import compare_tensors
-from models import build_model, preset
+from models import SeededWeights, preset
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
 from reference.pipeline import ReferencePipeline
@@ -25,7 +25,7 @@ def _layout_worker(configs, parallel, states, steps, optimizer):
 
 def _check_against_oracle(configs, parallel, steps=1):
     optimizer = OptimizerConfig()
-    states = [build_model(cfg, seed=7).state_dict() for cfg in configs]
+    states = [SeededWeights(cfg, seed=7) for cfg in configs]
     per_rank = launch(
         _layout_worker, parallel.world_size, (configs, parallel, states, steps, optimizer)
     )
@@ -79,7 +79,7 @@ def _trajectory_worker(cfg, parallel, state, steps):
 @pytest.mark.multiprocess
 def test_layout_does_not_change_the_loss_trajectory():
     cfg = preset("tiny-qwen3-moe")
-    state = build_model(cfg, seed=11).state_dict()
+    state = SeededWeights(cfg, seed=11)
     common = dict(micro_batch_size=1, seq_len=32, seed=2)
     pipeline = ParallelConfig(pp=2, dp=1, ep=1, micro_batches=4, **common)
     data = ParallelConfig(pp=1, dp=2, ep=1, micro_batches=2, **common)
@@ -106,7 +106,7 @@ def _planted_failure_worker(cfg, parallel, state):
 def test_planted_exception_ends_every_rank():
     cfg = preset("tiny-qwen3-moe")
     parallel = ParallelConfig(pp=2, dp=1, micro_batches=4, seq_len=16)
-    state = build_model(cfg).state_dict()
+    state = SeededWeights(cfg)
     # timeout_s is a hang guard only: a hang would end as a timeout, not as rank 1's error.
     with pytest.raises(RankFailed, match="planted failure on rank 1") as failure:
         launch(_planted_failure_worker, 2, (cfg, parallel, state), timeout_s=300)

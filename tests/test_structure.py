@@ -73,7 +73,7 @@ def test_a_model_without_ops_refuses_to_run_and_says_how():
 
 
 def _marks_worker(names):
-    from models import build_model, preset
+    from models import SeededWeights, preset
     from models.distributed import ParallelConfig, make_layout
     from models.training import OptimizerConfig, synthetic_batch
     from optimized.pipeline import OptimizedPipeline
@@ -83,7 +83,7 @@ def _marks_worker(names):
     model = preset("tiny-deepseek-v2")
     parallel = ParallelConfig(pp=2, dp=1, ep=1, micro_batches=5, micro_batch_size=1, seq_len=16)
     layout = make_layout(parallel)
-    state = build_model(model, seed=0).state_dict()
+    state = SeededWeights(model, seed=0)
     marks = {}
     for name, cls in (("reference", ReferencePipeline), ("optimized", OptimizedPipeline)):
         pipeline = cls(model, parallel, layout, state, OptimizerConfig())

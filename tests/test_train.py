@@ -70,17 +70,25 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep):
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@1:1")
     first = train(cfg)[0]
     assert first["signal"] and first["stopped_at"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-00000002"]
     monkeypatch.delenv("TWINPIPE_FAULT")
     second = train(cfg)[0]
     assert second["start"] == 2
     assert first["losses"] + second["losses"] == whole
-    # Sharding changes no loss and no gradient norm beyond float32 rounding.
+    # Sharding changes no loss and no gradient norm beyond float32 rounding. FSDP2 sums each
+    # micro-batch's reduced gradient, unsharded runs reduce the summed ones: the first step
+    # differs by that rounding only (rel <= 1e-6). AdamW then amplifies it where a gradient
+    # is near its eps (an update of lr * g / (|g| + eps)): weights drift ~2e-6 apart after
+    # one step, and at EP=2 step 3's gradient norm is 2.1e-6 apart (measured; the same
+    # expert choices, replayed: no routing swap), so later steps are held to DESIGN.md's
+    # float32 loss bound, 1e-5.
     metrics = tmp_path / "plain.jsonl"
     plain = train(config(*common[:-1], "parallel.fsdp=false", f"logging.metrics_file={metrics}"))
     plain_norms = [json.loads(x)["gradient_norm"] for x in metrics.read_text().splitlines()]
-    for a, b in zip(whole + norms, plain[0]["losses"] + plain_norms, strict=True):
-        assert abs(a - b) <= 1e-6 * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
+    pairs = zip(whole + norms, plain[0]["losses"] + plain_norms, strict=True)
+    for index, (a, b) in enumerate(pairs):
+        bound = 1e-6 if index % len(whole) == 0 else 1e-5
+        assert abs(a - b) <= bound * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
 
 
 @pytest.mark.parametrize("ep", [(2, 4), (1, 2)], ids=["ep2-ep4", "ep1-ep2"])
@@ -133,7 +141,7 @@ def test_crashed_rank_ends_every_rank_with_its_error():
         "--micro-batches", "2", "--dp", "2", "--steps", "50", "--nproc", "2",
         TWINPIPE_FAULT="crash@1:1",
     )  # fmt: skip
-    assert done.returncode == 1
+    assert done.returncode == 3  # a crash (#19): never 1, which means "outside tolerance"
     assert "rank 1 crashed at step 2" in done.stderr
 
 

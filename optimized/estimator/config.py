@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.config import ModelConfig
+from models.distributed import GRAD_SYNC
 
 STACKS = ("reference", "optimized")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,6 +84,13 @@ class EstimateConfig:
     a list of 0/1 per layer; None follows the model's own rule (`ModelConfig.is_moe_layer`)."""
     num_mtp_layers: int | None = None
     """Multi-token-prediction layers on the last stage; None takes the model's field."""
+    grad_sync: str = "step"
+    """With ``fsdp``: ``step`` (FSDP2 reduces each unit once per step, at its chunk's last
+    backward: its gradient is held unsharded from the chunk's first backward) or
+    ``micro-batch`` (reduced after every backward, held sharded)."""
+    reshard_after_forward: bool = False
+    """With ``fsdp``: gathered parameters freed after each forward (on) or held from a unit's
+    first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
     expert_load: tuple[int, ...] | None = None
@@ -210,6 +218,10 @@ class EstimateConfig:
             )
         if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
             raise _bad("num_mtp_layers", self.num_mtp_layers, "expected None or >= 0")
+        if self.grad_sync not in GRAD_SYNC:
+            raise _bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise _bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
         if self.stack not in STACKS:
             raise _bad("stack", self.stack, f"expected one of {STACKS}")
         if self.num_microbatches < 2 * self.pp:

@@ -105,10 +105,19 @@ def fsdp_divisor(config: EstimateConfig, experts: bool = False) -> int:
     return config.expert_dp if experts else config.dp
 
 
+def grad_divisor(config: EstimateConfig, experts: bool = False) -> int:
+    """How many ways a gradient is split while the step runs: as `fsdp_divisor`, except that
+    with ``grad_sync="step"`` FSDP2 reduces a unit only at its chunk's last backward, so its
+    gradient accumulates unsharded (1) from the chunk's first backward until then."""
+    if config.fsdp and config.grad_sync == "step":
+        return 1
+    return fsdp_divisor(config, experts)
+
+
 def embedding_grad_bytes(config: EstimateConfig) -> int:
     """The embedding's gradient: FSDP-sharded unless it is tied to the output layer."""
     whole = grad_bytes(config, embedding_params(config.model))
-    return whole if config.model.tie_word_embeddings else whole // fsdp_divisor(config)
+    return whole if config.model.tie_word_embeddings else whole // grad_divisor(config)
 
 
 def head_weight_numel(config: EstimateConfig, stages) -> int:
@@ -141,8 +150,8 @@ def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     inner = m.moe_intermediate_size // config.etp
     local = m.num_experts // config.ep if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
-    expert_grad = weight_numel * config.grad_bytes // fsdp_divisor(config, experts=True)
-    dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // fsdp_divisor(config)
+    expert_grad = weight_numel * config.grad_bytes // grad_divisor(config, experts=True)
+    dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // grad_divisor(config)
     if not is_moe:
         forward, backward = dense_transients(config, saved)
         return LayerProfile(attention, 0, 0, 0, dense_grad, 0, forward, backward)
@@ -186,7 +195,7 @@ def chunk_profile(
             head_bwd = 2 * logits * b
         head_grad = grad_bytes(config, head_params(m))
         if not m.tie_word_embeddings:  # FSDP2 shards the final norm and the output layer
-            head_grad //= fsdp_divisor(config)
+            head_grad //= grad_divisor(config)
     return ChunkProfile(profiles, head_saved, head_fwd, head_bwd, head_grad, embedding_grad)
 
 
@@ -270,7 +279,9 @@ def static_bytes(
     """(per-rank params by bucket, weight, gradient, optimizer bytes) of one rank.
 
     Under ``fsdp`` parameters and gradients are split like `fsdp_divisor` (rows rounded
-    up); ``head_numel``: the output-layer weight this rank holds whole (`head_weight_numel`)."""
+    up); ``head_numel``: the output-layer weight this rank holds whole (`head_weight_numel`).
+    Without ``reshard_after_forward`` FSDP2 also holds every unit's gathered parameters from
+    its first forward to its last backward: the weights add the whole part's unsharded size."""
     params = shard(count, config)
     dense = params["tensor_sharded"] + params["replicated"]
     experts = params["routed_experts"]
@@ -280,6 +291,9 @@ def static_bytes(
         held += -(-experts // fsdp_divisor(config, experts=True))
     weights = held * config.param_bytes
     gradients = held * config.grad_bytes
+    if config.fsdp and not config.reshard_after_forward:
+        gathered = dense - head_numel + (experts if config.expert_dp > 1 else 0)
+        weights += gathered * config.param_bytes
     if config.shard_optimizer or config.fsdp:
         dense, experts = -(-dense // config.dp), -(-experts // config.expert_dp)
     # AdamW: two moments (and a master copy if asked) per parameter, a float32 step per tensor.

@@ -16,7 +16,7 @@ from optimized.estimator.memory import (
     batch_bytes,
     buffer_bytes,
     embedding_grad_bytes,
-    fsdp_divisor,
+    grad_divisor,
     head_weight_numel,
     layer_profile,
     rank_params,
@@ -69,7 +69,7 @@ def estimate_rank_optimized(
     # Under FSDP2 the fused loss's whole-weight gradient buffer waits for the backward,
     # which reduce-scatters it into a 1/DP shard; without, micro-batch 0's becomes the grad.
     sharded_head = config.fsdp and not m.tie_word_embeddings
-    head_divisor = fsdp_divisor(config) if sharded_head else 1
+    head_divisor = grad_divisor(config) if sharded_head else 1
     # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
     # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th

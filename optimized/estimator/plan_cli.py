@@ -29,11 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--global-batch", type=int, required=True, help="sequences per step over all DP ranks"
     )
-    parser.add_argument("--stack", choices=("reference", "optimized"), default="optimized")
+    parser.add_argument(
+        "--stack",
+        choices=("reference", "optimized"),
+        default="optimized",
+        help="whose activations to count: the plain reference stack or the optimized one",
+    )
     parser.add_argument(
         "--margin", type=float, default=0.1, help="share of GPU memory kept free (default 0.1)"
     )
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="parameter and activation dtype",
+    )
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -52,13 +62,20 @@ def run(args: argparse.Namespace) -> int:
     from models.presets import resolve_model
 
     try:
+        model = resolve_model(args.model)
+        if args.seq_len > model.max_position_embeddings:
+            raise ValueError(
+                f"--seq-len={args.seq_len} is invalid: {args.model} has "
+                f"max_position_embeddings={model.max_position_embeddings}; expected 1.."
+                f"{model.max_position_embeddings}"
+            )
         request = PlanRequest(
-            resolve_model(args.model), gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory),
+            model, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory),
             seq_len=args.seq_len, global_batch=args.global_batch, stack=args.stack,
             margin=args.margin, dtype=args.dtype, optimizer=args.optimizer, fsdp=args.fsdp,
         )  # fmt: skip
         planned = plan(request)
-    except (ValueError, FileNotFoundError, TypeError) as error:
+    except (ValueError, OSError, TypeError) as error:
         print(f"twinpipe plan: error: {error}", file=sys.stderr)
         return 2
     fitting = [p for p in planned if p.fits]

@@ -55,12 +55,23 @@ TAG_FORWARD = (0, 1)
 TAG_BACKWARD = (2, 3)
 
 
-def _summed_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """The fused output layer and cross-entropy, summed over tokens (`OutputLayer.fused_loss`
-    calls it through the module, so FSDP2 gathers a sharded ``weight`` around it)."""
-    return linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+class SummedLinearCrossEntropy(NamedTuple):
+    """The fused output layer and cross-entropy, summed over tokens, and its z-loss part
+    (`OutputLayer.fused_loss` calls it through the module, so FSDP2 gathers a sharded
+    ``weight`` around it). Label smoothing and z-loss are the trainer's options
+    (``loss.label_smoothing``, ``loss.z_loss``); the reference stack has neither."""
+
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(
+            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            label_smoothing=self.label_smoothing, lse_square_scale=self.z_loss,
+            return_z_loss=True,
+        )  # fmt: skip
 
 
 class ChunkRun(NamedTuple):
@@ -92,8 +103,16 @@ class _Send(NamedTuple):
 class OptimizedDualPipeV:
     """Runs one training or evaluation step of DualPipeV on this pipeline rank."""
 
-    def __init__(self, part, chunks: tuple[list[int], list[int]], layout: Layout) -> None:
+    def __init__(
+        self,
+        part,
+        chunks: tuple[list[int], list[int]],
+        layout: Layout,
+        loss: SummedLinearCrossEntropy | None = None,
+    ) -> None:
         self.part = part
+        self.loss_fn = loss or SummedLinearCrossEntropy()
+        """The loss stage's objective (plain cross-entropy unless the trainer sets options)."""
         self.chunks = chunks
         self.layout = layout
         self.rank, self.num_ranks = layout.pp_rank, layout.pp
@@ -104,6 +123,12 @@ class OptimizedDualPipeV:
         """Keep the list of early frees in the last step's context (tests)."""
         self.context: ExecutionContext | None = None
         """The last step's execution context."""
+        self.gradient_sync = None
+        """Optional `optimized.pipeline.gradient_sync.GradientSync`, told of every backward
+        (before it runs) and every W step (after): FSDP2 reduces at the schedule's marks."""
+
+    defers_weight_gradients = True
+    """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""
 
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
@@ -174,6 +199,7 @@ class OptimizedDualPipeV:
         """Backward of the oldest forwarded micro-batch of ``chunk``; ``defer``: ZB backward."""
         run = self.saved[chunk].popleft()
         self._observe(f"B{chunk}", run.micro_batch)
+        self._before_backward(chunk)
         store = self.context.weight_grads
         with store.deferring() if defer else nullcontext():
             grad = self._backward_start(chunk, run)
@@ -185,6 +211,7 @@ class OptimizedDualPipeV:
         j = self._next_forward(forward_chunk)
         run = self.saved[backward_chunk].popleft()
         self._observe(f"F{forward_chunk}&B{backward_chunk}", j)
+        self._before_backward(backward_chunk)
         start = self._forward_input(forward_chunk, j)
         grad = self._backward_start(backward_chunk, run)
         hidden, grad = overlapped_layers(start.layers, start.hidden, run.layers, grad)
@@ -195,6 +222,8 @@ class OptimizedDualPipeV:
         """Run the oldest deferred backward's expert weight gradients."""
         self._observe("W", None)
         self.context.weight_grads.pop()
+        if self.gradient_sync is not None:
+            self.gradient_sync.after_weight()
 
     # -------------------------------------------- chunk ends: embed, loss, p2p
     class _Start(NamedTuple):
@@ -235,7 +264,9 @@ class OptimizedDualPipeV:
         time, so no ``[tokens, vocab]`` logits wait here for the backward.
         """
         normed = self.part.model.norm(hidden)
-        return self.part.lm_head.fused_loss(normed, labels, _summed_linear_cross_entropy)
+        loss, z_loss = self.part.lm_head.fused_loss(normed, labels, self.loss_fn)
+        self.z_loss = self.z_loss + z_loss.detach() / self.token_count
+        return loss
 
     def _backward_start(self, chunk: int, run: ChunkRun) -> torch.Tensor:
         """The gradient of the chunk's last layer output."""
@@ -249,6 +280,10 @@ class OptimizedDualPipeV:
             backward_stage((run.embedded,), (grad,))
         else:
             self._send_gradient(chunk, grad)
+
+    def _before_backward(self, chunk: int) -> None:
+        if self.gradient_sync is not None:
+            self.gradient_sync.before_backward(chunk)
 
     def _next_forward(self, chunk: int) -> int:
         j = self.forwarded[chunk]
@@ -339,6 +374,8 @@ class OptimizedDualPipeV:
         if self.training:
             self.completions = send_completions(self.rank, self.num_ranks, self.num_micro_batches)
         self.loss = torch.zeros((), dtype=torch.float32)
+        self.z_loss = torch.zeros((), dtype=torch.float32)
+        """This rank's share of the step's mean z-loss (part of ``loss``), for logging."""
 
     def _end(self) -> torch.Tensor:
         self._finish_sends(None)

@@ -6,6 +6,8 @@ so the harness drives both the same way; nothing here imports the reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from models.config import ModelConfig
@@ -16,9 +18,10 @@ from models.training import (
     PipelineRunner,
     rank_chunks,
 )
+from models.weights import WeightSource
 from optimized.estimator.config import EstimateConfig
 from optimized.ops import OptimizedOps
-from optimized.pipeline.dualpipev import OptimizedDualPipeV
+from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
 from optimized.pipeline.partition import choose_partition
 
 
@@ -42,10 +45,18 @@ class OptimizedPipeline(PipelineRunner):
         model: ModelConfig,
         parallel: ParallelConfig,
         layout: Layout,
-        full_state: dict[str, torch.Tensor],
+        source: WeightSource,
         optimizer: OptimizerConfig,
         stages: list[list[int]] | None = None,
+        device: torch.device | str = "cpu",
+        shard: Callable[[torch.nn.Module], object] | None = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> None:
+        """``source``: where this rank reads its weights (`models.weights`); ``shard``:
+        applied to the meta-device part before it is materialised (FSDP2).
+        ``label_smoothing`` and ``z_loss`` (the z-loss weight) change the objective; they
+        are the trainer's options, which the reference stack does not have."""
         self.model_config, self.parallel, self.layout = model, parallel, layout
         self.stages = stages or default_partition(model, parallel)
         chunks = rank_chunks(self.stages, layout.pp_rank)
@@ -53,8 +64,11 @@ class OptimizedPipeline(PipelineRunner):
         # The part's own ops serve the embedding and the loss; the layers get each
         # step's ops, wired to that step's weight-gradient store.
         self.part = build_part(
-            model, full_state, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
+            model, source, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
             ops=OptimizedOps(), ep=layout.expert_parallel, dtype=parallel.torch_dtype,
+            device=device, shard=shard,
         )  # fmt: skip
-        self.schedule = OptimizedDualPipeV(self.part, chunks, layout)
+        self.schedule = OptimizedDualPipeV(
+            self.part, chunks, layout, SummedLinearCrossEntropy(label_smoothing, z_loss)
+        )
         self.optimizer = optimizer.build(self.part.parameters())

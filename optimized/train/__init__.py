@@ -5,7 +5,8 @@
   and `loader` (windows and the resumable DP-sharded sampler);
 - `optimizer`: AdamW over sharded parameters with float32 state;
 - `checkpointing`: DCP checkpoints, atomic, layout-free; `export`: Hugging Face out;
-- `trainer`: the training loop on one rank;
+- `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
+  (the optimized runner only) and the z-loss for the log;
 - `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
   (``twinpipe export``).
 

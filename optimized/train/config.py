@@ -28,6 +28,8 @@ else:  # pragma: no cover - Python 3.10
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
+DEFAULT_WARMUP_STEPS = 10
+"""Warmup of a run that sets none, clamped to its length: ``--steps 5`` warms up 5 steps."""
 
 
 @dataclass(slots=True)
@@ -70,6 +72,14 @@ class ParallelSection:
     """Expert-parallel ranks inside each DP group; must divide ``dp``."""
     fsdp: bool | None = None
     """Shard parameters and optimizer state over DP; unset (auto): on when ``dp > 1``."""
+    grad_sync: str = "step"
+    """With FSDP: ``step`` reduce-scatters each unit's gradients once per step, at the last
+    backward (or W) the schedule gives its chunk, holding them unsharded across the
+    micro-batches; ``micro-batch`` after every backward (M times the traffic, less memory)."""
+    reshard_after_forward: bool = False
+    """With FSDP: free gathered parameters after each forward and gather them again for the
+    backward (2 M all-gathers per step, less memory); off (default): gather once per step and
+    hold the part's parameters unsharded until each unit's last backward."""
     nproc: int | None = None
     """Processes launched on this machine; unset: the whole world (``pp * dp``)."""
 
@@ -90,8 +100,9 @@ class OptimSection:
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 3e-5
     """Learning rate the cosine schedule ends at, at step ``steps``."""
-    warmup_steps: int = 10
-    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``; unset: 10, or ``steps``
+    when the run is shorter (`warmup_of`)."""
     lr_schedule: str = "cosine"
     """After warmup: ``cosine`` (decay to ``min_lr``) or ``constant`` (stay at ``lr``)."""
     weight_decay: float = 0.1
@@ -106,6 +117,18 @@ class OptimSection:
 
 
 @dataclass(slots=True)
+class LossSection:
+    """The training objective beyond plain token cross-entropy (optimized stack only: the
+    reference stack and `twinpipe compare` compute the plain loss)."""
+
+    z_loss: float = 0.0
+    """z-loss weight ``s``: ``s * logsumexp(logits)**2`` is added per token (PaLM's 1e-4
+    keeps the logits from drifting); 0 turns it off. Logged on its own when on."""
+    label_smoothing: float = 0.0
+    """Label smoothing ``eps`` in [0, 1): the target is ``(1 - eps) * onehot + eps / V``."""
+
+
+@dataclass(slots=True)
 class CheckpointSection:
     """Where and how often training state is saved."""
 
@@ -116,7 +139,11 @@ class CheckpointSection:
     keep_last: int = 2
     """Checkpoints kept on disk, newest first; 0 keeps all."""
     resume: bool = True
-    """Resume from the newest checkpoint in ``dir`` when there is one."""
+    """Resume from the newest checkpoint in ``dir`` when there is one; off: ``dir`` must
+    hold no checkpoints (or pass ``overwrite``)."""
+    overwrite: bool = False
+    """Delete every checkpoint in ``dir`` (and its run record) before training, and start a
+    new run there; off: never start a new run in a folder that holds one."""
 
 
 @dataclass(slots=True)
@@ -151,6 +178,8 @@ class TrainConfig:
     """The rank layout."""
     optim: OptimSection = field(default_factory=OptimSection)
     """Optimizer and learning-rate schedule."""
+    loss: LossSection = field(default_factory=LossSection)
+    """The objective: z-loss and label smoothing."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Saving and resuming."""
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -273,6 +302,11 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "parallel.ep",
         f"must be >= 1 and divide parallel.dp = {par.dp}",
     )
+    from models.distributed import GRAD_SYNC
+
+    check(
+        par.grad_sync in GRAD_SYNC, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNC)}"
+    )
     world = max(par.pp, 1) * max(par.dp, 1)
     check(
         par.nproc is None or (par.nproc >= 1 and world % par.nproc == 0),
@@ -287,9 +321,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         f"must be in [0, optim.lr = {opt.lr}]",
     )
     check(
-        0 <= opt.warmup_steps <= max(cfg.steps, 0),
+        opt.warmup_steps is None or 0 <= opt.warmup_steps <= max(cfg.steps, 0),
         "optim.warmup_steps",
-        f"must be in [0, steps = {cfg.steps}]",
+        f"must be in [0, steps = {cfg.steps}], or unset for min({DEFAULT_WARMUP_STEPS}, steps)",
     )
     check(
         opt.lr_schedule in LR_SCHEDULES,
@@ -304,6 +338,18 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "must be >= 0 (0 turns clipping off)",
     )
 
+    loss = cfg.loss
+    check(
+        finite(loss.z_loss) and loss.z_loss >= 0,
+        "loss.z_loss",
+        "must be a finite number >= 0 (0 turns the z-loss off)",
+    )
+    check(
+        finite(loss.label_smoothing) and 0 <= loss.label_smoothing < 1,
+        "loss.label_smoothing",
+        "must be in [0, 1) (0 turns smoothing off)",
+    )
+
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")
     check(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
@@ -313,6 +359,12 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 
 
 # --------------------------------------------------------------------------- schedule
+
+
+def warmup_of(cfg: TrainConfig) -> int:
+    """``optim.warmup_steps``, or unset: ``min(DEFAULT_WARMUP_STEPS, steps)``."""
+    given = cfg.optim.warmup_steps
+    return min(DEFAULT_WARMUP_STEPS, max(cfg.steps, 0)) if given is None else given
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -326,10 +378,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     ``step == steps`` and staying there after.
     """
     opt = cfg.optim
+    warmup = warmup_of(cfg)
     if step < 0:
         raise ValueError(f"step = {step} is invalid: must be >= 0")
-    if step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
+    if step < warmup:
+        return opt.lr * (step + 1) / warmup
     if opt.lr_schedule == "constant":
         return opt.lr
     if opt.lr_schedule != "cosine":
@@ -337,8 +390,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
             f"optim.lr_schedule = {opt.lr_schedule!r} is invalid: "
             f"must be one of {', '.join(LR_SCHEDULES)}"
         )
-    decay_steps = cfg.steps - opt.warmup_steps
+    decay_steps = cfg.steps - warmup
     if decay_steps <= 0:
         return opt.min_lr
-    progress = min(1.0, (step - opt.warmup_steps) / decay_steps)
+    progress = min(1.0, (step - warmup) / decay_steps)
     return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

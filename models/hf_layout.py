@@ -1,0 +1,201 @@
+"""The on-disk layout of Hugging Face checkpoints (transformers 5) for the three families.
+
+In memory, twinpipe's names are transformers 5's (``model.layers.3.mlp.experts.gate_up_proj``),
+but the files differ from memory in three ways, and this module says how:
+
+- DeepSeek-V2 and Qwen3-MoE store one ``gate_proj``/``up_proj``/``down_proj`` per expert
+  (``model.layers.3.mlp.experts.7.up_proj.weight [I, H]``), the layout of the published
+  checkpoints; transformers fuses them on load into ``gate_up_proj [E, 2I, H]`` (gate rows
+  first) and ``down_proj [E, H, I]``, and so do we. GPT-OSS is fused on disk as in memory.
+- GPT-OSS is published with its routed experts in MXFP4 (`models.mxfp4`):
+  ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``, transposed
+  (``[E, 2I, H / 32, 16]`` for our ``gate_up_proj [E, H, 2I]``).
+- With tied embeddings ``lm_head.weight`` is not written; it is the embedding.
+
+DeepSeek-V2 in transformers always builds shared experts, of width
+``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width
+``shared_experts`` tensors, which we write and accept (our model has no module for them).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from models.config import ModelConfig
+from models.decoder import SINGLE, ExpertParallel
+from models.model import CausalLM
+from models.mxfp4 import BLOCK
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+MXFP4 = "mxfp4"
+"""``quantization_config.quant_method`` of GPT-OSS's published checkpoints."""
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+"""safetensors dtypes a weight may be stored in (it is cast to the model's dtype on load)."""
+_LIST_AT_MOST = 12
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: the message names the file, the tensor,
+    and what was expected and found."""
+
+
+_SHAPES_ONLY = object()  # ops of a meta-device model that is never run
+
+
+def experts_split_on_disk(config: ModelConfig) -> bool:
+    """Whether routed experts are stored one tensor per expert (DeepSeek-V2, Qwen3-MoE)."""
+    return config.model_type != "gpt_oss"
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """``model-0000k-of-0000n.safetensors`` (``index`` from 0)."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def expected_state_shapes(
+    config: ModelConfig, ep: ExpertParallel = SINGLE
+) -> dict[str, torch.Size]:
+    """Names and shapes of `CausalLM`'s state dict (our naming) for ``config`` at ``ep``.
+
+    Built on the meta device, so it costs no memory at any model size.
+    """
+    with torch.device("meta"):
+        model = CausalLM(config, ops=_SHAPES_ONLY, ep=ep)
+    return {name: t.shape for name, t in model.state_dict().items()}
+
+
+def _meta_state(config: ModelConfig) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.empty(shape, device="meta")
+        for name, shape in expected_state_shapes(config).items()
+    }
+
+
+def mxfp4_shapes(name: str, shape: torch.Size) -> dict[str, torch.Size]:
+    """The ``_blocks`` and ``_scales`` tensors that store our GPT-OSS expert ``name``
+    (``[E, K, N]``, applied as ``x @ W``) in MXFP4: ``[E, N, K / 32, 16]``, ``[E, N, K / 32]``."""
+    experts, inner, outer = shape
+    if inner % BLOCK:
+        raise ValueError(f"{name} {list(shape)}: MXFP4 needs dim 1 to be a multiple of {BLOCK}")
+    groups = inner // BLOCK
+    return {
+        f"{name}_blocks": torch.Size([experts, outer, groups, BLOCK // 2]),
+        f"{name}_scales": torch.Size([experts, outer, groups]),
+    }
+
+
+def expected_hf_shapes(
+    config: ModelConfig, quantization: str | None = None
+) -> dict[str, torch.Size]:
+    """Names and shapes of the tensors a full Hugging Face checkpoint of ``config`` holds
+    (``quantization="mxfp4"``: GPT-OSS's routed experts as MXFP4 blocks and scales)."""
+    shapes = {name: t.shape for name, t in to_hf_state_dict(_meta_state(config), config).items()}
+    if quantization != MXFP4:
+        return shapes
+    out: dict[str, torch.Size] = {}
+    for name, shape in shapes.items():
+        out.update(mxfp4_shapes(name, shape) if FUSED_EXPERTS.match(name) else {name: shape})
+    return out
+
+
+def to_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Our state dict (whole model, our naming) as the tensors of an HF checkpoint on disk.
+
+    Per-expert tensors are views of the fused ones (no copy); `save_pretrained` writes them.
+    Raises ``ValueError`` naming any tensor that is missing, unexpected or mis-shaped.
+    """
+    check_tensors(
+        "state dict",
+        expected_state_shapes(config),
+        {name: t.shape for name, t in state_dict.items()},
+        config,
+    )
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        out.update(hf_tensors(name, tensor, config))
+    if config.model_type == "deepseek_v2" and not config.n_shared_experts:
+        reference = state_dict["model.embed_tokens.weight"]
+        for layer in range(config.num_hidden_layers):
+            if config.is_moe_layer(layer):
+                out.update(_zero_width_shared_experts(layer, config.hidden_size, reference))
+    return out
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our whole tensor ``name`` as the tensors that store it on disk (views, no copy):
+    itself, or one per expert (gate and up rows of ``gate_up_proj`` apart)."""
+    fused = FUSED_EXPERTS.match(name)
+    if not (fused and experts_split_on_disk(config)):
+        return {name: tensor}
+    prefix, kind = fused.groups()
+    inner = config.moe_intermediate_size
+    out = {}
+    for expert in range(tensor.shape[0]):
+        if kind == "gate_up_proj":
+            out[f"{prefix}.{expert}.gate_proj.weight"] = tensor[expert, :inner]
+            out[f"{prefix}.{expert}.up_proj.weight"] = tensor[expert, inner:]
+        else:
+            out[f"{prefix}.{expert}.down_proj.weight"] = tensor[expert]
+    return out
+
+
+def _zero_width_shared_experts(
+    layer: int, hidden: int, like: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{layer}.mlp.shared_experts"
+    empty = {"dtype": like.dtype, "device": like.device}
+    return {
+        f"{prefix}.gate_proj.weight": torch.empty(0, hidden, **empty),
+        f"{prefix}.up_proj.weight": torch.empty(0, hidden, **empty),
+        f"{prefix}.down_proj.weight": torch.empty(hidden, 0, **empty),
+    }
+
+
+def check_tensors(
+    where: str,
+    expected: dict[str, torch.Size],
+    found: dict[str, torch.Size],
+    config: ModelConfig,
+    optional: frozenset[str] = frozenset(),
+    files: dict[str, str] | None = None,
+    wrong_dtype: list[str] | None = None,
+) -> None:
+    """One `CheckpointError` listing every missing, unexpected and mis-shaped tensor (with the
+    file that holds it, given ``files``), and the ``wrong_dtype`` ones found elsewhere."""
+
+    def at(name: str) -> str:
+        return f" (in {files[name]})" if files and name in files else ""
+
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected and name not in optional]
+    wrong = [
+        f"{name}: expected {list(expected[name])}, found {list(found[name])}{at(name)}"
+        for name in expected
+        if name in found and tuple(found[name]) != tuple(expected[name])
+    ]
+    wrong_dtype = wrong_dtype or []
+    if not (missing or unexpected or wrong or wrong_dtype):
+        return
+    lines = [f"{where} does not match the {config.model_type} config:"]
+    for title, items in (
+        ("missing", [f"{name} {list(expected[name])}" for name in missing]),
+        ("unexpected", [f"{name} {list(found[name])}{at(name)}" for name in unexpected]),
+        ("wrong shape", wrong),
+        ("wrong dtype", wrong_dtype),
+    ):
+        if items:
+            lines.append(f"  {len(items)} {title}:")
+            lines.extend(f"    {item}" for item in items[:_LIST_AT_MOST])
+            if len(items) > _LIST_AT_MOST:
+                lines.append(f"    ... and {len(items) - _LIST_AT_MOST} more")
+    raise CheckpointError("\n".join(lines))

@@ -1,0 +1,116 @@
+"""Weight sources and meta-device parts: each rank reads only its rows, and the same seed
+gives the same weights at any layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import ExpertParallel, SeededWeights, StateDictWeights, build_model, preset
+from models.model import build_part
+from models.training import even_partition, rank_chunks
+
+PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+
+
+class Recording:
+    """A source that remembers what it was asked for (and fills from a seeded one)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def fill(self, name, out, start=0):
+        self.calls.append((name, start, tuple(out.shape), out.dtype))
+        self.inner.fill(name, out, start)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_same_seed_same_weights_at_any_layout(name):
+    """Every pipeline part (PP=2, the V layout) at every EP rank (EP=2, 4) holds exactly the
+    whole model's values of the same seed; another seed differs."""
+    config = preset(name)
+    whole = build_model(config, seed=5).state_dict()
+    stages = even_partition(config.num_hidden_layers, 4)
+    for ep_size in (2, 4):
+        per_rank = config.num_experts // ep_size
+        for ep_rank in range(ep_size):
+            for pp_rank in range(2):
+                chunks = rank_chunks(stages, pp_rank)
+                part = build_part(
+                    config, SeededWeights(config, 5), chunks[0] + chunks[1],
+                    embedding=pp_rank == 0, head=pp_rank == 0,
+                    ep=ExpertParallel(None, ep_rank, ep_size),
+                )  # fmt: skip
+                for param_name, tensor in part.state_dict().items():
+                    expected = whole[param_name]
+                    if ".mlp.experts." in param_name:
+                        expected = expected[ep_rank * per_rank : (ep_rank + 1) * per_rank]
+                    assert torch.equal(tensor, expected), (ep_size, ep_rank, pp_rank, param_name)
+    other = build_model(config, seed=6).state_dict()
+    assert not torch.equal(other["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])
+
+
+def test_any_row_range_equals_the_whole_tensor():
+    """FSDP2 rows: any [start, stop) of a tensor, expert or not, drawn alone, equals those
+    rows of the whole tensor; values are N(0, initializer_range), norms one, biases zero."""
+    config = preset("tiny-gpt-oss", vocab_size=5000)  # embedding rows span several blocks
+    source = SeededWeights(config, 3)
+    generator = torch.Generator().manual_seed(0)
+    for name, shape in {
+        "model.embed_tokens.weight": (5000, 64),
+        "model.layers.1.mlp.experts.gate_up_proj": (8, 64, 64),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+    }.items():
+        whole = torch.empty(shape)
+        source.fill(name, whole)
+        assert abs(float(whole.std()) - config.initializer_range) < 0.1 * config.initializer_range
+        for _ in range(5):
+            start = int(torch.randint(0, shape[0], (1,), generator=generator))
+            stop = int(torch.randint(start + 1, shape[0] + 1, (1,), generator=generator))
+            rows = torch.empty((stop - start,) + shape[1:], dtype=torch.bfloat16)
+            source.fill(name, rows, start)
+            assert torch.equal(rows, whole[start:stop].to(torch.bfloat16)), (name, start, stop)
+    for name, value in (
+        ("model.layers.0.input_layernorm.weight", 1.0),
+        ("model.layers.0.mlp.experts.down_proj_bias", 0.0),
+        ("model.layers.0.self_attn.sinks", 0.0),
+    ):
+        out = torch.full((4,), 7.0)
+        source.fill(name, out)
+        assert torch.equal(out, torch.full((4,), value)), name
+
+
+def test_a_part_reads_only_its_own_rows_once():
+    """A pipeline rank's part at EP rank 1 of 2 asks the source once per parameter, for its
+    own layers and its own experts only, in the part's dtype; the tied output layer is not
+    read (it is the embedding)."""
+    config = preset("tiny-qwen3-moe", tie_word_embeddings=True)
+    source = Recording(SeededWeights(config))
+    part = build_part(
+        config, source, [0, 3], embedding=True, head=True,
+        ep=ExpertParallel(None, 1, 2), dtype=torch.bfloat16,
+    )  # fmt: skip
+    names = [call[0] for call in source.calls]
+    assert sorted(names) == sorted(n for n, _ in part.named_parameters())
+    assert len(names) == len(set(names)) and "lm_head.weight" not in names
+    assert part.lm_head.weight is part.model.embed_tokens.weight
+    assert not any(".layers.1." in n or ".layers.2." in n for n in names)
+    for name, start, _shape, dtype in source.calls:
+        assert dtype == torch.bfloat16
+        assert start == (4 if ".mlp.experts." in name else 0), name
+    asked = sum(torch.Size(shape).numel() for _, _, shape, _ in source.calls)
+    assert asked == sum(p.numel() for p in part.parameters())
+
+
+def test_a_state_dict_is_a_source_and_rope_tables_are_rebuilt():
+    config = preset("tiny-deepseek-v2")
+    whole = build_model(config, seed=2)
+    state = whole.state_dict()
+    part = build_part(config, StateDictWeights(state), [1, 2], False, False, dtype=torch.bfloat16)
+    assert torch.equal(
+        part.layer(1).self_attn.inv_freq, whole.layer(1).self_attn.inv_freq.to(torch.bfloat16)
+    )
+    for name, tensor in part.state_dict().items():
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+    with pytest.raises(KeyError, match="has no tensor model.norm.weight"):
+        build_part(config, StateDictWeights({}), [], False, True)
