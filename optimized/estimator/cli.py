@@ -90,6 +90,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated layers of each of the 2 * pp stages (overrides the partition)",
     )
+    parser.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        default=None,
+        help="shared experts' total width (Megatron's field; default: the model's)",
+    )
+    # Megatron fields twinpipe does not model: accepted so that they are refused by name.
+    parser.add_argument("--context-parallel-size", type=int, default=1, help="refused unless 1")
+    parser.add_argument(
+        "--virtual-pipeline-model-parallel-size", type=int, default=None, help="refused if set"
+    )
+    parser.add_argument("--moe-latent-size", type=int, default=None, help="refused if set")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -126,6 +138,10 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         optimizer_state_dtype=state_dtype,
         master_weights=master,
         layers_per_stage=args.layers_per_stage,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        context_parallel_size=args.context_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        moe_latent_size=args.moe_latent_size,
         grad_sync=args.grad_sync,
         reshard_after_forward=args.reshard_after_forward,
     )
@@ -178,9 +194,9 @@ def format_report(report: dict) -> str:
         )
     meg = report["megatron"]
     lines.append(
-        f"Megatron's formulas (1F1B, selective recompute): weights+optimizer "
-        f"{_gib(meg['weight_and_optimizer_bytes'])}, activations {_gib(meg['activation_bytes'])},"
-        f" total {_gib(meg['total_bytes'])}"
+        f"Megatron-LM's theoretical_memory_usage (activations {meg['activation_formula']}): "
+        f"weights+optimizer {_gib(meg['weight_and_optimizer_bytes'])}, activations "
+        f"{_gib(meg['activation_bytes'])}, total {_gib(meg['total_bytes'])}"
     )
     for row in report.get("partitions", []):
         lines.append(

@@ -334,13 +334,12 @@ PLAN_KINDS = {
     "p2p": ("send",),
     "data_parallel": ("all_gather", "reduce_scatter", "all_reduce", "broadcast"),
 }
-"""How `twinpipe plan`'s three traffic kinds (`optimized.estimator.traffic.KINDS`) group the
-counter's kinds."""
+"""How `twinpipe plan`'s three traffic kinds group the counter's kinds."""
 
 
 def bytes_sent_by_plan_kind(counts: Counts) -> dict[str, int]:
     """Bytes a rank sends per step, grouped as `twinpipe plan` reports them (`PLAN_KINDS`):
-    what `optimized.estimator.traffic.step_traffic` estimates, from `predict_traffic`."""
+    what `optimized.estimator.plan` ranks layouts by, from `predict_traffic`."""
     return {
         name: sum(t.sent for (kind, _), t in counts.items() if kind in kinds)
         for name, kinds in PLAN_KINDS.items()

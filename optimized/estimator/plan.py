@@ -15,8 +15,10 @@ Each is estimated on the partition the stack will run: the optimized runner's, c
 the estimator (`choose_partition`, with the runner's settings: `default_partition`), the
 reference's even split. Each is reported with its largest per-rank peak and whether it
 fits the GPU memory less a margin, DualPipeV's bubble from the simulated schedule
-(`optimized.estimator.bubble`) and the bytes each rank sends per step
-(`optimized.estimator.traffic`). Layouts that fit sort by bubble, then by communication.
+(`optimized.estimator.bubble`) and the bytes each rank sends per step, by the
+communication model (`optimized.estimator.communication`: all-to-all, point-to-point and
+DP/FSDP collectives, exact for balanced routing). Layouts that fit sort by bubble, then
+by communication.
 When none fits, `smallest_change` names the nearest change that would: more GPUs, a
 shorter sequence, or FSDP.
 
@@ -32,11 +34,15 @@ from typing import Any
 
 from models.config import ModelConfig
 from optimized.estimator.bubble import simulate
+from optimized.estimator.communication import (
+    PLAN_KINDS,
+    bytes_sent_by_plan_kind,
+    predict_traffic,
+)
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import static_bytes
 from optimized.estimator.params import model_params
 from optimized.estimator.ranks import estimate_ranks
-from optimized.estimator.traffic import KINDS, step_traffic
 
 OPTIMIZERS = ("train", "adamw")
 FSDP_CHOICES = ("auto", "on", "off")
@@ -228,8 +234,12 @@ def evaluate(config: EstimateConfig, budget: int, partitions: dict | None = None
     )
     if planned.fits:
         planned.bubble = simulate(config.pp, config.num_microbatches).as_dict()
-        per_rank = [step_traffic(config, rank, partition) for rank in range(config.pp)]
-        planned.traffic = {kind: max(t[kind] for t in per_rank) for kind in KINDS}
+        # Each pp-rank's first DP rank (its DP peers send as much, but for routing's skew).
+        per_rank = [
+            bytes_sent_by_plan_kind(predict_traffic(config, rank * config.dp, partition))
+            for rank in range(config.pp)
+        ]
+        planned.traffic = {kind: max(t[kind] for t in per_rank) for kind in PLAN_KINDS}
     return planned
 
 
