@@ -39,6 +39,13 @@ def run(args: argparse.Namespace) -> int:
         print_config(cfg)
         return 0
     from models.distributed import RankFailed, init_process_group, launch  # noqa: PLC0415
+    from optimized.train.trainer import check_weights  # noqa: PLC0415
+
+    try:  # a checkpoint that does not fit is refused here, before any rank starts
+        check_weights(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"twinpipe train: error: {error}", file=sys.stderr)
+        return 2
 
     world = cfg.parallel.world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

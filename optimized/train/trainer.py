@@ -34,24 +34,29 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import CheckpointWeights
+from models.checkpoint import CheckpointWeights, validate_checkpoint
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.presets import resolve_model
+from models.progress import ProgressLine
 from models.training import OptimizerConfig
-from models.weights import SeededWeights, WeightSource
+from models.weights import Reporting, SeededWeights, WeightSource
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
 from optimized.train.optimizer import ShardedAdamW
+from optimized.train.phases import PhasePeaks, format_peaks
 from optimized.train.preparation import default_dataset
+
+DEFAULT_MODEL = "tiny-deepseek-v2"
+"""The model of a run that names none and starts from no checkpoint."""
 
 RUNNER = "optimized.pipeline:OptimizedPipeline"
 """The one seam between the trainer and the stack it drives (``module:Class``)."""
@@ -95,12 +100,14 @@ class StepMetrics:
         return text + (" | skipped (non-finite)" if self.skipped else "")
 
 
-def peak_memory() -> tuple[int, str]:
-    """This process's peak memory in bytes and how it was measured."""
+def peak_memory(peaks: PhasePeaks | None = None) -> tuple[int, str]:
+    """This process's peak memory in bytes and how it was measured (``peaks``: the run's
+    phases reset the high-water mark, and keep the lifetime peak)."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated(), "cuda-max-memory-allocated"
+        value = peaks.lifetime() if peaks else torch.cuda.max_memory_allocated()
+        return value, "cuda-max-memory-allocated"
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib * 1024, "max-rss"
+    return max(kib * 1024, peaks.lifetime() if peaks else 0), "max-rss"
 
 
 class MetricsSink:
@@ -213,15 +220,48 @@ class _StopFlag:
 
 
 # ------------------------------------------------------------------ loop
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on this rank (process group already initialised); returns this rank's
-    per-step losses (``None`` for skipped steps) and where it stopped."""
-    stop = _StopFlag()
-    device = _device(cfg)
-    model_config = resolve_model(cfg.model.name)
-    parallel = parallel_config(cfg, model_config)
-    layout = make_layout(parallel)
-    torch.manual_seed(cfg.seed)
+def train_model(cfg: TrainConfig) -> ModelConfig:
+    """The model a run trains: ``model.name``; unset, the ``init_from`` checkpoint's own
+    model (its config.json), else `DEFAULT_MODEL`."""
+    if cfg.model.name is not None:
+        return resolve_model(cfg.model.name)
+    if cfg.model.init_from is not None:
+        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
+        return ModelConfig.from_hf(str(folder or cfg.model.init_from))
+    return resolve_model(DEFAULT_MODEL)
+
+
+def check_weights(cfg: TrainConfig) -> ModelConfig:
+    """Refuse, before any rank starts, a layout that does not fit the model or a checkpoint
+    (``init_from``, or the one ``checkpoint.dir`` would resume) that does not match it:
+    ``ValueError`` naming the file, the tensor, and the expected and found shape or dtype."""
+    model = train_model(cfg)
+    parallel_config(cfg, model)
+    if cfg.model.init_from is not None:
+        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
+        if folder is not None:
+            checkpointing.validate_training_checkpoint(folder, model)
+        else:
+            validate_checkpoint(cfg.model.init_from, model)
+    if cfg.checkpoint.dir and cfg.checkpoint.resume:
+        folder = checkpointing.newest_valid(cfg.checkpoint.dir, warn=False)
+        if folder is not None:
+            checkpointing.validate_training_checkpoint(folder, model)
+    return model
+
+
+class _Run(NamedTuple):
+    runner: Any
+    optimizer: ShardedAdamW
+    loader: TokenLoader
+    sharded: set[str]
+    start: int
+
+
+def _set_up(cfg: TrainConfig, model_config: ModelConfig, parallel, layout, device) -> _Run:
+    """Build this rank's part on the meta device, FSDP2 on it (DP > 1), its weights read
+    from the checkpoint being resumed, ``init_from`` or the seed (only its own slices),
+    the optimizer (its state from the checkpoint) and the data loader."""
     opt = cfg.optim
     resume = _resume_folder(cfg, layout)
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
@@ -230,11 +270,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
         sharded.update(sharding.apply_fsdp(part, layout, device))
 
+    source = weight_source(cfg, model_config, resume)
+    line = ProgressLine(
+        f"loading {source!r} (rank 0's part)", enabled=None if layout.rank == 0 else False
+    )
     runner = runner_class()(
-        model_config, parallel, layout, weight_source(cfg, model_config, resume),
+        model_config, parallel, layout, Reporting(source, line),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
         device=device, shard=shard if fsdp else None,
     )  # fmt: skip
+    line.close()
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
@@ -245,16 +290,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
         cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
     )  # fmt: skip
-
     start = _resume(resume, optimizer, loader, layout)
+    return _Run(runner, optimizer, loader, sharded, start)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on this rank (process group already initialised); returns this rank's
+    per-step losses (``None`` for skipped steps), where it stopped, and every rank's peak
+    memory in each phase (load, train, save; `optimized.train.phases`)."""
+    stop = _StopFlag()
+    device = _device(cfg)
+    model_config = train_model(cfg)
+    parallel = parallel_config(cfg, model_config)
+    layout = make_layout(parallel)
+    torch.manual_seed(cfg.seed)
+    opt = cfg.optim
+    peaks = PhasePeaks(device)
+    with peaks.phase("load"):
+        runner, optimizer, loader, sharded, start = _set_up(
+            cfg, model_config, parallel, layout, device
+        )
+    fsdp = bool(sharded)
     sink = MetricsSink(cfg, enabled=layout.rank == 0)
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
-    step = start
+    result = {"start": start, "stopped_at": cfg.steps, "signal": False}
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
+            peaks.begin()
             batch = next(loader)
             ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
@@ -275,8 +340,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             else:
                 optimizer.clip(norm, opt.grad_clip)
                 optimizer.step(lr)
+            peaks.end("train")
             elapsed = time.perf_counter() - began
-            memory, source = peak_memory()
+            memory, source = peak_memory(peaks)
             shared = torch.tensor(
                 [elapsed, float(memory), float(stop.requested)], dtype=torch.float64,
                 device=device,
@@ -285,32 +351,31 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
-                    step + 1,
-                    cfg.steps,
-                    float(shared[0]),
-                    loss,
-                    lr,
-                    norm,
-                    tokens_per_step / max(float(shared[0]), 1e-9),
-                    int(shared[1]),
-                    source,
+                    step + 1, cfg.steps, float(shared[0]), loss, lr, norm,
+                    tokens_per_step / max(float(shared[0]), 1e-9), int(shared[1]), source,
                     skipped,
                 )
-            )
+            )  # fmt: skip
             done = step + 1
             stopping = bool(shared[2])
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (
                 done == cfg.steps or stopping or (every and done % every == 0)
             ):
-                _save(cfg, done, optimizer, loader, layout, model_config)
+                with peaks.phase("save"):
+                    _save(cfg, done, optimizer, loader, layout, model_config)
             if stopping:
                 if layout.rank == 0:
                     print(f"SIGTERM: stopped after step {done}, checkpoint saved", flush=True)
-                return {"losses": losses, "start": start, "stopped_at": done, "signal": True}
+                result.update(stopped_at=done, signal=True)
+                break
     finally:
         sink.close()
-    return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": False}
+    every_rank: list[dict[str, int]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(every_rank, peaks.peaks)
+    if layout.rank == 0 and cfg.checkpoint.dir:
+        print(format_peaks(every_rank, peaks.source), flush=True)
+    return {"losses": losses, **result, "memory_peaks": every_rank}
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -373,8 +438,8 @@ def _resume_folder(cfg: TrainConfig, layout: Layout) -> str | None:
 
 
 def _resume(folder: str | None, optimizer, loader, layout: Layout) -> int:
-    """Load the optimizer state and the trainer state of ``folder`` (its parameters are
-    loaded again over those the part was built with); return the step to start from."""
+    """Load the optimizer state and the trainer state of ``folder`` (the parameters were
+    read from it when the part was built); return the step to start from."""
     if folder is None:
         return 0
     state = checkpointing.load_checkpoint(folder, optimizer, layout)
