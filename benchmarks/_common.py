@@ -6,6 +6,12 @@ timed, and records in ``extra_info`` the op, the implementation, the shape,
 the dtype, the device and the peak memory of one extra run measured by
 `harness.memory.MemoryTracker` (exact storage accounting on CPU, the caching
 allocator's statistics on CUDA; inputs included in both).
+
+Shapes: each benchmark names a GPU shape (the seed's: 4096 tokens x 102400 vocabulary in
+bfloat16 for the losses, GPT-OSS-20B's attention at 4096 tokens, ...) and a small CPU
+shape, and `pick` chooses. The GPU shapes are used on CUDA, or anywhere with
+``--gpu-shapes`` (``pytest benchmarks/ --gpu-shapes``, ``twinpipe bench --gpu-shapes``):
+on the CPU interpreter they take minutes per op, but the memory figures are the real ones.
 """
 
 from __future__ import annotations
@@ -21,6 +27,21 @@ ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 ROUNDS = 20 if ON_CUDA else 3
 WARMUP_ROUNDS = 2 if ON_CUDA else 0
+GPU_SHAPES_FLAG = "--gpu-shapes"
+
+_gpu_shapes = ON_CUDA
+
+
+def use_gpu_shapes(on: bool) -> None:
+    """Set by `benchmarks/conftest.py` from ``--gpu-shapes`` before the modules are imported."""
+    global _gpu_shapes
+    _gpu_shapes = on or ON_CUDA
+
+
+def pick(gpu: Any, cpu: Any) -> Any:
+    """The GPU shape on CUDA or with ``--gpu-shapes``, else the CPU shape."""
+    return gpu if _gpu_shapes else cpu
+
 
 Setup = Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -59,6 +80,7 @@ def bench(
         op=op,
         implementation=implementation,
         device=str(DEVICE),
+        shapes="gpu" if _gpu_shapes else "cpu",
         peak_memory_bytes=peak_memory_bytes(run, setup),
         **{
             key: str(value) if isinstance(value, torch.dtype) else value

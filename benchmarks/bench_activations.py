@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import clamped_swiglu, silu_and_mul
 
-ROWS, INNER = (16384, 2816) if ON_CUDA else (256, 512)
+ROWS, INNER = pick(gpu=(16384, 2816), cpu=(256, 512))
 DTYPE = torch.bfloat16
 
 

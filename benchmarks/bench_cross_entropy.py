@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import cross_entropy
 
-TOKENS, VOCAB, HIDDEN = (4096, 102400, 2048) if ON_CUDA else (64, 4096, 64)
+TOKENS, VOCAB, HIDDEN = pick(gpu=(4096, 102400, 2048), cpu=(64, 4096, 64))
 DTYPE = torch.bfloat16
 
 
@@ -26,6 +26,14 @@ IMPLEMENTATIONS = {
     "optimized": cross_entropy,
     "plain": F.cross_entropy,
     "plain_float32": lambda logits, target: F.cross_entropy(logits.float(), target),
+    # reduction="none" (a per-token upstream gradient), label smoothing and z-loss on
+    "optimized_options": lambda logits, target: cross_entropy(
+        logits, target, reduction="none", label_smoothing=0.1, lse_square_scale=1e-4
+    ).mean(),
+    "plain_options": lambda logits, target: (
+        F.cross_entropy(logits, target, reduction="none", label_smoothing=0.1)
+        + 1e-4 * torch.logsumexp(logits.float(), dim=-1).square()
+    ).mean(),
 }
 
 

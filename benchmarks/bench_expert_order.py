@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import gather_from_grouped, scatter_for_grouped_gemm
 
-ROWS, HIDDEN, EXPERTS = (8 * 4096, 2048, 64) if ON_CUDA else (4096, 256, 16)
+ROWS, HIDDEN, EXPERTS = pick(gpu=(8 * 4096, 2048, 64), cpu=(4096, 256, 16))
 DTYPE = torch.bfloat16
 
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import padded_index_gather
 
-SOURCE_ROWS, GATHERED_ROWS, HIDDEN = (
-    (16384, 8 * 16384 - 300, 2048) if ON_CUDA else (1024, 6000, 256)
-)
+SOURCE_ROWS, GATHERED_ROWS, HIDDEN = pick(gpu=(16384, 8 * 16384 - 300, 2048), cpu=(1024, 6000, 256))
 DTYPE = torch.bfloat16
 
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import grouped_linear
 
-ROWS_PER_EXPERT, FAN_IN, FAN_OUT, EXPERTS = (
-    (1024, 2048, 2816, 16) if ON_CUDA else (128, 128, 256, 8)
-)
+ROWS_PER_EXPERT, FAN_IN, FAN_OUT, EXPERTS = pick(gpu=(1024, 2048, 2816, 16), cpu=(128, 128, 256, 8))
 DTYPE = torch.bfloat16
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import DEVICE, ON_CUDA, bench
+from benchmarks._common import DEVICE, bench, pick
 from optimized.ops import linear_cross_entropy
 
-TOKENS, VOCAB, HIDDEN = (4096, 102400, 2048) if ON_CUDA else (64, 4096, 64)
+TOKENS, VOCAB, HIDDEN = pick(gpu=(4096, 102400, 2048), cpu=(64, 4096, 64))
 DTYPE = torch.bfloat16
 
 
@@ -30,9 +30,19 @@ def plain(hidden, weight, target):
     F.cross_entropy(hidden @ weight.t(), target).backward()
 
 
-@pytest.mark.parametrize("implementation", ["optimized", "plain"])
+def optimized_options(hidden, weight, target):
+    """reduction="none" (gradients recomputed chunk by chunk in backward), smoothing, z-loss."""
+    linear_cross_entropy(
+        hidden, weight, target, reduction="none", label_smoothing=0.1, lse_square_scale=1e-4
+    ).mean().backward()
+
+
+IMPLEMENTATIONS = {"optimized": optimized, "plain": plain, "optimized_options": optimized_options}
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 def test_linear_cross_entropy(benchmark, implementation):
-    run = optimized if implementation == "optimized" else plain
+    run = IMPLEMENTATIONS[implementation]
     bench(
         benchmark,
         run,

@@ -3,7 +3,8 @@
 Run ``pytest benchmarks/ --benchmark-json=out.json``. Files are named
 ``bench_*.py``; the hook below collects them, so no pytest configuration is
 needed. On a machine without CUDA, Triton kernels run through the interpreter
-and shapes are small; with CUDA they are realistic.
+and shapes are small; with CUDA, or with ``--gpu-shapes``, they are the seed's
+(4096 tokens x 102400 vocabulary, bfloat16, ...: `benchmarks._common.pick`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ if str(ROOT) not in sys.path:
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-shapes",
+        action="store_true",
+        help="benchmark at the GPU shapes (4096 tokens x 102400 vocabulary, bf16, ...) even "
+        "without CUDA; default: GPU shapes on CUDA, small shapes on CPU",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from benchmarks._common import use_gpu_shapes
+
+    use_gpu_shapes(config.getoption("--gpu-shapes"))
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: pathlib.Path):

@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.diff import classify
-from harness.report import ReportError, git_commit, load_report, machine_description
+from harness.report import (
+    ReportError,
+    git_commit,
+    load_report,
+    machine_description,
+    report_problems,
+)
+from models.inputs import write_or_rescue
 
 DEFAULT_HISTORY = "history"
 DEFAULT_BENCHMARKS = "benchmarks"
@@ -110,10 +117,19 @@ def read_history(history_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError) as error:
             print(f"twinpipe: skipping {path}: {error}", file=sys.stderr)
             continue
+        if isinstance(entry, dict) and entry.get("kind") == "compare":
+            problems = report_problems(entry.get("report") or {})
+            if problems:
+                print(f"twinpipe: skipping {path}: {'; '.join(problems)}", file=sys.stderr)
+                continue
         if not isinstance(entry, dict) or entry.get("kind") not in ("bench", "compare"):
             kind, payload = classify(entry)
             if kind is None:
                 print(f"twinpipe: skipping {path}: not a history entry", file=sys.stderr)
+                continue
+            if kind == "compare" and report_problems(payload):
+                problems = "; ".join(report_problems(payload))
+                print(f"twinpipe: skipping {path}: {problems}", file=sys.stderr)
                 continue
             # A bare report or benchmark JSON dropped into the folder: wrap it.
             entry = {
@@ -151,7 +167,8 @@ def run_benchmarks(
 ) -> tuple[int, Path | None]:
     """Run pytest-benchmark on ``benchmarks``; on success add its JSON to the history.
 
-    Returns pytest's exit status and the history entry written (None on failure).
+    Returns the command's exit code (0; 2 when nothing was collected or ``benchmarks``
+    does not exist; 3 when pytest failed) and the history entry written (None on failure).
     """
     if not Path(benchmarks).exists():
         print(
@@ -176,19 +193,46 @@ def run_benchmarks(
             command += ["-k", keyword]
         command += list(extra_pytest_args or [])
         print("twinpipe bench: " + " ".join(command[2:]), flush=True)
-        status = subprocess.call(command)
+        status = _run_forwarding_signals(command)
+        if status < 0 or status >= 128:  # stopped by a signal, ours or pytest's
+            print("twinpipe bench: stopped by a signal; history unchanged", file=sys.stderr)
+            return 128 + abs(status) % 128, None
         if status != 0:
+            # pytest's 5 (nothing collected) is a -k or --benchmarks that selects nothing:
+            # bad input (2); any other failure is a crash (3), never 1, which means regressed.
             reason = "no benchmark was collected" if status == 5 else "pytest failed"
             print(f"twinpipe bench: {reason} (exit {status}); history unchanged", file=sys.stderr)
-            return status, None
+            return (2 if status == 5 else 3), None
         if not json_path.exists():
             print(
                 "twinpipe bench: pytest wrote no benchmark JSON; history unchanged", file=sys.stderr
             )
-            return 1, None
-        entry = add_benchmark_json(json_path, history_dir)
+            return 3, None
+        entry, rescued = write_or_rescue(
+            history_dir, lambda folder: add_benchmark_json(json_path, folder),
+            "the benchmark results", "bench",
+        )  # fmt: skip
     print(f"twinpipe bench: added {entry}")
-    return 0, entry
+    return (3 if rescued else 0), entry
+
+
+def _run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command``; SIGTERM and SIGINT sent to this process reach it too (a killed
+    `twinpipe bench` must not leave pytest running). Its exit status, negative when a
+    signal ended it."""
+    import signal  # noqa: PLC0415
+
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +248,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
     parser.add_argument(
+        "--gpu-shapes",
+        action="store_true",
+        help="benchmark at the GPU shapes (4096 tokens x 102400 vocabulary, bf16, ...) even "
+        "without CUDA (on the CPU interpreter: minutes per op)",
+    )
+    parser.add_argument(
         "--add-report",
         metavar="PATH",
         action="append",
@@ -212,7 +262,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+
+    try:
+        check_output_dir(args.history, "--history")
+    except BadInput as error:
+        print(f"twinpipe bench: error: {error}", file=sys.stderr)
+        return 2
     if args.add_report:
+        try:  # every report is checked before the first is added
+            for report_path in args.add_report:
+                load_report(report_path)
+        except ReportError as error:
+            print(f"twinpipe bench: error: --add-report {error}", file=sys.stderr)
+            return 2
         for report_path in args.add_report:
             try:
                 entry = add_compare_report(report_path, args.history)
@@ -221,5 +284,6 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(f"twinpipe bench: added {entry}")
         return 0
-    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword)
+    extra = ["--gpu-shapes"] if args.gpu_shapes else []
+    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword, extra)
     return status

@@ -4,6 +4,17 @@ Each subcommand lives in its own module, which exposes ``add_arguments(parser)``
 and ``run(args) -> int``. Modules are imported only when their subcommand runs,
 so `twinpipe --help` stays fast and a missing optional dependency of one
 subcommand never breaks the others.
+
+Exit codes are the same for every subcommand, so scripts can trust them:
+
+- 0: done, or within tolerance;
+- 1: outside tolerance or a regression (`compare`, `diff` only);
+- 2: bad input, reported before any work or process group starts (argparse's own
+  errors are 2 as well);
+- 3: a crash or internal error. An exception no subcommand expected ends here, with
+  its traceback, and never as 1, which a script would read as "regressed";
+- 128 + N: stopped by signal N before the work was done (143 for SIGTERM, 130 for
+  Ctrl-C), after saving what could be saved.
 """
 
 from __future__ import annotations
@@ -12,7 +23,10 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import traceback
 
+EXIT_OK, EXIT_OUTSIDE_TOLERANCE, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("harness.compare", "run two stacks side by side and compare them"),
@@ -20,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("harness.bench", "run the benchmarks and append the results to a history"),
     "dashboard": ("harness.dashboard", "render a static HTML dashboard from a history"),
     "estimate": ("optimized.estimator.cli", "estimate per-rank memory from the configs alone"),
+    "plan": ("optimized.estimator.plan_cli", "list the DualPipeV layouts that fit the GPUs"),
     "train": ("optimized.train.cli", "train a model on the optimized stack"),
     "prepare-data": ("optimized.train.data_cli", "turn text files into a memory-mapped token file"),
     "export": (
@@ -36,6 +51,23 @@ def _available() -> dict[str, tuple[str, str]]:
         if importlib.util.find_spec(module) is not None:
             found[name] = (module, help_text)
     return found
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = (
+            "default" not in text.lower()
+            and action.option_strings
+            and default is not argparse.SUPPRESS
+            and default is not None
+            and not (isinstance(action, argparse._StoreTrueAction) and default is False)
+            and not isinstance(action, argparse._HelpAction)
+        )
+        return f"{text} (default: %(default)s)" if shown else text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,10 +100,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, help_text = available[name]
     module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"twinpipe {name}", description=help_text)
+    sub_parser = argparse.ArgumentParser(
+        prog=f"twinpipe {name}", description=help_text, formatter_class=DefaultsHelpFormatter
+    )
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"twinpipe {name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:  # noqa: BLE001 - the one place an unexpected error becomes exit 3
+        traceback.print_exc()
+        print(
+            f"twinpipe {name}: internal error (exit {EXIT_CRASH}); the traceback above says "
+            "where. Please report it with the command line.",
+            file=sys.stderr,
+        )
+        return EXIT_CRASH
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from harness.compare_checks import (
     build_report,
     format_estimates,
 )
+from harness.compare_communication import communication_section
 from models import CheckpointWeights, SeededWeights, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.model import is_expert_parameter
@@ -58,24 +59,46 @@ def _stack_class(name: str):
 
 # -------------------------------------------------------------- on each rank
 def _rank_main(
-    model, parallel, source, stacks, steps, optimizer, track_memory, progress, pin_routing=False
+    model,
+    parallel,
+    source,
+    stacks,
+    steps,
+    optimizer,
+    track_memory,
+    progress,
+    pin_routing=False,
+    count_routing=False,
 ):
     """One rank of the launched world: run each pipeline stack for ``steps`` steps.
 
     With ``pin_routing`` the first stack records its routers' choices and the second
     replays them (`models.routing`); the second's record carries the replay's result.
+    ``pin_routing="balanced"``: both stacks route by `models.routing.BalancedRouting`.
+    Each step's collective and p2p calls are counted (`harness.compare_communication`).
     """
-    from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
+    from models.communication import counted_step  # noqa: PLC0415
+    from models.routing import BalancedRouting, RoutingTape, attach_routing_tape  # noqa: PLC0415
 
     layout = make_layout(parallel)
     results: dict[str, Any] = {}
     results["coords"] = (layout.pp_rank, layout.dp_rank, layout.ep_rank)
-    tape = RoutingTape() if pin_routing and len(stacks) == 2 else None
+    balanced = pin_routing == "balanced"
+    tape = RoutingTape() if pin_routing and not balanced and len(stacks) == 2 else None
     for index, stack in enumerate(stacks):
         torch.manual_seed(parallel.seed)
         pipeline = _stack_class(stack)(model, parallel, layout, source, optimizer)
         record = {"loss": [], "grads": [], "params": [], "time": [], "memory": [], "eval": None}
+        record["communication"] = []
+        counter = None
+        if count_routing:  # each step's expert choices, for the observed-routing estimate
+            from harness.routing_counts import RoutingCounter  # noqa: PLC0415
+
+            counter = RoutingCounter(pipeline.part, model.num_experts)
+            record["routing_counts"] = []
         replay = None
+        if balanced:
+            attach_routing_tape(pipeline.part, BalancedRouting())
         if tape is not None:
             replay = tape if index == 0 else tape.replay()
             attach_routing_tape(pipeline.part, replay)
@@ -91,8 +114,10 @@ def _rank_main(
         for step in range(steps):
             ids, labels = synthetic_batch(model, parallel, step)
             start = time.perf_counter()
+            if counter is not None:
+                counter.start_step()
             if tracker is not None:
-                with tracker.step():
+                with tracker.step(), counted_step(layout, record["communication"]):
                     loss = pipeline.forward_backward(ids, labels)
                     pipeline.optimizer_step()
                 summary = dict(tracker.breakdown())
@@ -100,15 +125,20 @@ def _rank_main(
                 summary["peak_moment"] = tracker.peak_moment
                 record["memory"].append(summary)
             else:
-                loss = pipeline.forward_backward(ids, labels)
-                pipeline.optimizer_step()
+                with counted_step(layout, record["communication"]):
+                    loss = pipeline.forward_backward(ids, labels)
+                    pipeline.optimizer_step()
             record["time"].append(time.perf_counter() - start)
+            if counter is not None:
+                record["routing_counts"].append(counter.end_step())
             record["loss"].append(loss)
             record["grads"].append(_named(pipeline.part, grads=True))
             record["params"].append(_named(pipeline.part, grads=False))
             if progress and layout.rank == 0:
                 print(f"  [{stack}] step {step + 1}/{steps}  loss {loss:.6f}", file=sys.stderr)
         pipeline.observer = None
+        if counter is not None:
+            counter.close()
         ids, labels = synthetic_batch(model, parallel, steps)
         record["eval"] = pipeline.evaluate(ids, labels)
         if replay is not None and index == 1:
@@ -212,14 +242,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routing",
-        choices=("pinned", "free"),
+        choices=("pinned", "free", "balanced"),
         default="pinned",
         help="pinned: the candidate replays the baseline's expert choices; its router scores "
         "must agree and its own choices may differ only at near-ties (two pipeline sides); "
-        "free: each side routes itself",
+        "free: each side routes itself; balanced: both take the same perfectly balanced "
+        "choices (token t to experts (t k + i) mod E), so the communication estimate is exact",
+    )
+    parser.add_argument(
+        "--grad-sync",
+        choices=("step", "micro-batch"),
+        default="step",
+        help="optimized-fsdp: reduce each FSDP unit's gradients once per step (at the "
+        "schedule's last backward) or after every backward",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        choices=("on", "off"),
+        default="on",
+        help="optimized-fsdp: free gathered parameters after each forward (on), or hold them "
+        "from a unit's first forward to its last backward (off)",
+    )
+    parser.add_argument(
+        "--estimate-routing",
+        choices=("balanced", "observed"),
+        default="balanced",
+        help="the memory estimate beside each measured peak: balanced routing, or the routing "
+        "counts the run saw (the balanced figure shown beside it)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
+
+
+def _pin(routing: str) -> bool | str:
+    """What `_rank_main` takes: True to pin, ``"balanced"``, or False (free)."""
+    return "balanced" if routing == "balanced" else routing == "pinned"
 
 
 def _bad(message: str) -> int:
@@ -227,28 +284,83 @@ def _bad(message: str) -> int:
     return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments on their own (before any file is read), if anything."""
+    import math  # noqa: PLC0415
+
+    from models.inputs import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
+
     for side in ("baseline", "candidate"):
         if getattr(args, side) not in SIDES:
-            return _bad(f"--{side}={getattr(args, side)!r} is not one of {SIDES}")
+            return f"--{side}={getattr(args, side)!r} is not one of {SIDES}"
     if args.baseline == args.candidate:
-        return _bad(f"--baseline and --candidate are both {args.baseline!r}; pick two stacks")
+        return f"--baseline and --candidate are both {args.baseline!r}; pick two stacks"
     if args.steps < 1:
-        return _bad(f"--steps={args.steps} must be at least 1")
+        return f"--steps={args.steps} must be at least 1"
+    if args.routing == "balanced" and "oracle" in (args.baseline, args.candidate):
+        return "--routing balanced pins two pipeline sides; the oracle routes itself"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr={args.lr!r} is invalid: expected a finite learning rate > 0"
+    if args.seed < 0:
+        return f"--seed={args.seed} is invalid: expected an integer >= 0"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout={args.timeout!r} is invalid: expected a finite number of seconds > 0"
+    try:
+        if args.json:
+            check_output_file(args.json, "--json")
+        if args.out:
+            check_output_dir(args.out, "--out")
+    except BadInput as error:
+        return str(error)
+    return None
+
+
+def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
+    """Write ``--json`` and ``--out``; a write that fails goes to a rescue folder, named on
+    stderr. True when everything went where it was asked."""
+    from harness.report import write_report  # noqa: PLC0415
+    from models.inputs import write_or_rescue  # noqa: PLC0415
+
+    def write_json(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+    rescued = False
+    if args.json:
+        rescued |= write_or_rescue(args.json, write_json, "the report JSON", "compare")[1]
+    if args.out:
+        written, lost = write_or_rescue(args.out, lambda p: write_report(report, p), "the report",
+                                        "compare")  # fmt: skip
+        rescued |= lost
+        if not lost:
+            print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    return not rescued
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _argument_problem(args)
+    if problem:
+        return _bad(problem)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
+        grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward == "on",
     )  # fmt: skip
     try:
         model = resolve_model(args.checkpoint or args.model)
         parallel.validate(model)
+        if args.checkpoint:
+            from models.inputs import check_hf_checkpoint  # noqa: PLC0415
+
+            check_hf_checkpoint(args.checkpoint, model, "--checkpoint")
         # The ranks read their own slices of the weights; a checkpoint is checked here first.
         source = (
             CheckpointWeights(args.checkpoint, model)
             if args.checkpoint
             else SeededWeights(model, args.seed)
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         return _bad(str(error))
     optimizer = OptimizerConfig(lr=args.lr)
 
@@ -261,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
     )
     records: dict[str, dict] = {}
     memory_ranks: list[dict] = []
+    communication = None
     if "oracle" in (args.baseline, args.candidate):
         print("  [oracle] running on one process", file=sys.stderr)
         records["oracle"] = _run_oracle(model, parallel, source, args.steps, optimizer)
@@ -271,12 +384,13 @@ def run(args: argparse.Namespace) -> int:
                 _rank_main,
                 parallel.world_size,
                 (model, parallel, source, stacks, args.steps, optimizer,
-                 not args.no_memory, True, args.routing == "pinned"),
+                 not args.no_memory, True, _pin(args.routing),
+                 args.estimate_routing == "observed"),
                 timeout_s=args.timeout,
             )  # fmt: skip
-        except RankFailed as error:
+        except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
             print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
-            return 1
+            return 128 + error.signal if error.signal else 3
         for stack in stacks:
             routing = _routing_summary(per_rank, stack)
             records[stack] = {
@@ -291,23 +405,28 @@ def run(args: argparse.Namespace) -> int:
                     _assemble(per_rank, stack, "params", s, parallel.ep) for s in range(args.steps)
                 ],
             }
+        if len(stacks) == 2:
+            communication = communication_section(
+                per_rank, model, parallel, (args.baseline, args.candidate), args.routing
+            )
         if len(stacks) == 2 and not args.no_memory:
             memory_ranks = _memory_ranks(per_rank, args.baseline, args.candidate)
-            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate))
+            observed = per_rank if args.estimate_routing == "observed" else None
+            _add_estimates(memory_ranks, model, parallel, (args.baseline, args.candidate), observed)
     report = build_report(args, model, parallel, records, memory_ranks)
+    if args.routing == "balanced" and stacks:
+        report["routing"] = {"mode": "balanced"}
+    if communication:
+        report["communication"] = communication
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(args, model, parallel, source)
-    from harness.report import format_table, write_report  # noqa: PLC0415
+    from harness.report import format_table  # noqa: PLC0415
 
     print(format_table(report))
     if memory_ranks:
         estimates = format_estimates(memory_ranks, (args.baseline, args.candidate))
         if estimates:
             print("\nmemory estimate beside the measured peak\n" + estimates)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    if args.out:
-        written = write_report(report, args.out)
-        print(f"report written to {args.out}: {', '.join(p.name for p in written.values())}")
+    if not _write_outputs(args, report):
+        return 3
     return 0 if report["passed"] else 1

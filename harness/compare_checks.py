@@ -145,10 +145,15 @@ def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[d
     for rank, result in enumerate(per_rank):
         if baseline not in result or candidate not in result:
             return []
-        b = max(result[baseline]["memory"], key=lambda m: m["total"], default=None)
-        c = max(result[candidate]["memory"], key=lambda m: m["total"], default=None)
-        if b is None or c is None:
-            return []
+        peaks = []
+        for side in (baseline, candidate):
+            steps = list(enumerate(result[side]["memory"]))
+            if not steps:
+                return []
+            # The step whose peak is shown, so the estimate beside it is that step's.
+            step, peak = max(steps, key=lambda item: item[1]["total"])
+            peaks.append({**peak, "step": step})
+        b, c = peaks
         ranks.append(
             {
                 "rank": rank,
@@ -163,11 +168,17 @@ def _memory_ranks(per_rank: list[dict], baseline: str, candidate: str) -> list[d
     return ranks
 
 
-def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, str]) -> None:
+def _add_estimates(
+    memory_ranks: list[dict], model, parallel, sides: tuple[str, str], per_rank=None
+) -> None:
     """Put the memory estimator's per-rank peak (and Megatron's formula) beside each measured
-    peak, with the relative error of each."""
+    peak, with the relative error of each. The estimate is of the step measured: step 0
+    runs before AdamW has any state (``first_step``), later steps with it. With
+    ``per_rank`` (the ranks' records, with ``routing_counts``) the estimate is of the
+    routing that step saw (`optimized.estimator.routing`), the balanced one beside it."""
     try:
         from optimized.estimator import estimate_for_compare  # noqa: PLC0415
+        from optimized.estimator.routing import received_loads  # noqa: PLC0415
     except ImportError:
         return
     layout = dict(
@@ -175,43 +186,86 @@ def _add_estimates(memory_ranks: list[dict], model, parallel, sides: tuple[str, 
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
     )  # fmt: skip
+
+    def run(stack: str, first: bool, routing=None):
+        if stack == "optimized-fsdp":
+            # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
+            return estimate_for_compare(
+                model, layout, "optimized", fsdp=True, shard_optimizer=True,
+                optimizer_state_dtype="float32", master_weights=True, first_step=first,
+                routing=routing, grad_sync=parallel.grad_sync,
+                reshard_after_forward=parallel.reshard_after_forward,
+            )  # fmt: skip
+        return estimate_for_compare(model, layout, stack, first_step=first, routing=routing)
+
     for key, stack in zip(("baseline", "candidate"), sides):
+        steps = {entry[key].get("step") for entry in memory_ranks}
+        reports, observed = {}, {}
         try:
-            if stack == "optimized-fsdp":
-                # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
-                report = estimate_for_compare(
-                    model, layout, "optimized", fsdp=True, shard_optimizer=True,
-                    optimizer_state_dtype="float32", master_weights=True,
-                )  # fmt: skip
-            else:
-                report = estimate_for_compare(model, layout, stack)
+            for step in steps:
+                reports[step] = run(stack, step == 0)
+                if per_rank is not None and "routing_counts" in per_rank[0].get(stack, {}):
+                    counts = {
+                        r: res[stack]["routing_counts"][step] for r, res in enumerate(per_rank)
+                    }
+                    loads = received_loads(counts, parallel.dp, parallel.ep, model.num_experts)
+                    mine = {e["rank"]: loads[e["rank"]] for e in memory_ranks
+                            if e[key].get("step") == step}  # fmt: skip
+                    observed.update(run(stack, step == 0, mine)["observed_ranks"])
         except (ValueError, TypeError) as error:
             print(f"  estimate for {stack} unavailable: {error}", file=sys.stderr)
             continue
-        megatron = report["megatron"]["total_bytes"]
         for entry in memory_ranks:
+            step = entry[key].get("step")
+            report = reports[step]
+            megatron = report["megatron"]["total_bytes"]
             pp_rank = entry["rank"] // parallel.dp
-            estimated = report["ranks"][pp_rank]["peak_bytes"]
+            balanced = report["ranks"][pp_rank]["peak_bytes"]
             measured = entry[key]["total"]
-            entry[key]["estimate"] = {
-                "peak_bytes": estimated,
-                "error": estimated / measured - 1 if measured else None,
+            estimate = {
+                "step": step,
+                "first_step": step == 0,
+                "routing": "balanced",
+                "peak_bytes": balanced,
+                "error": balanced / measured - 1 if measured else None,
                 "megatron_bytes": megatron,
                 "megatron_error": megatron / measured - 1 if measured else None,
             }
+            if entry["rank"] in observed:
+                seen = observed[entry["rank"]]["peak_bytes"]
+                estimate.update(
+                    routing="observed",
+                    peak_bytes=seen,
+                    error=seen / measured - 1 if measured else None,
+                    balanced_peak_bytes=balanced,
+                    balanced_error=balanced / measured - 1 if measured else None,
+                )
+            entry[key]["estimate"] = estimate
 
 
 def format_estimates(memory_ranks: list[dict], sides: tuple[str, str]) -> str:
     """The estimator's and Megatron's peaks beside each measured one."""
-    lines = ["rank  stack       measured peak  estimate (err)          megatron (err)"]
+    observed = any(
+        entry[key].get("estimate", {}).get("routing") == "observed"
+        for entry in memory_ranks
+        for key in ("baseline", "candidate")
+    )
+    head = "observed routing (err)  balanced (err)       " if observed else "estimate (err)       "
+    lines = [f"rank  stack       step  measured peak  {head}   megatron (err)"]
     for entry in memory_ranks:
         for key, stack in zip(("baseline", "candidate"), sides):
             est = entry[key].get("estimate")
             if not est:
                 continue
+            step = est.get("step")
+            # Step 0 runs before AdamW has state: its estimate counts none (Megatron's does).
+            label = f"{step} (no optimizer state)" if est.get("first_step") else f"{step}"
+            beside = ""
+            if "balanced_peak_bytes" in est:
+                beside = f"  {est['balanced_peak_bytes']:>12,} ({est['balanced_error']:+.2%})"
             lines.append(
-                f"{entry['rank']:<5} {stack:<11} {entry[key]['total']:>13,}  "
-                f"{est['peak_bytes']:>12,} ({est['error']:+.1%})  "
+                f"{entry['rank']:<5} {stack:<11} {label:<5} {entry[key]['total']:>13,}  "
+                f"{est['peak_bytes']:>12,} ({est['error']:+.2%}){beside}  "
                 f"{est['megatron_bytes']:>12,.0f} ({est['megatron_error']:+.1%})"
             )
     return "\n".join(lines) if len(lines) > 1 else ""

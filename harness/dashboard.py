@@ -303,8 +303,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+
     if not Path(args.history).is_dir():
         print(f"twinpipe dashboard: error: {args.history}: no such history folder", file=sys.stderr)
+        return 2
+    try:
+        check_output_dir(args.out, "--out")
+    except BadInput as error:
+        print(f"twinpipe dashboard: error: {error}", file=sys.stderr)
         return 2
     page = render(args.history, args.out)
     print(f"twinpipe dashboard: wrote {page}")

@@ -16,11 +16,14 @@ A regression is:
   ``--memory-tolerance`` (1% by default); in benchmarks, any ``extra_info``
   figure whose name says bytes or memory;
 - time per step (median over steps) or a benchmark's median time growing by
-  more than ``--time-tolerance`` (10% by default, the noise margin).
+  more than ``--time-tolerance`` (10% by default, the noise margin);
+- a figure the old document has and the new one lacks (a memory, time or error
+  figure, a rank's memory, a whole benchmark): what was not measured cannot pass.
 
-Everything else that changed (configuration, machine, benchmarks added or
-removed, improvements) is reported as information. Exit status: 1 on a
-regression, 0 otherwise, 2 when an input is missing or not a report.
+Everything else that changed (configuration, machine, benchmarks or figures added,
+improvements) is reported as information. Exit status: 1 on a regression, 0
+otherwise, 2 when an input is missing, not a report, or malformed (a section of
+the wrong shape); a crash is 3 (`harness.cli`), never 1.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepdiff import DeepDiff
-
-from harness.report import format_bytes, is_compare_report, read_json
+from harness.diff_judge import (  # noqa: F401 - Tolerances and DiffResult are part of this API
+    DiffResult,
+    Tolerances,
+    _deepdiff_lines,
+    _judge,
+    _number,
+    _seconds,
+    _series_max,
+)
+from harness.report import format_bytes, is_compare_report, read_json, report_problems
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -57,32 +66,6 @@ class InputError(ValueError):
     """An input file is missing, not JSON, or not something `diff` understands."""
 
 
-@dataclass(frozen=True)
-class Tolerances:
-    """Relative growth allowed before a change counts as a regression."""
-
-    memory: float = 0.01
-    time: float = 0.10
-    error: float = 0.0
-
-
-@dataclass
-class DiffResult:
-    """What changed between two documents, in words."""
-
-    kind: str
-    regressions: list[str] = field(default_factory=list)
-    improvements: list[str] = field(default_factory=list)
-    changes: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not self.regressions
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed}
-
-
 # ---------------------------------------------------------------------- loading
 
 
@@ -96,7 +79,22 @@ def load_document(path: str | Path) -> tuple[str, dict[str, Any]]:
             f"{path}: not a compare report (an object with a boolean 'passed'), "
             "a `twinpipe bench` history entry, or pytest-benchmark JSON (with 'benchmarks')"
         )
+    problems = report_problems(payload) if kind == "compare" else _benchmark_problems(payload)
+    if problems:
+        raise InputError(f"{path}: malformed {kind} document:\n  " + "\n  ".join(problems))
     return kind, payload
+
+
+def _benchmark_problems(document: dict[str, Any]) -> list[str]:
+    problems = []
+    for i, bench in enumerate(document.get("benchmarks") or []):
+        if not isinstance(bench, dict):
+            problems.append(f"benchmarks[{i}] = {bench!r:.60}: expected an object")
+            continue
+        for key in ("stats", "extra_info"):
+            if bench.get(key) is not None and not isinstance(bench[key], dict):
+                problems.append(f"benchmarks[{i}].{key} = {bench[key]!r:.60}: expected an object")
+    return problems
 
 
 def classify(document: Any) -> tuple[str | None, dict[str, Any]]:
@@ -116,113 +114,6 @@ def classify(document: Any) -> tuple[str | None, dict[str, Any]]:
 
 def _is_benchmark_json(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("benchmarks"), list)
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _series_max(values: Any) -> float | None:
-    """Largest value of a per-step series; NaN if any step is NaN; None if absent."""
-    if not isinstance(values, list):
-        return _number(values)
-    numbers = [_number(v) for v in values]
-    numbers = [v for v in numbers if v is not None]
-    if not numbers:
-        return None
-    if any(math.isnan(v) for v in numbers):
-        return math.nan
-    return max(numbers)
-
-
-def _percent(old: float, new: float) -> str:
-    if old == 0:
-        return "from zero"
-    return f"{abs(new - old) / abs(old) * 100:.1f}%"
-
-
-def _judge(
-    result: DiffResult,
-    what: str,
-    old: float | None,
-    new: float | None,
-    limit: float,
-    show: Any = None,
-    verb: tuple[str, str] = ("grew", "shrank"),
-) -> None:
-    """Growth beyond ``limit`` (relative) is a regression; a drop is an improvement."""
-    if old is None or new is None:
-        if old is not None or new is not None:
-            result.changes.append(f"{what}: {_show(old, show)} -> {_show(new, show)}")
-        return
-    if math.isnan(new) and not math.isnan(old):
-        result.regressions.append(f"{what} became NaN (was {_show(old, show)})")
-        return
-    if math.isnan(old):
-        if not math.isnan(new):
-            result.improvements.append(f"{what} is no longer NaN ({_show(new, show)})")
-        return
-    values = f"({_show(old, show)} -> {_show(new, show)})"
-    if new > old * (1 + limit) and new > old:
-        result.regressions.append(
-            f"{what} {verb[0]} {_percent(old, new)} {values}, limit {limit * 100:g}%"
-        )
-    elif new < old:
-        result.improvements.append(f"{what} {verb[1]} {_percent(old, new)} {values}")
-    elif new > old:
-        result.changes.append(
-            f"{what} {verb[0]} {_percent(old, new)} {values}, within {limit * 100:g}%"
-        )
-
-
-def _show(value: float | None, show: Any) -> str:
-    if value is None:
-        return "absent"
-    if show is not None:
-        return show(value)
-    return f"{value:.4g}"
-
-
-def _seconds(value: float) -> str:
-    if value < 1e-3:
-        return f"{value * 1e6:.3g} us"
-    if value < 1:
-        return f"{value * 1e3:.3g} ms"
-    return f"{value:.3g} s"
-
-
-def _deepdiff_lines(old: Any, new: Any, prefix: str) -> list[str]:
-    """Structural and value changes, in words, with ``root`` replaced by ``prefix``."""
-    diff = DeepDiff(old, new, ignore_order=False, verbose_level=2)
-    lines = []
-
-    def name(path: str) -> str:
-        return prefix + path[len("root") :]
-
-    for path, change in diff.get("values_changed", {}).items():
-        lines.append(f"{name(path)}: {change['old_value']!r} -> {change['new_value']!r}")
-    for path, change in diff.get("type_changes", {}).items():
-        lines.append(f"{name(path)}: {change['old_value']!r} -> {change['new_value']!r}")
-    for key in ("dictionary_item_added", "iterable_item_added"):
-        for path, value in _items(diff.get(key)):
-            lines.append(f"{name(path)} added: {value!r}")
-    for key in ("dictionary_item_removed", "iterable_item_removed"):
-        for path, value in _items(diff.get(key)):
-            lines.append(f"{name(path)} removed (was {value!r})")
-    return sorted(lines)
-
-
-def _items(entries: Any) -> list[tuple[str, Any]]:
-    if not entries:
-        return []
-    if isinstance(entries, dict):
-        return list(entries.items())
-    return [(path, "") for path in entries]
 
 
 # ---------------------------------------------------------------------- compare reports
@@ -277,7 +168,10 @@ def _judge_memory(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> 
     names = {"baseline": new.get("baseline", "baseline"), "candidate": new.get("candidate")}
     for rank in sorted(set(old_ranks) | set(new_ranks), key=str):
         if rank not in new_ranks:
-            result.changes.append(f"rank {rank}: memory figures removed")
+            result.regressions.append(
+                f"rank {rank}: memory figures are missing from the new report "
+                "(what was not measured cannot pass)"
+            )
             continue
         if rank not in old_ranks:
             result.changes.append(f"rank {rank}: memory figures added")
@@ -344,7 +238,9 @@ def diff_benchmarks(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -
     result = DiffResult("bench")
     old_benches, new_benches = _benchmarks_by_name(old), _benchmarks_by_name(new)
     for name in sorted(set(old_benches) - set(new_benches)):
-        result.changes.append(f"benchmark {name} removed")
+        result.regressions.append(
+            f"benchmark {name} is missing from the new run (what was not measured cannot pass)"
+        )
     for name in sorted(set(new_benches) - set(old_benches)):
         result.changes.append(f"benchmark {name} added")
     for name in sorted(set(old_benches) & set(new_benches)):

@@ -36,6 +36,8 @@ timing) and every reader here copes with its absence.
         ]
       },
       "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
+      "communication": {...},               # per rank and kind: calls, bytes, predicted
+                                            # (schema: harness.compare_communication)
       "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, ...},
       "git_commit": str,
       "machine": str
@@ -141,11 +143,83 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError)
 
 
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a compare report, with an error that names the file when it is not one."""
+    """Read a compare report, with an error that names the file when it is not one, or
+    when a section has the wrong shape (`report_problems`)."""
     report = read_json(path, ReportError)
     if not is_compare_report(report):
         raise ReportError(f"{path}: not a compare report (an object with a boolean 'passed')")
+    problems = report_problems(report)
+    if problems:
+        raise ReportError(f"{path}: malformed compare report:\n  " + "\n  ".join(problems))
     return report
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _series_problem(where: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
+        return f"{where} = {value!r:.60}: expected a list of numbers (one per step)"
+    return None
+
+
+def report_problems(report: dict[str, Any]) -> list[str]:
+    """Every section of a compare report whose shape its readers (`twinpipe diff`, the
+    dashboard) would choke on; empty when the report is well formed. Sections are
+    optional; a present one must have the documented shape."""
+    problems: list[str] = []
+
+    def section(name: str) -> dict[str, Any]:
+        value = report.get(name)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{name} = {value!r:.60}: expected an object")
+            return {}
+        return value or {}
+
+    for name, keys in (
+        ("loss", ("baseline", "candidate", "rel_error")),
+        ("grads", ("max_rel_error", "max_one_minus_cos")),
+        ("params", ("max_rel_error",)),
+        ("time", ("baseline", "candidate")),
+    ):
+        values = section(name)
+        problems += [p for k in keys if (p := _series_problem(f"{name}.{k}", values.get(k)))]
+    tolerance = section("tolerance")
+    problems += [
+        f"tolerance.{k} = {v!r:.60}: expected a number"
+        for k, v in tolerance.items()
+        if not (_is_number(v) or isinstance(v, (str, bool)) or v is None)
+    ]
+    section("config")
+    ranks = section("memory").get("ranks")
+    if ranks is not None and not isinstance(ranks, list):
+        problems.append(f"memory.ranks = {ranks!r:.60}: expected a list, one entry per rank")
+        ranks = []
+    for i, entry in enumerate(ranks or []):
+        if not isinstance(entry, dict):
+            problems.append(f"memory.ranks[{i}] = {entry!r:.60}: expected an object")
+            continue
+        if not (entry.get("rank") is None or isinstance(entry.get("rank"), int)):
+            problems.append(f"memory.ranks[{i}].rank = {entry['rank']!r:.60}: expected an int")
+        for side in ("baseline", "candidate"):
+            figures = entry.get(side)
+            if figures is None:
+                continue
+            if not isinstance(figures, dict):
+                problems.append(f"memory.ranks[{i}].{side} = {figures!r:.60}: expected an object")
+                continue
+            problems += [
+                f"memory.ranks[{i}].{side}.{k} = {figures[k]!r:.60}: expected a number of bytes"
+                for k in ("total", *CATEGORIES)
+                if figures.get(k) is not None and not _is_number(figures[k])
+            ]
+        for k in ("ratio", "activation_ratio"):
+            if entry.get(k) is not None and not _is_number(entry[k]):
+                problems.append(f"memory.ranks[{i}].{k} = {entry[k]!r:.60}: expected a number")
+    return problems
 
 
 def is_compare_report(obj: Any) -> bool:
@@ -233,6 +307,8 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
     routing = report.get("routing")
     if not routing:
         return []
+    if routing.get("mode") == "balanced":
+        return ["routing: balanced (both sides took token t to experts (t k + i) mod E)"]
     if routing.get("mode") != "pinned":
         return ["routing: free (each side chose its own experts)"]
     line = (
@@ -247,6 +323,12 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
     elif routing.get("problems"):
         line = line.replace(", all near-ties (", " (")
     return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
+
+
+def _communication_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+    from harness.report_communication import communication_lines  # noqa: PLC0415 (uses this)
+
+    return communication_lines(report, markdown)
 
 
 def _verdict(report: dict[str, Any]) -> str:
@@ -267,6 +349,7 @@ def format_table(report: dict[str, Any]) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "worst gradients", *_table(header, rows, markdown=False)]
+    lines += _communication_lines(report, markdown=False)
     tolerance = report.get("tolerance")
     if tolerance:
         lines += ["", "tolerance: " + ", ".join(f"{k}={v}" for k, v in tolerance.items())]
@@ -301,6 +384,7 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "## Worst gradients", "", *_table(header, rows, True)]
+    lines += _communication_lines(report, markdown=True)
     if images:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(image).stem}]({image})" for image in images]

@@ -11,7 +11,6 @@ any process group starts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,22 +244,29 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face ``config.json`` (a path to it, its folder, or its dict)."""
+        from models.config_json import ModelConfigError, check_supported, read_config_json
+
         if isinstance(path_or_dict, dict):
-            raw = dict(path_or_dict)
+            where, raw = "config", dict(path_or_dict)
         else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"no Hugging Face config at {path}")
-            with open(path) as f:
-                raw = json.load(f)
+            where, raw = read_config_json(path_or_dict)
         model_type = raw.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; "
-                f"expected one of {FAMILIES}"
+            raise ModelConfigError(
+                f"{where}: model_type={model_type!r} is not supported; expected one of {FAMILIES}"
             )
+        check_supported(raw, where)
+        try:
+            return cls._from_raw(raw, model_type)
+        except KeyError as error:
+            raise ModelConfigError(
+                f"{where}: required field {error.args[0]!r} is missing for a {model_type} model"
+            ) from None
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ModelConfigError(f"{where}: {error}") from None
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any], model_type: str) -> ModelConfig:
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope = dict(rope)
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))

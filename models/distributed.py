@@ -3,7 +3,8 @@ all-to-all both stacks dispatch with, and the launcher.
 
 Both stacks and the harness run on this: it is plain `torch.distributed` (gloo on
 CPU, NCCL on GPU), started either by `torchrun` (env:// rendezvous) or by
-`launch`, which spawns N local processes for tests, the harness and the CLI.
+`launch` (`models.launch`), which spawns N local processes for tests, the harness and
+the CLI.
 
 Rank numbering: ``rank = pp_rank * DP + dp_rank``. The EP group of a rank is the
 block of EP consecutive dp-ranks that holds it; expert replicas are the dp-ranks
@@ -13,24 +14,25 @@ expert gradients over the expert replicas.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import tempfile
-import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.config import ModelConfig
 from models.decoder import ExpertParallel
 
+# The launcher lives in `models.launch`; its names stay importable from here.
+from models.launch import (  # noqa: F401
+    DEFAULT_TIMEOUT_S,
+    RankFailed,
+    init_process_group,
+    launch,
+)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRAD_SYNC = ("step", "micro-batch")
 
 
 @dataclass(slots=True)
@@ -53,6 +55,15 @@ class ParallelConfig:
     """Parameter and activation dtype: float32 or bfloat16."""
     seed: int = 0
     """Seed of the weights and of the synthetic data."""
+    grad_sync: str = "step"
+    """When FSDP2 reduces gradients (sharded runners only): ``step``, once per step per
+    unit at the schedule's last backward (or last W) of its chunk, holding the unsharded
+    gradient across the micro-batches; ``micro-batch``, after every backward."""
+    reshard_after_forward: bool = True
+    """FSDP2 (sharded runners only): free gathered parameters after each forward and gather
+    them again for the backward (on); off: gather at a unit's first forward of the step and
+    keep them until its last backward (one all-gather per step, the whole part's
+    parameters held unsharded)."""
 
     @property
     def world_size(self) -> int:
@@ -79,6 +90,10 @@ class ParallelConfig:
                 raise bad(name, value, "expected a positive integer")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"expected one of {tuple(DTYPES)}")
+        if self.grad_sync not in GRAD_SYNC:
+            raise bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
         if self.micro_batches < 2 * self.pp:
             raise bad(
                 "micro_batches",
@@ -211,109 +226,3 @@ def all_to_all(
             f"input_split_sizes sum to {sum(input_split_sizes)} but x has {x.shape[0]} rows"
         )
     return AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group)
-
-
-# ---------------------------------------------------------------------- launch
-DEFAULT_TIMEOUT_S = 120.0
-
-
-def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the job from the environment (torchrun or `launch`): NCCL on GPU, gloo on CPU."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    local_rank: int,
-    fn: Callable,
-    args: tuple,
-    world_size: int,
-    port: int,
-    result_dir: str,
-    timeout_s: float,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    init_process_group(timeout_s)
-    try:
-        result = fn(*args)
-    except BaseException:
-        # Note when and how this rank failed: once one rank dies, its peers fail too
-        # (their connections close), and the launcher reports the first failure, the
-        # root cause, rather than whichever secondary failure it happens to see first.
-        with open(os.path.join(result_dir, f"error{local_rank}.txt"), "w") as f:
-            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
-        raise
-    torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _first_failure(result_dir: str) -> str | None:
-    """The traceback of the rank that failed first, if any rank recorded one."""
-    failures = []
-    for name in os.listdir(result_dir):
-        if name.startswith("error") and name.endswith(".txt"):
-            with open(os.path.join(result_dir, name)) as f:
-                stamp, _, trace = f.read().partition("\n")
-            failures.append((float(stamp), int(name[5:-4]), trace))
-    if not failures:
-        return None
-    stamp, rank, trace = min(failures)
-    others = sorted(r for _, r, _ in failures if r != rank)
-    also = f" (ranks {others} failed after it)" if others else ""
-    return f"rank {rank} failed first{also}:\n{trace}"
-
-
-class RankFailed(RuntimeError):
-    """A rank of a launched job raised; the message holds its traceback."""
-
-
-def launch(
-    fn: Callable,
-    world_size: int,
-    args: tuple = (),
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` local processes; return each rank's result.
-
-    A rank that raises ends every rank: the others are terminated and a
-    `RankFailed` carrying the failing rank's traceback is raised here. A rank
-    stuck in a collective times out after ``timeout_s``.
-    """
-    with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
-        try:
-            mp.start_processes(
-                _worker,
-                args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
-        except mp.ProcessRaisedException as error:
-            raise RankFailed(_first_failure(result_dir) or str(error)) from None
-        except mp.ProcessExitedException as error:
-            raise RankFailed(
-                _first_failure(result_dir)
-                or f"rank {error.error_index} exited with code {error.exit_code}; "
-                "its error is printed above"
-            ) from None
-        return [
-            torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)
-            for r in range(world_size)
-        ]

@@ -251,7 +251,35 @@ class ReplayResult:
             raise AssertionError("routing replay: " + "; ".join(found))
 
 
-def attach_routing_tape(part: nn.Module, tape: RoutingTape | None) -> int:
+class BalancedRouting:
+    """A tape that pins a perfectly balanced assignment: in every router call, token ``t``
+    takes experts ``(t * k + i) mod E`` for ``i < k`` (k distinct experts while k <= E), so
+    each expert receives ``T * k / E`` copies of a ``T``-token micro-batch (exactly, when E
+    divides ``T * k``; otherwise the first ``T * k mod E`` experts one more) on every rank.
+
+    What it is for: traffic that depends on routing (the dispatch and combine all-to-alls)
+    becomes a function of the config alone, so a real run's byte counts can be held
+    against the estimator's to the byte (`optimized.estimator.communication`). The weights
+    are still the router's own scores at those experts, so the step is a real one. Both
+    stacks of a comparison use it (``twinpipe compare --routing balanced``): it replays
+    nothing and checks nothing.
+    """
+
+    def route(
+        self,
+        key: str,
+        scores: torch.Tensor,
+        own: torch.Tensor,
+        dtype: torch.dtype,
+        ranked: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        tokens, k = own.shape
+        experts = scores.shape[-1]
+        slots = torch.arange(tokens * k, device=own.device).view(tokens, k)
+        return (slots % experts).to(own.dtype)
+
+
+def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | None) -> int:
     """Route every router of ``part`` through ``tape`` (``None`` detaches). Returns how many."""
     from models.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
 

@@ -42,6 +42,12 @@ class ReferenceDualPipeV:
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_ranks - 1
         self.observer = None
         """Optional ``observer(moment, micro_batch)`` called at each action (memory tracking)."""
+        self.gradient_sync = None
+        """Optional object told of every backward before it runs (``before_backward(chunk)``):
+        FSDP2 (`twinpipe train` can shard this stack too) reduces at the chunk's last one."""
+
+    defers_weight_gradients = False
+    """A backward computes its weight gradients at once; the W steps complete nothing."""
 
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
@@ -137,6 +143,8 @@ class ReferenceDualPipeV:
         leaf, output = self.saved[chunk].popleft()
         self._observe(f"B{chunk}", self.backwarded[chunk])
         self.backwarded[chunk] += 1
+        if self.gradient_sync is not None:
+            self.gradient_sync.before_backward(chunk)
         if chunk == 1 and self.is_first:
             output.backward()
         else:

@@ -138,7 +138,8 @@ def test_sharded_save_and_load(name, tmp_path):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_loads_sharded_checkpoint_written_by_transformers(name, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = small(name, tie_word_embeddings=name == "tiny-qwen3-moe")
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(
@@ -154,7 +155,8 @@ def test_loads_sharded_checkpoint_written_by_transformers(name, tmp_path):
 
 
 def test_written_config_loads_in_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     for name in FAMILIES:
         config = small(name, tie_word_embeddings=True)
         saved(config, tmp_path / name)
@@ -295,7 +297,7 @@ def test_int32_weights_are_refused_naming_file_tensor_and_dtypes(tmp_path):
     with pytest.raises(
         CheckpointError,
         match=name.replace(".", r"\.")
-        + r": expected F32 or BF16 or F16, found I32 \(in .*"
+        + r": expected F32 or BF16 or F16 or F64, found I32 \(in .*"
         + WEIGHTS_NAME.replace(".", r"\."),
     ):
         from_pretrained(tmp_path)
@@ -320,7 +322,7 @@ def test_truncated_files_are_refused_naming_file_and_tensor(tmp_path):
 
 def test_another_models_checkpoint_is_refused(tmp_path):
     saved(small("tiny-qwen3-moe"), tmp_path)
-    with pytest.raises(CheckpointError, match="is a qwen3_moe model, not the deepseek_v2 model"):
+    with pytest.raises(CheckpointError, match="holds a qwen3_moe model, not the deepseek_v2 model"):
         validate_checkpoint(tmp_path, small("tiny-deepseek-v2"))
     wider = small("tiny-qwen3-moe", moe_intermediate_size=48)
     with pytest.raises(

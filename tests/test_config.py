@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from models import CausalLM, ModelConfig, preset
 from models.presets import PRESET_NAMES
@@ -97,7 +98,6 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 # ------------------------------------------------------------ HF config.json
-transformers = pytest.importorskip("transformers")
 
 ROUND_TRIP = {
     "deepseek-v2 group/yarn": ("tiny-deepseek-v2", {}),

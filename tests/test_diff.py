@@ -111,13 +111,16 @@ def test_loosened_tolerance_is_a_regression_config_change_is_information(tmp_pat
 
 
 def test_missing_sections_do_not_break_the_diff(tmp_path, old, capsys):
+    """Sections absent from both reports are not judged; figures the new report lacks
+    are regressions (#19: a missing figure never passes)."""
     new = copy.deepcopy(old)
     del new["memory"], new["time"]
     status, out, _ = _diff(tmp_path, {"passed": True}, {"passed": True}, capsys=capsys)
     assert status == 0
     status, out, _ = _diff(tmp_path, old, new, capsys=capsys)
-    assert status == 0
-    assert "rank 0: memory figures removed" in out
+    assert status == 1
+    assert "rank 0: memory figures are missing from the new report" in out
+    assert "candidate time per step (median) is missing from the new document" in out
 
 
 def test_json_output(tmp_path, old, capsys):
@@ -213,7 +216,7 @@ def test_cli_subprocess_exit_code(tmp_path, old):
         check=False,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard only
     )
     assert completed.returncode == 1, completed.stderr
     assert "passed turned false" in completed.stdout

@@ -190,10 +190,22 @@ def test_fsdp_shards_weights_and_gradients_by_hand():
     dense = params["tensor_sharded"] + params["replicated"]
     held = -(-(dense - 32_768) // 2) + 32_768 + 98_304
     assert static_bytes(tied, count, 32_768)[1] == 4 * held
-    # Per layer: the expert gradient over the replicas, the rest over DP.
-    plain, sharded = (layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=f), 1) for f in (False, True))
+    # Per layer, reducing after every micro-batch: the expert gradient over the replicas, the
+    # rest over DP. Reducing once per step (the default): whole until the chunk's last backward.
+    plain = layer_profile(cfg(pp=1, dp=2, ep=1), 1)
+    sharded = layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=True, grad_sync="micro-batch"), 1)
     assert sharded.expert_grad * 2 == plain.expert_grad > 0
     assert sharded.dense_grad * 2 == plain.dense_grad > 0
+    accumulated = layer_profile(cfg(pp=1, dp=2, ep=1, fsdp=True), 1)
+    assert (accumulated.expert_grad, accumulated.dense_grad) == (
+        plain.expert_grad,
+        plain.dense_grad,
+    )
+    # Parameters held gathered from the first forward to the last backward: the whole part's
+    # unsharded weights on top of the shards (experts where EP = DP are whole already).
+    count = rank_params(cfg(pp=1, dp=2, ep=2), (0, 1), [range(0, 2), range(2, 4)])
+    gathered = static_bytes(cfg(pp=1, dp=2, ep=2, fsdp=True, reshard_after_forward=False), count)
+    assert gathered[1] == 4 * (117_440 // 2 + 98_304) + 4 * 117_440
 
 
 def count_tensors():

@@ -38,6 +38,7 @@ STACKS = ("reference", "optimized")
 MODELS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 64
 LAYOUTS = ((2, 1, 1), (1, 2, 2), (2, 2, 2))
+DTYPES = ("float32", "bfloat16")
 TOLERANCE = 0.03
 
 # (model, layout, stack) -> what was measured when the case last missed (commit of this file).
@@ -59,36 +60,39 @@ def _rank_all(models, parallel, states, optimizer):
     }
 
 
-def _measure(name, layout):
-    if layout not in _RESULTS:
+def _measure(name, layout, dtype):
+    key = (layout, dtype)
+    if key not in _RESULTS:
         pp, dp, ep = layout
         parallel = ParallelConfig(
             pp=pp, dp=dp, ep=ep, micro_batches=2 * pp if pp > 1 else 2,
-            micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
+            micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, dtype=dtype,
         )  # fmt: skip
         models = {n: preset(n) for n in MODELS}
         states = {n: SeededWeights(m) for n, m in models.items()}
         args = (models, parallel, states, OptimizerConfig())
         per_rank = launch(_rank_all, parallel.world_size, args)
-        _RESULTS[layout] = (models, parallel, per_rank)
-    models, parallel, per_rank = _RESULTS[layout]
+        _RESULTS[key] = (models, parallel, per_rank)
+    models, parallel, per_rank = _RESULTS[key]
     return models[name], parallel, [result[name] for result in per_rank]
 
 
 def _cases():
-    for name in MODELS:
+    for dtype in DTYPES:
         for layout in LAYOUTS:
-            for stack in STACKS:
-                marks = []
-                if (name, layout, stack) in KNOWN_MISSES:
-                    reason = KNOWN_MISSES[name, layout, stack]
-                    marks.append(pytest.mark.xfail(reason=reason, strict=False))
-                yield pytest.param(name, layout, stack, marks=marks, id=f"{name}-{stack}-{layout}")
+            for name in MODELS:
+                for stack in STACKS:
+                    marks = []
+                    if (name, layout, stack, dtype) in KNOWN_MISSES:
+                        reason = KNOWN_MISSES[name, layout, stack, dtype]
+                        marks.append(pytest.mark.xfail(reason=reason, strict=True))
+                    case = f"{name}-{stack}-{layout}-{dtype}"
+                    yield pytest.param(name, layout, stack, dtype, marks=marks, id=case)
 
 
-@pytest.mark.parametrize(("name", "layout", "stack"), list(_cases()))
-def test_estimate_matches_measured_peak(name, layout, stack):
-    model, parallel, per_rank = _measure(name, layout)
+@pytest.mark.parametrize(("name", "layout", "stack", "dtype"), list(_cases()))
+def test_estimate_matches_measured_peak(name, layout, stack, dtype):
+    model, parallel, per_rank = _measure(name, layout, dtype)
     report = estimate_for_compare(
         model,
         dict(
@@ -123,5 +127,5 @@ def test_estimate_matches_measured_peak(name, layout, stack):
             )
         if abs(error) > TOLERANCE:
             failures.append(f"{result['coords']} peak off by {error:+.2%}")
-    print(f"\n{name} {stack} {layout}:\n  " + "\n  ".join(rows))
+    print(f"\n{name} {stack} {layout} {dtype}:\n  " + "\n  ".join(rows))
     assert not failures, "\n".join(failures + rows)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from models import from_pretrained, preset, save_pretrained
 from reference.ops import ReferenceOps
 
-transformers = pytest.importorskip("transformers")
 # transformers' DeepSeek-V2 without shared experts initialises zero-width ones, and says so.
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 

@@ -256,7 +256,10 @@ def test_misuse_gets_clear_errors():
         MemoryTracker("meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-only: reads the CUDA allocator's statistics; this machine has no GPU",
+)
 def test_cuda_peak_from_allocator_statistics():
     tracker = MemoryTracker("cuda")
     weight = torch.randn(1024, device="cuda")

@@ -178,7 +178,9 @@ def test_leaf_that_requires_grad_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"reduction": "none"}, "reduction"),
+        ({"reduction": "avg"}, "reduction='avg' is not supported"),
+        ({"label_smoothing": 1.5}, r"label_smoothing=1.5 is invalid: must be a number in \[0, 1\]"),
+        ({"lse_square_scale": -1e-4}, "lse_square_scale=-0.0001 is invalid"),
         ({"target": torch.tensor([0, 1, 10, 2])}, "outside"),
         ({"target": torch.zeros(3, dtype=torch.long)}, "target must be"),
     ],

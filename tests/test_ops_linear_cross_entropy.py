@@ -107,4 +107,6 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="weight must be"):
         linear_cross_entropy(hidden, weight.t(), target)
     with pytest.raises(ValueError, match="reduction"):
-        linear_cross_entropy(hidden, weight, target, reduction="none")
+        linear_cross_entropy(hidden, weight, target, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing=-0.1 is invalid"):
+        linear_cross_entropy(hidden, weight, target, label_smoothing=-0.1)

@@ -55,7 +55,7 @@ def test_implements_every_protocol_method_with_its_signature():
         (4, 4, 24, 16, None, False),  # MLA: values narrower than queries
         (4, 2, 16, 16, None, False),  # GQA
         (4, 2, 16, 16, 8, False),  # sliding window shorter than the sequence
-        (4, 2, 16, 16, 8, True),  # GPT-OSS sinks: the plain fallback
+        (4, 2, 16, 16, 8, True),  # GPT-OSS sinks: the virtual key, banded window
         (2, 2, 8, 12, None, False),  # values wider than queries
     ],
 )

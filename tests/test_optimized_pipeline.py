@@ -95,8 +95,9 @@ def _check(results, names, dtype):
         for rank_results in results:
             reference = rank_results[dtype, name, "reference"]
             for optimized in rank_results[dtype, name, "optimized"]:
+                assert len(reference["steps"]) == STEPS
                 for (ref_loss, ref_grads), (opt_loss, opt_grads) in zip(
-                    reference["steps"], optimized["steps"]
+                    reference["steps"], optimized["steps"], strict=True
                 ):
                     assert abs(opt_loss - ref_loss) <= loss_tol * abs(ref_loss), (name, opt_loss)
                     for param, ref in ref_grads.items():
@@ -168,7 +169,9 @@ def test_optimized_matches_reference_bfloat16(layout_id, name):
 def test_optimized_is_deterministic_bfloat16():
     for rank_results in _matrix(DETERMINISM_LAYOUT):
         first, second = rank_results[(*DETERMINISM_RUN, "optimized")]
-        for (loss_a, grads_a), (loss_b, grads_b) in zip(first["steps"], second["steps"]):
+        for (loss_a, grads_a), (loss_b, grads_b) in zip(
+            first["steps"], second["steps"], strict=True
+        ):
             assert loss_a == loss_b
             assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 

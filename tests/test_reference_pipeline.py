@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -49,7 +47,12 @@ def _check_against_oracle(configs, parallel, steps=1):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("pp,dp,ep", [(2, 1, 1), (1, 2, 2), (2, 2, 2)])
+@pytest.mark.parametrize(
+    "pp,dp,ep",
+    # EP = 1 with DP = 2: every expert has two replicas whose gradients must be averaged
+    # (`models.training.reduce_gradients`), a rule no optimized-vs-reference test can check.
+    [(2, 1, 1), (1, 2, 2), (2, 2, 2), (1, 2, 1), (2, 2, 1)],
+)
 def test_reference_matches_oracle(pp, dp, ep):
     parallel = ParallelConfig(
         pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp, seq_len=32, seed=3
@@ -104,11 +107,10 @@ def test_planted_exception_ends_every_rank():
     cfg = preset("tiny-qwen3-moe")
     parallel = ParallelConfig(pp=2, dp=1, micro_batches=4, seq_len=16)
     state = SeededWeights(cfg)
-    start = time.monotonic()
+    # timeout_s is a hang guard only: a hang would end as a timeout, not as rank 1's error.
     with pytest.raises(RankFailed, match="planted failure on rank 1") as failure:
         launch(_planted_failure_worker, 2, (cfg, parallel, state), timeout_s=300)
     assert str(failure.value).startswith("rank 1 failed first")
-    assert time.monotonic() - start < 60
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,7 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
     WeightGradStore.pop, sharding.reduce_pending_gradients = counted_pop, counted_pending
     if fsdp:
         loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
+        counts["reduced_after_w"] = runner.schedule.gradient_sync.reductions
     else:
         loss = runner.forward_backward(ids, labels)
     norm = optimizer.prepare_gradients()
@@ -119,15 +120,16 @@ def test_fsdp_shards_experts_over_their_replicas(runner_name):
     """DP=2 EP=1, GPT-OSS (expert biases; every layer MoE, so stage 0 has experts): the
     routed experts are FSDP2 DTensors sharded over their 2 replicas. The optimized
     schedule defers stage 0's expert weight gradients to a W step after their last
-    backward; those are reduced once at the step's end, and every gradient equals the
-    unsharded run's (a W gradient reduced twice, or never, would not)."""
+    backward; those are reduced once after that W (the chunk's last-weight mark), and every
+    gradient equals the unsharded run's (a W gradient reduced twice, or never, would not)."""
     overrides = ("model.name=tiny-gpt-oss", "parallel.dp=2", "parallel.ep=1")
     ranks = _check_sharded_like_unsharded(overrides, runner_name)
     for got in ranks:
+        assert got["pending_at_end"] == 0, got  # grad_sync="step": nothing left at the end
         if runner_name == OPTIMIZED_RUNNER:
-            assert got["w_steps"] >= 1 and got["pending_at_end"] >= 1, got
+            assert got["w_steps"] >= 1 and got["reduced_after_w"] >= 1, got
         else:
-            assert got["w_steps"] == got["pending_at_end"] == 0, got
+            assert got["w_steps"] == got["reduced_after_w"] == 0, got
 
 
 @pytest.mark.slow
@@ -153,8 +155,13 @@ def test_fsdp_reduces_w_gradients_at_4_ranks(overrides):
 def _losses_and_norms(tmp_path, name: str, *overrides: str) -> tuple[list, list]:
     metrics = tmp_path / f"{name}.jsonl"
     losses = train(config(*overrides, f"logging.metrics_file={metrics}"))[0]["losses"]
-    norms = [json.loads(line)["gradient_norm"] for line in metrics.read_text().splitlines()]
-    return losses, norms
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    TRAFFIC[name] = [r["communication_bytes"] for r in records]
+    return losses, [r["gradient_norm"] for r in records]
+
+
+TRAFFIC: dict[str, list[dict]] = {}
+"""Each run's ``communication_bytes`` per step (the metrics file's), by run name."""
 
 
 def test_sharding_changes_no_loss_beyond_rounding_pp2(tmp_path):
@@ -168,3 +175,11 @@ def test_sharding_changes_no_loss_beyond_rounding_pp2(tmp_path):
     assert len(losses) == len(norms) == 3
     for a, b in zip(losses + norms, plain + plain_norms, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (losses, plain, norms, plain_norms)
+    # The metrics file's bytes per step: FSDP2 gathers and reduce-scatters where the plain
+    # run all-reduces; the same activations travel point to point.
+    for sharded, whole in zip(TRAFFIC["sharded"], TRAFFIC["plain"], strict=True):
+        assert sharded["all_gather"] > 0 and sharded["reduce_scatter"] > 0, sharded
+        assert "reduce_scatter" not in whole and whole["all_reduce"] > sharded["all_reduce"]
+        for kind in ("send", "recv"):  # the all-to-all's rows follow the routing
+            assert sharded[kind] == whole[kind] > 0, (kind, sharded, whole)
+        assert sharded["all_to_all"] > 0 and whole["all_to_all"] > 0

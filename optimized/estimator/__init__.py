@@ -14,9 +14,15 @@ DualPipeV walk), `memory` (what both walks share), `reference_walk` and `optimiz
 (``twinpipe estimate``). May import `models` only (and `optimized.pipeline.partition`
 lazily, to pick the partition it estimates); never `reference` or `harness`.
 
-The API keeps the names of Megatron's ``theoretical_memory_utils``:
-`compute_weight_and_optimizer_memory`, `compute_activation_memory`,
-`report_theoretical_memory`; ``config`` is an `EstimateConfig`.
+The API keeps the names and the meaning of Megatron's ``theoretical_memory_utils``, with
+twinpipe's exact counts behind them (``config`` is an `EstimateConfig`):
+`compute_weight_and_optimizer_memory` is the weights, every gradient and the optimizer state
+of the most loaded rank (it falls as DP, EP and ETP grow), `compute_activation_memory` the
+largest activation peak over the ranks' DualPipeV walks, and `report_theoretical_memory`
+prints both and their sum as Megatron does. Megatron's own formulas, term for term, are
+`optimized.estimator.megatron` (same names, Megatron's ``args``); our per-rank peak
+breakdown keeps our own names (`RankEstimate`: ``weights_bytes``, ``gradients_bytes`` at the
+peak, ``optimizer_bytes``, ``activation_bytes``, ``peak_bytes``).
 """
 
 from __future__ import annotations
@@ -25,10 +31,7 @@ from typing import Any
 
 from models.config import ModelConfig
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.megatron import (
-    megatron_activation_bytes,
-    megatron_weight_and_optimizer_bytes,
-)
+from optimized.estimator.megatron import megatron_figures
 from optimized.estimator.memory import RankEstimate, layer_profile, rank_params, static_bytes
 from optimized.estimator.params import BUCKETS, active_params, model_params
 from optimized.estimator.ranks import estimate_rank, estimate_ranks, largest_peak
@@ -69,11 +72,12 @@ def _print_params(config: EstimateConfig) -> None:
 
 
 def compute_weight_and_optimizer_memory(config: EstimateConfig, verbose: bool = False) -> float:
-    """Bytes of weights, gradients and optimizer state on the most loaded rank."""
+    """Bytes of weights, all gradients and optimizer state on the most loaded rank (Megatron's
+    meaning: every gradient, not only those alive at the activation peak)."""
     if verbose:
         _print_params(config)
     ranks = estimate_ranks(config, _partition(config))
-    return float(max(rank.static_bytes for rank in ranks))
+    return float(max(r.weights_bytes + r.all_gradients_bytes + r.optimizer_bytes for r in ranks))
 
 
 def compute_activation_memory(
@@ -94,27 +98,29 @@ def compute_activation_memory(
 
 def report_theoretical_memory(
     config: EstimateConfig, num_microbatches: int | None = None, verbose: bool = False
-) -> None:
-    """Print weights+optimizer, activations and the peak (MB), ours and Megatron's."""
+) -> tuple[float, float, float]:
+    """Print and return (weight and optimizer, activation, total) in MB, as Megatron's does.
+
+    Weight and optimizer is `compute_weight_and_optimizer_memory`, activation
+    `compute_activation_memory`; like Megatron's, their sum is an upper bound (the two
+    maxima may fall on different ranks). Per rank, the peak itself follows.
+    """
     if num_microbatches is not None:
         config = config.replace(num_microbatches=num_microbatches)
     if verbose:
         _print_params(config)
-    report = estimate(config)
+    ranks = estimate_ranks(config, _partition(config))
     mb = NUM_BYTES_IN_MEGABYTE
-    for rank in report["ranks"]:
-        static = rank["weights_bytes"] + rank["gradients_bytes"] + rank["optimizer_bytes"]
-        print(
-            f"Theoretical memory footprints (rank {rank['rank']}): weight and optimizer="
-            f"{static / mb:.2f} MB, activation={rank['activation_bytes'] / mb:.2f} MB, "
-            f"total={rank['peak_bytes'] / mb:.2f} MB"
-        )
-    meg = report["megatron"]
+    static = max(r.weights_bytes + r.all_gradients_bytes + r.optimizer_bytes for r in ranks) / mb
+    activation = max(r.activation_bytes for r in ranks) / mb
     print(
-        f"Megatron's formulas: weight and optimizer={meg['weight_and_optimizer_bytes'] / mb:.2f}"
-        f" MB, activation={meg['activation_bytes'] / mb:.2f} MB,"
-        f" total={meg['total_bytes'] / mb:.2f} MB"
+        f"Theoretical memory footprints: weight and optimizer={static:.2f} MB, "
+        f"activation={activation:.2f} MB, total={static + activation:.2f} MB"
     )
+    for rank in ranks:
+        print(f"  rank {rank.rank}: peak {rank.peak_bytes / mb:.2f} MB at {rank.peak_phase} "
+              f"{rank.peak_action}")  # fmt: skip
+    return static, activation, static + activation
 
 
 def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str, Any]:
@@ -122,8 +128,6 @@ def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str,
     partition = _partition(config)
     total = model_params(config)
     ranks: list[RankEstimate] = estimate_ranks(config, partition)
-    megatron_static = megatron_weight_and_optimizer_bytes(config)
-    megatron_act = megatron_activation_bytes(config, config.num_microbatches)
     report: dict[str, Any] = {
         "model": config.model.model_type,
         "layout": {
@@ -152,11 +156,7 @@ def estimate(config: EstimateConfig, with_partitions: bool = False) -> dict[str,
         },
         "partition": [len(stage) for stage in partition],
         "ranks": [rank.as_dict() for rank in ranks],
-        "megatron": {
-            "weight_and_optimizer_bytes": megatron_static,
-            "activation_bytes": megatron_act,
-            "total_bytes": megatron_static + megatron_act,
-        },
+        "megatron": megatron_figures(config),
     }
     if with_partitions:
         from optimized.pipeline.partition import partition_report
@@ -170,6 +170,7 @@ def estimate_for_compare(
     parallel_layout: Any,
     stack: str,
     measured_peaks: list[int] | None = None,
+    routing: dict[int, dict] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """The estimate `twinpipe compare` puts beside its measured peaks.
@@ -179,7 +180,9 @@ def estimate_for_compare(
     attributes; ``overrides`` set any other `EstimateConfig` field. compare runs unsharded
     AdamW, so ``shard_optimizer`` defaults to False. With ``measured_peaks`` (bytes per
     pp-rank) each rank gets ``measured_bytes`` and ``error`` (estimate / measured - 1) for
-    our figure and for Megatron's.
+    our figure and for Megatron's. With ``routing`` (global rank -> ``{(layer, micro_batch):
+    rows per local expert}``, `optimized.estimator.routing.received_loads`) the report also
+    has ``observed_ranks``: per global rank, the estimate under the routing the run saw.
     """
     fields = {}
     names = (
@@ -197,6 +200,16 @@ def estimate_for_compare(
     fields.update(overrides)
     config = EstimateConfig(model_config, stack=stack, **fields)
     report = estimate(config)
+    if routing is not None:
+        from optimized.estimator.routing import ObservedRouting
+
+        partition = _partition(config)
+        report["observed_ranks"] = {
+            rank: estimate_rank(
+                config, rank // config.dp, partition, ObservedRouting(loads)
+            ).as_dict()
+            for rank, loads in sorted(routing.items())
+        }
     if measured_peaks is not None:
         megatron_total = report["megatron"]["total_bytes"]
         for rank, measured in zip(report["ranks"], measured_peaks):

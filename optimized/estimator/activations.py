@@ -134,9 +134,42 @@ def dense_mlp_saved(tokens: int, inner: int, b: int, name: str = "mlp") -> list[
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One MoE layer's routed rows on one rank, for one micro-batch."""
+
+    sent: int
+    """Copies of this rank's tokens sent to experts (tokens x top-k)."""
+    received: int
+    """Rows this rank's local experts receive."""
+    grouped: int
+    """Rows of the grouped buffer (the optimized stack pads each expert's group)."""
+    largest: int
+    """Rows of the local expert that receives most."""
+
+
+def routed(config: EstimateConfig) -> Routed:
+    """The rows routed in one layer and micro-batch: observed (``config.expert_load``) or
+    balanced (every rank receives what it sends, split evenly over its experts)."""
+    sent = config.tokens * config.model.num_experts_per_tok
+    load = config.expert_load
+    if load is not None:
+        received = sum(load)
+        if config.stack == "optimized":
+            grouped = sum(-(-count // GROUPED_GEMM_ROW_ALIGNMENT) for count in load)
+            grouped *= GROUPED_GEMM_ROW_ALIGNMENT
+        else:
+            grouped = received
+        return Routed(sent, received, grouped, max(load, default=0))
+    local = max(config.model.num_experts // config.ep, 1)
+    return Routed(sent, sent, routed_rows(config)[1], -(-sent // local))
+
+
 def routed_rows(config: EstimateConfig) -> tuple[int, int]:
     """(copies sent, rows grouped by expert on the receiving rank) per micro-batch."""
     sent = config.tokens * config.model.num_experts_per_tok
+    if config.expert_load is not None:
+        return sent, routed(config).grouped
     if config.stack == "optimized":
         # Each local expert's group is padded up to GROUPED_GEMM_ROW_ALIGNMENT rows. The
         # padding depends on each expert's count, not on the total: near a multiple of
@@ -144,7 +177,7 @@ def routed_rows(config: EstimateConfig) -> tuple[int, int]:
         # block. So use the expected padded count under routing that picks each expert
         # with equal probability: the EP group's ``sent * ep`` copies land on one expert
         # as Binomial(sent * ep, 1 / num_experts).
-        local = max(config.model.num_experts // (config.ep * config.etp), 1)
+        local = max(config.model.num_experts // config.ep, 1)
         copies = sent * config.ep
         per_expert = expected_padded_count(
             copies, 1 / config.model.num_experts, GROUPED_GEMM_ROW_ALIGNMENT
@@ -186,7 +219,8 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
         m.num_experts,
         m.num_experts_per_tok,
     )
-    sent, grouped = routed_rows(config)
+    rows = routed(config)
+    sent, grouped, received = rows.sent, rows.grouped, rows.received
     saved: list[Saved] = []
     # The weights are the scores indexed at the chosen experts (models.layers._at): the
     # ``[T, k]`` expert index and a ``[T, 1]`` row index are saved; the selection is detached.
@@ -214,14 +248,14 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
         Saved("dispatch.token_index", sent * I64),
         Saved("dispatch.weight_order", sent * I64),
     ]
-    if m.n_shared_experts:
-        shared = m.moe_intermediate_size * m.n_shared_experts // config.tp
+    if config.shared_expert_width:
+        shared = config.shared_expert_width // config.tp
         saved += dense_mlp_saved(tokens, shared, b, "shared_experts")
     # Routed experts on the received rows (grouped by local expert).
     if config.stack == "reference":
-        saved.append(Saved("experts.order", grouped * I64))
+        saved.append(Saved("experts.order", received * I64))
     else:
-        saved.append(Saved("experts.gather_index", sent * I64))
+        saved.append(Saved("experts.gather_index", received * I64))
     saved.append(Saved("experts.grouped_input", grouped * hidden * b, weight_input=True))
     saved.append(Saved("experts.gate_up", grouped * 2 * inner * b))
     if m.model_type == "gpt_oss":
@@ -230,7 +264,7 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     else:
         saved.append(Saved("experts.silu", grouped * inner * b))
     saved.append(Saved("experts.down_input", grouped * inner * b, weight_input=True))
-    saved.append(Saved("experts.positions", sent * I64))
+    saved.append(Saved("experts.positions", received * I64))
     saved += [
         Saved("aggregate.expert_output", sent * hidden * b),
         Saved("aggregate.weights", sent * b),
@@ -249,7 +283,7 @@ def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) 
     # router in the model dtype (GPT-OSS, Qwen3-MoE); DeepSeek-V2's float32 router saves its
     # own float copy in 16-bit runs.
     output_saved = (
-        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(m.n_shared_experts)
+        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(config.shared_expert_width)
     )
     saved += _norm(
         "post_attention_layernorm",

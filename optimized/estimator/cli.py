@@ -18,11 +18,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (planning only)")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel (planning only)")
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batches", type=int, default=None, help="default: 2 * pp")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--stack", choices=("reference", "optimized"), default="optimized")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, at most the model's max_position_embeddings (default: "
+        "4096, or max_position_embeddings when smaller)",
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=None, help="micro-batches per step (default: 2 * pp)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="parameter and activation dtype",
+    )
+    parser.add_argument(
+        "--stack",
+        choices=("reference", "optimized"),
+        default="optimized",
+        help="whose activations to count: the plain reference stack or the optimized one "
+        "(early frees, fused cross-entropy)",
+    )
     parser.add_argument(
         "--shard-optimizer",
         action=argparse.BooleanOptionalAction,
@@ -51,6 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`twinpipe train` keeps one)",
     )
     parser.add_argument(
+        "--grad-sync",
+        choices=("step", "micro-batch"),
+        default="step",
+        help="with --fsdp: gradients reduced once per step (held unsharded across the "
+        "micro-batches until the chunk's last backward) or after every backward",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --fsdp: free gathered parameters after each forward; --no-reshard-after-"
+        "forward holds the part's parameters gathered from the first forward to the last "
+        "backward",
+    )
+    parser.add_argument(
         "--layers-per-stage",
         type=lambda text: [int(part) for part in text.split(",")],
         default=None,
@@ -62,12 +96,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> EstimateConfig:
     from models.presets import resolve_model
 
+    model = resolve_model(args.model)
+    if args.seq_len is None:
+        args.seq_len = min(4096, model.max_position_embeddings)
+    if args.seq_len > model.max_position_embeddings:
+        raise ValueError(
+            f"--seq-len={args.seq_len} is invalid: {args.model} has "
+            f"max_position_embeddings={model.max_position_embeddings}; expected 1.."
+            f"{model.max_position_embeddings}"
+        )
     shard = args.shard_optimizer if args.shard_optimizer is not None else args.dp > 1
     # --fsdp asks for the trainer's layout, so its optimizer's precision comes with it.
     state_dtype = args.optimizer_state_dtype or ("float32" if args.fsdp else "param")
     master = args.master_weights if args.master_weights is not None else args.fsdp
     return EstimateConfig(
-        resolve_model(args.model),
+        model,
         pp=args.pp,
         dp=args.dp,
         ep=args.ep,
@@ -83,6 +126,8 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         optimizer_state_dtype=state_dtype,
         master_weights=master,
         layers_per_stage=args.layers_per_stage,
+        grad_sync=args.grad_sync,
+        reshard_after_forward=args.reshard_after_forward,
     )
 
 
@@ -90,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         report = estimate(config, with_partitions=True)
-    except (ValueError, FileNotFoundError, TypeError) as error:
+    except (ValueError, OSError, TypeError) as error:
         print(f"twinpipe estimate: error: {error}", file=sys.stderr)
         return 2
     if args.json:

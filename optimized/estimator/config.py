@@ -9,10 +9,11 @@ and what would be valid (the CLI turns that into exit status 2).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from models.config import ModelConfig
+from models.distributed import GRAD_SYNC
 
 STACKS = ("reference", "optimized")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -34,11 +35,15 @@ class EstimateConfig:
     dp: int = 1
     """Data-parallel ranks per pipeline rank (world = tp * pp * dp)."""
     ep: int = 1
-    """Expert-parallel ranks (inside the DP group: must divide ``dp`` and ``num_experts``)."""
+    """Expert-parallel ranks: they divide the routed experts (``num_experts / ep`` each). With
+    ``etp`` they tile the ``tp * dp`` ranks of a pipeline stage (``ep * etp`` divides it);
+    twinpipe runs EP inside the DP group."""
     tp: int = 1
     """Tensor-parallel ranks (twinpipe runs 1; accepted for planning)."""
     etp: int = 1
-    """Expert tensor-parallel ranks (twinpipe runs 1; accepted for planning)."""
+    """Expert tensor-parallel ranks, as Megatron defines them: each splits every local expert's
+    FFN width (``moe_intermediate_size / etp``); EP alone divides the experts. twinpipe runs 1;
+    accepted for planning."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
     seq_len: int = 4096
@@ -66,6 +71,11 @@ class EstimateConfig:
     sharded over DP. Implies ``shard_optimizer``. The module-sized all-gather buffer that
     FSDP2 holds while one module runs is not counted, nor are expert weight gradients that a
     W step leaves unsharded until the experts' next backward."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total hidden width of a MoE layer's shared experts (Megatron's field), independent of
+    the routed experts' width; None takes the model's (``n_shared_experts *
+    moe_intermediate_size``). twinpipe's models build the model's width; another is
+    accepted for planning."""
     shared_expert_gate: bool = False
     """A sigmoid gate (``hidden_size`` weights) on the shared experts (Megatron's
     ``moe_shared_expert_gate``; none of twinpipe's families has one)."""
@@ -74,10 +84,36 @@ class EstimateConfig:
     a list of 0/1 per layer; None follows the model's own rule (`ModelConfig.is_moe_layer`)."""
     num_mtp_layers: int | None = None
     """Multi-token-prediction layers on the last stage; None takes the model's field."""
+    grad_sync: str = "step"
+    """With ``fsdp``: ``step`` (FSDP2 reduces each unit once per step, at its chunk's last
+    backward: its gradient is held unsharded from the chunk's first backward) or
+    ``micro-batch`` (reduced after every backward, held sharded)."""
+    reshard_after_forward: bool = True
+    """With ``fsdp``: gathered parameters freed after each forward (on) or held from a unit's
+    first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
+    expert_load: tuple[int, ...] | None = None
+    """Rows each of this rank's local experts receives in the layer and micro-batch being
+    estimated, as a run saw them (`optimized.estimator.routing.ObservedRouting` builds one
+    config per layer and micro-batch); None: routing that picks every expert equally often."""
+    first_step: bool = False
+    """Estimate the first training step: AdamW creates its state in its first ``step()``, so
+    the forward and backward run without it and the optimizer step then holds the weights,
+    every gradient and the new state (the peak `twinpipe compare --steps 1` measures).
+    False: a later step, with the state held throughout."""
     layers_per_stage: list[int] | None = None
     """Layers of each of the ``2 * pp`` stages; None lets the stack choose (see `stage_layers`)."""
+    context_parallel_size: int = 1
+    """Megatron's context parallelism: refused unless 1 (twinpipe neither runs nor models it)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Megatron's interleaved (virtual) stages: refused unless None (DualPipeV's two chunks per
+    rank are its own fixed V placement)."""
+    moe_latent_size: int | None = None
+    """Megatron's latent MoE (experts on a projected-down width): refused unless None."""
+    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Figures derived from this config (MoE pattern, per-kind layer profiles), computed once:
+    a config is not changed after it is built (`replace` makes a new one)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +153,12 @@ class EstimateConfig:
 
     def moe_layers(self) -> list[bool]:
         """Per decoder layer, whether it is MoE (see ``moe_layer_pattern``)."""
+        cached = self.cache.get("moe_layers")
+        if cached is None:
+            cached = self.cache["moe_layers"] = self._moe_layers()
+        return cached
+
+    def _moe_layers(self) -> list[bool]:
         layers = self.model.num_hidden_layers
         pattern = self.moe_layer_pattern
         if pattern is None:
@@ -131,6 +173,13 @@ class EstimateConfig:
         return [bool(flag) for flag in pattern]
 
     @property
+    def shared_expert_width(self) -> int:
+        """Hidden width of one MoE layer's shared experts together (0: none)."""
+        if self.moe_shared_expert_intermediate_size is not None:
+            return self.moe_shared_expert_intermediate_size
+        return self.model.n_shared_experts * self.model.moe_intermediate_size
+
+    @property
     def mtp_layers(self) -> int:
         return self.model.num_mtp_layers if self.num_mtp_layers is None else self.num_mtp_layers
 
@@ -139,6 +188,16 @@ class EstimateConfig:
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
+        refused = (
+            ("context_parallel_size", 1, "context parallelism is not modelled; expected 1"),
+            ("virtual_pipeline_model_parallel_size", None,
+             "interleaved (virtual) pipeline stages are not modelled: DualPipeV places two "
+             "chunks per rank itself; expected None"),
+            ("moe_latent_size", None, "latent MoE is not modelled; expected None"),
+        )  # fmt: skip
+        for name, allowed, valid in refused:
+            if getattr(self, name) != allowed:
+                raise _bad(name, getattr(self, name), valid)
         positive = ("pp", "dp", "ep", "tp", "etp", "micro_batch_size", "seq_len")
         for name in positive + ("num_microbatches",):
             value = getattr(self, name)
@@ -159,6 +218,10 @@ class EstimateConfig:
             )
         if self.num_mtp_layers is not None and self.num_mtp_layers < 0:
             raise _bad("num_mtp_layers", self.num_mtp_layers, "expected None or >= 0")
+        if self.grad_sync not in GRAD_SYNC:
+            raise _bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise _bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
         if self.stack not in STACKS:
             raise _bad("stack", self.stack, f"expected one of {STACKS}")
         if self.num_microbatches < 2 * self.pp:
@@ -173,8 +236,6 @@ class EstimateConfig:
                 self.pp,
                 f"{model.num_hidden_layers} layers cannot fill 2 * pp = {self.num_stages} stages",
             )
-        if self.dp % self.ep:
-            raise _bad("ep", self.ep, f"expert parallelism must divide dp={self.dp}")
         pattern = self.moe_layer_pattern
         if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern < 1:
             raise _bad("moe_layer_pattern", pattern, "an int frequency must be >= 1")
@@ -189,14 +250,40 @@ class EstimateConfig:
         has_moe = any(self.moe_layers())
         if has_moe and model.num_experts < 1:
             raise _bad("moe_layer_pattern", pattern, "MoE layers need num_experts >= 1")
-        if has_moe and model.num_experts % (self.ep * self.etp):
+        if has_moe and model.num_experts % self.ep:
+            raise _bad("ep", self.ep, f"must divide num_experts={model.num_experts}")
+        if has_moe and model.moe_intermediate_size % self.etp:
             raise _bad(
-                "ep",
-                self.ep,
-                f"ep * etp = {self.ep * self.etp} must divide num_experts={model.num_experts}",
+                "etp",
+                self.etp,
+                f"must divide each expert's FFN width moe_intermediate_size="
+                f"{model.moe_intermediate_size}",
             )
-        if self.world_size % (self.etp * self.ep * self.pp):
-            raise _bad("etp", self.etp, f"etp * ep * pp must divide world={self.world_size}")
+        stage_ranks = self.tp * self.dp
+        if stage_ranks % (self.ep * self.etp):
+            field = "ep" if self.etp == 1 else "etp"
+            raise _bad(
+                field,
+                getattr(self, field),
+                f"ep * etp = {self.ep * self.etp} must divide the tp * dp = {stage_ranks} ranks "
+                f"of a pipeline stage",
+            )
+        if self.expert_load is not None:
+            local = model.num_experts // self.ep
+            load = self.expert_load
+            if len(load) != local or any(not isinstance(c, int) or c < 0 for c in load):
+                raise _bad(
+                    "expert_load",
+                    load,
+                    f"expected {local} non-negative row counts (one per local expert)",
+                )
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 0):
+            raise _bad("moe_shared_expert_intermediate_size", shared, "expected None or >= 0")
+        if shared and shared % self.tp:
+            raise _bad(
+                "moe_shared_expert_intermediate_size", shared, f"must divide by tp={self.tp}"
+            )
         if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
             raise _bad("tp", self.tp, "must divide num_attention_heads and num_key_value_heads")
         if self.layers_per_stage is not None:

@@ -40,6 +40,7 @@ from optimized.estimator.params import (
     shard,
     stage_params,
 )
+from optimized.estimator.reference_layer import dense_transients, moe_transients
 
 
 @dataclass(slots=True)
@@ -104,10 +105,19 @@ def fsdp_divisor(config: EstimateConfig, experts: bool = False) -> int:
     return config.expert_dp if experts else config.dp
 
 
+def grad_divisor(config: EstimateConfig, experts: bool = False) -> int:
+    """How many ways a gradient is split while the step runs: as `fsdp_divisor`, except that
+    with ``grad_sync="step"`` FSDP2 reduces a unit only at its chunk's last backward, so its
+    gradient accumulates unsharded (1) from the chunk's first backward until then."""
+    if config.fsdp and config.grad_sync == "step":
+        return 1
+    return fsdp_divisor(config, experts)
+
+
 def embedding_grad_bytes(config: EstimateConfig) -> int:
     """The embedding's gradient: FSDP-sharded unless it is tied to the output layer."""
     whole = grad_bytes(config, embedding_params(config.model))
-    return whole if config.model.tie_word_embeddings else whole // fsdp_divisor(config)
+    return whole if config.model.tie_word_embeddings else whole // grad_divisor(config)
 
 
 def head_weight_numel(config: EstimateConfig, stages) -> int:
@@ -120,6 +130,14 @@ def head_weight_numel(config: EstimateConfig, stages) -> int:
 
 
 def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
+    """One layer's profile (computed once per layer kind, dense or MoE, per config)."""
+    key = ("layer_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _layer_profile(config, layer)
+    return config.cache[key]
+
+
+def _layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     boundary = tokens * m.hidden_size * b
     saved = layer_saved(config, layer)
@@ -128,23 +146,21 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     aggregate = sum(item.nbytes for item in saved if item.name.startswith("aggregate."))
     attention = sum(item.nbytes for item in saved) - experts - aggregate
     count = shard(layer_params(config, layer), config)
+    # EP divides the experts, ETP each expert's FFN width.
     inner = m.moe_intermediate_size // config.etp
-    local = m.num_experts // (config.ep * config.etp) if is_moe else 0
+    local = m.num_experts // config.ep if is_moe else 0
     weight_numel = local * 3 * inner * m.hidden_size  # gate_up [E, 2I, H] and down [E, H, I]
-    expert_grad = weight_numel * config.grad_bytes // fsdp_divisor(config, experts=True)
-    dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // fsdp_divisor(config)
+    expert_grad = weight_numel * config.grad_bytes // grad_divisor(config, experts=True)
+    dense_grad = (sum(count.values()) - weight_numel) * config.grad_bytes // grad_divisor(config)
     if not is_moe:
-        largest = max(item.nbytes for item in saved)
-        return LayerProfile(attention, 0, 0, 0, dense_grad, 0, boundary, largest + boundary)
+        forward, backward = dense_transients(config, saved)
+        return LayerProfile(attention, 0, 0, 0, dense_grad, 0, forward, backward)
     sent, grouped = routed_rows(config)
     rows = sent * m.hidden_size * b
     # With expert parallelism an all-to-all's input and output live side by side.
     exchanged = 2 * rows if config.ep > 1 else 0
     if config.stack == "reference":
-        # Per-expert outputs and their concatenation; in backward each expert's slice of the
-        # weight gradient is a full-size zero-filled buffer, two of them alive at a time.
-        forward = 2 * rows + exchanged
-        backward = 2 * local * 2 * inner * m.hidden_size * b + boundary
+        forward, backward = moe_transients(config, saved)
         deferred = 0
     else:
         # Padded grouped buffers: the gate_up output and its activation's input copy.
@@ -156,9 +172,13 @@ def layer_profile(config: EstimateConfig, layer: int) -> LayerProfile:
     )
 
 
-def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> ChunkProfile:
+def chunk_profile(
+    config: EstimateConfig, stage: int, layers: list[int], config_of=None
+) -> ChunkProfile:
+    """One stage for one micro-batch; ``config_of(layer)``: each layer's config (observed
+    routing), else ``config``."""
     m, b, tokens = config.model, config.param_bytes, config.tokens
-    profiles = [layer_profile(config, layer) for layer in layers]
+    profiles = [layer_profile(config_of(i) if config_of else config, i) for i in layers]
     head_saved = head_fwd = head_bwd = head_grad = embedding_grad = 0
     if stage == 0:
         embedding_grad = embedding_grad_bytes(config)
@@ -175,7 +195,7 @@ def chunk_profile(config: EstimateConfig, stage: int, layers: list[int]) -> Chun
             head_bwd = 2 * logits * b
         head_grad = grad_bytes(config, head_params(m))
         if not m.tie_word_embeddings:  # FSDP2 shards the final norm and the output layer
-            head_grad //= fsdp_divisor(config)
+            head_grad //= grad_divisor(config)
     return ChunkProfile(profiles, head_saved, head_fwd, head_bwd, head_grad, embedding_grad)
 
 
@@ -198,6 +218,9 @@ class RankEstimate:
     all_gradients_bytes: int = 0
     """Gradients once every parameter has one (after the backward); ``gradients_bytes`` is
     what exists at the peak (the step starts with none: ``zero_grad(set_to_none=True)``)."""
+    optimizer_step_bytes: int = 0
+    """The rank's total while the optimizer steps: weights, every gradient, the optimizer
+    state and the update's temporaries (the peak when it exceeds the walk's)."""
     timeline: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -224,6 +247,7 @@ class RankEstimate:
             "in_flight_at_peak": list(self.in_flight_at_peak),
             "max_in_flight": list(self.max_in_flight),
             "all_gradients_bytes": self.all_gradients_bytes,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
             "timeline": [dict(moment) for moment in self.timeline],
         }
 
@@ -255,7 +279,9 @@ def static_bytes(
     """(per-rank params by bucket, weight, gradient, optimizer bytes) of one rank.
 
     Under ``fsdp`` parameters and gradients are split like `fsdp_divisor` (rows rounded
-    up); ``head_numel``: the output-layer weight this rank holds whole (`head_weight_numel`)."""
+    up); ``head_numel``: the output-layer weight this rank holds whole (`head_weight_numel`).
+    Without ``reshard_after_forward`` FSDP2 also holds every unit's gathered parameters from
+    its first forward to its last backward: the weights add the whole part's unsharded size."""
     params = shard(count, config)
     dense = params["tensor_sharded"] + params["replicated"]
     experts = params["routed_experts"]
@@ -265,11 +291,53 @@ def static_bytes(
         held += -(-experts // fsdp_divisor(config, experts=True))
     weights = held * config.param_bytes
     gradients = held * config.grad_bytes
+    if config.fsdp and not config.reshard_after_forward:
+        gathered = dense - head_numel + (experts if config.expert_dp > 1 else 0)
+        weights += gathered * config.param_bytes
     if config.shard_optimizer or config.fsdp:
         dense, experts = -(-dense // config.dp), -(-experts // config.expert_dp)
     # AdamW: two moments (and a master copy if asked) per parameter, a float32 step per tensor.
     optimizer = (dense + experts) * config.optimizer_bytes_per_param + F32 * count.num_tensors
     return params, weights, gradients, optimizer
+
+
+def largest_state_tensor_bytes(config: EstimateConfig, count: ParamCount) -> int:
+    """Bytes of one copy of the rank's largest parameter tensor in the optimizer's state dtype:
+    torch's AdamW (single-tensor on CPU) divides ``sqrt(exp_avg_sq)`` by the bias correction,
+    so two such temporaries are alive at once."""
+    divisors = {
+        "tensor_sharded": config.tp * fsdp_divisor(config),
+        "replicated": fsdp_divisor(config),
+        "routed_experts": config.ep * config.etp * fsdp_divisor(config, experts=True),
+    }
+    largest = max(-(-count.largest[b] // divisors[b]) for b in divisors)
+    moment = config.param_bytes if config.optimizer_state_dtype == "param" else F32
+    return largest * moment
+
+
+def with_optimizer_step(
+    config: EstimateConfig, estimate: RankEstimate, count: ParamCount, optimizer: int
+) -> RankEstimate:
+    """Add the optimizer step to a walked rank: every gradient, ``optimizer`` bytes of state
+    (all of it, created now on the first step) and two temporaries of the largest tensor.
+    The step's peak is whichever is higher, the walk's or this."""
+    temporaries = 2 * largest_state_tensor_bytes(config, count)
+    activations = batch_bytes(config) + temporaries
+    total = estimate.weights_bytes + estimate.all_gradients_bytes + optimizer + activations
+    estimate.optimizer_step_bytes = total
+    estimate.timeline.append(
+        {"phase": "optimizer", "action": "step", "mark": "optimizer", "micro_batch": None,
+         "in_flight": [0, 0], "bytes": total - estimate.weights_bytes - optimizer,
+         "peak_bytes": total, "start_bytes": total - temporaries,
+         "gradients_bytes": estimate.all_gradients_bytes}
+    )  # fmt: skip
+    if total > estimate.peak_bytes:
+        estimate.gradients_bytes = estimate.all_gradients_bytes
+        estimate.optimizer_bytes = optimizer
+        estimate.activation_bytes = activations
+        estimate.peak_phase, estimate.peak_action = "optimizer", "step"
+        estimate.in_flight_at_peak = (0, 0)
+    return estimate
 
 
 class WalkState:
@@ -292,13 +360,14 @@ class WalkState:
             self.peak = (act + self.gradients, act, self.gradients)
 
 
-def timeline_moment(step, during: tuple[int, int, int], static: int) -> dict:
+def timeline_moment(step, during: tuple[int, int, int], static: int, start: int = 0) -> dict:
     """One action of the walk as the timeline reports it.
 
     ``mark`` and ``micro_batch`` are what the stack's observer (the harness's memory
     tracker) records at the start of the same action, so a measured peak moment can be
-    looked up here; ``peak_bytes`` is the rank's total during the action and
-    ``gradients_bytes`` the gradients existing at that moment.
+    looked up here; ``peak_bytes`` is the rank's total during the action,
+    ``start_bytes`` its total when the action starts, and ``gradients_bytes`` the gradients
+    existing at the peak.
     """
     action = step.action
     if action.kind == "W":
@@ -317,6 +386,7 @@ def timeline_moment(step, during: tuple[int, int, int], static: int) -> dict:
         "in_flight": list(step.in_flight),
         "bytes": during[0],
         "peak_bytes": during[0] + static,
+        "start_bytes": start + static,
         "gradients_bytes": during[2],
     }
 

@@ -16,12 +16,13 @@ from optimized.estimator.memory import (
     batch_bytes,
     buffer_bytes,
     embedding_grad_bytes,
-    fsdp_divisor,
+    grad_divisor,
     head_weight_numel,
     layer_profile,
     rank_params,
     static_bytes,
     timeline_moment,
+    with_optimizer_step,
 )
 from optimized.estimator.schedule import send_completions, walk
 from optimized.estimator.steps import step_profile
@@ -31,26 +32,44 @@ TRACE: list | None = None
 
 
 def estimate_rank_optimized(
-    config: EstimateConfig, rank: int, partition: list[range]
+    config: EstimateConfig, rank: int, partition: list[range], routing=None
 ) -> RankEstimate:
-    """The optimized schedule, step by step (`optimized.estimator.steps`)."""
+    """The optimized schedule, step by step (`optimized.estimator.steps`); ``routing``: an
+    `ObservedRouting` to use instead of balanced routing."""
     m, b, tokens = config.model, config.param_bytes, config.tokens
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(
+    params, weights, all_gradients, state_bytes = static_bytes(
         config, count, head_weight_numel(config, stages)
     )
+    # The first step's forward and backward run before AdamW has created its state.
+    optimizer = 0 if config.first_step else state_bytes
     chunk_layers = [list(partition[s]) for s in stages]
     weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
     th = tokens * m.hidden_size * b
     first, last = rank == 0, rank == config.pp - 1
-    profiles = [[step_profile(config, layer) for layer in c] for c in chunk_layers]
-    grads = [[layer_profile(config, layer) for layer in c] for c in chunk_layers]
+    by_micro_batch: dict = {}
+
+    def profiles_of(chunk, mb):
+        """The chunk's layers' (step profiles, layer profiles) for micro-batch ``mb``: the
+        same for every micro-batch under balanced routing."""
+        key = (chunk, mb if routing is not None else None)
+        if key not in by_micro_batch:
+            configs = [
+                routing.config_for(config, layer, mb) if routing is not None else config
+                for layer in chunk_layers[chunk]
+            ]
+            by_micro_batch[key] = (
+                [step_profile(c, layer) for c, layer in zip(configs, chunk_layers[chunk])],
+                [layer_profile(c, layer) for c, layer in zip(configs, chunk_layers[chunk])],
+            )
+        return by_micro_batch[key]
+
     head_weight = m.vocab_size * m.hidden_size * b
     # Under FSDP2 the fused loss's whole-weight gradient buffer waits for the backward,
     # which reduce-scatters it into a 1/DP shard; without, micro-batch 0's becomes the grad.
     sharded_head = config.fsdp and not m.tie_word_embeddings
-    head_divisor = fsdp_divisor(config) if sharded_head else 1
+    head_divisor = grad_divisor(config) if sharded_head else 1
     # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
     # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
@@ -61,16 +80,17 @@ def estimate_rank_optimized(
     completions = iter(send_completions(rank, config.pp, config.num_microbatches))
     sends: list[tuple[int, int | None]] = []
     received = [0]
-    deferred: list[int] = []
+    # Per deferred backward: [weight-gradient inputs it left, the layers whose W it owes].
+    deferred: list[list] = []
     local_out: list[int] = []
     peak, peak_step, timeline = -1, None, []
 
     late_held = [0]
 
-    def hold_late(chunk, index, name):
+    def hold_late(chunk, index, mb, name):
         """The last layer of a chunk whose output root is kept (not the loss chunk)."""
-        if index == len(profiles[chunk]) - 1 and not is_loss(chunk):
-            extra = profiles[chunk][index].held_to_action_end.get(name, 0)
+        if index == len(chunk_layers[chunk]) - 1 and not is_loss(chunk):
+            extra = profiles_of(chunk, mb)[0][index].held_to_action_end.get(name, 0)
             state.activations += extra
             late_held[0] += extra
 
@@ -84,16 +104,32 @@ def estimate_rank_optimized(
             TRACE.append((chunk_layers[chunk][index], step.name, level, level + step.transient))
         state.moment(step.transient)
         state.activations += step.delta
+        layer = profiles_of(chunk, mb)[1][index]
         if step.grad == "dense":
-            state.grad((chunk, index, "dense"), grads[chunk][index].dense_grad)
+            state.grad((chunk, index, "dense"), layer.dense_grad)
         elif step.grad == "experts":
             if defer:
-                inputs = grads[chunk][index].deferred_inputs
-                state.activations += inputs
-                deferred[-1] += inputs
+                state.activations += layer.deferred_inputs
+                deferred[-1][0] += layer.deferred_inputs
+                deferred[-1][1].append((chunk, index, mb))
             else:
-                state.grad((chunk, index, "experts"), grads[chunk][index].expert_grad)
+                state.grad((chunk, index, "experts"), layer.expert_grad)
         state.moment()
+
+    def weight_step(owed):
+        """One W: each deferred grouped GEMM's weight gradient in the order the backward put
+        them (`WeightGradStore`); the inputs stay until the whole group has run."""
+        for chunk, index, mb in owed:
+            key = (chunk, index, "experts")
+            first = key not in state.created
+            state.created.add(key)
+            steps, layers = profiles_of(chunk, mb)
+            for transient, share in zip(
+                steps[index].weight_transients, steps[index].weight_grad_shares, strict=True
+            ):
+                state.moment(transient)
+                if first:  # the first W of this layer leaves its gradients behind
+                    state.gradients += layers[index].expert_grad * share // 3
 
     def is_loss(chunk):
         return chunk == 1 and first
@@ -167,40 +203,42 @@ def estimate_rank_optimized(
 
     def forward(chunk, mb):
         f_start(chunk)
-        for i, p in enumerate(profiles[chunk]):
+        for i, p in enumerate(profiles_of(chunk, mb)[0]):
             for name in fsteps:
                 run_step(chunk, i, mb, p.forward[name])
         f_end(chunk, mb)
 
     def backward(chunk, mb, defer):
         if defer:
-            deferred.append(0)
+            deferred.append([0, []])
         b_start(chunk, mb)
-        for i in reversed(range(len(profiles[chunk]))):
+        steps = profiles_of(chunk, mb)[0]
+        for i in reversed(range(len(steps))):
             for name in bsteps:
-                run_step(chunk, i, mb, profiles[chunk][i].backward[name], defer)
-                hold_late(chunk, i, name)
+                run_step(chunk, i, mb, steps[i].backward[name], defer)
+                hold_late(chunk, i, mb, name)
         release_late()
         b_end(chunk)
 
     def overlapped(fc, fmb, bc, bmb):
         f_start(fc)
         b_start(bc, bmb)
-        fl, bl = profiles[fc], list(reversed(range(len(profiles[bc]))))
+        fl, bsteps_of = profiles_of(fc, fmb)[0], profiles_of(bc, bmb)[0]
+        bl = list(reversed(range(len(bsteps_of))))
         for k in range(max(len(fl), len(bl))):
             for side, n in order:
                 if side == "F" and k < len(fl):
                     run_step(fc, k, fmb, fl[k].forward[fsteps[n]])
                 elif side == "B" and k < len(bl):
-                    run_step(bc, bl[k], bmb, profiles[bc][bl[k]].backward[bsteps[n]])
-                    hold_late(bc, bl[k], bsteps[n])
+                    run_step(bc, bl[k], bmb, bsteps_of[bl[k]].backward[bsteps[n]])
+                    hold_late(bc, bl[k], bmb, bsteps[n])
         f_end(fc, fmb)
         release_late()
         b_end(bc)
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        before = state.peak
+        before, start = state.peak, state.activations + state.gradients
         state.peak = (-1, 0, 0)
         state.moment()
         if action.kind == "F":
@@ -209,19 +247,22 @@ def estimate_rank_optimized(
             backward(action.chunk, step.backward_micro_batch, action.deferred)
         elif action.kind == "W":
             if deferred:
-                inputs = deferred.pop(0)
+                inputs, owed = deferred.pop(0)
                 state.moment()
+                weight_step(owed)
                 state.activations -= inputs
         else:
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
                        step.backward_micro_batch)  # fmt: skip
         during = state.peak
-        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        timeline.append(
+            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
+        )
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
     _, activations_at_peak, gradients_at_peak = peak_split
-    return RankEstimate(
+    estimate = RankEstimate(
         rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
         weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
         activation_bytes=activations_at_peak + batch_bytes(config),
@@ -229,3 +270,4 @@ def estimate_rank_optimized(
         in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
         all_gradients_bytes=all_gradients, timeline=timeline,
     )  # fmt: skip
+    return with_optimizer_step(config, estimate, count, state_bytes)

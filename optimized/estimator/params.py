@@ -4,7 +4,7 @@
 |---|---|---|
 | ``tensor_sharded`` | attention, dense MLP, shared experts, embedding, output layer | TP |
 | ``replicated`` | norms, router, shared-expert gate | 1 |
-| ``routed_experts`` | the routed experts' weights and biases | ETP x EP |
+| ``routed_experts`` | the routed experts' weights and biases | EP (experts) x ETP (width) |
 
 Counts follow `models.layers` module by module (the tests hold them against
 ``sum(p.numel())`` of the built modules), so the per-rank weight, gradient and
@@ -30,17 +30,21 @@ class ParamCount:
     """Parameters per bucket."""
     tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
     """Parameter tensors per bucket."""
+    largest: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0))
+    """The largest single tensor per bucket (unsharded), for the optimizer's temporaries."""
 
     def add(self, bucket: str, *sizes: int) -> ParamCount:
         for size in sizes:
             self.numel[bucket] += size
             self.tensors[bucket] += 1
+            self.largest[bucket] = max(self.largest[bucket], size)
         return self
 
     def __iadd__(self, other: ParamCount) -> ParamCount:  # noqa: PYI034
         for bucket in BUCKETS:
             self.numel[bucket] += other.numel[bucket]
             self.tensors[bucket] += other.tensors[bucket]
+            self.largest[bucket] = max(self.largest[bucket], other.largest[bucket])
         return self
 
     def scaled(self, factor: int) -> ParamCount:
@@ -48,6 +52,7 @@ class ParamCount:
         for bucket in BUCKETS:
             out.numel[bucket] = self.numel[bucket] * factor
             out.tensors[bucket] = self.tensors[bucket] * factor
+            out.largest[bucket] = self.largest[bucket] if factor else 0
         return out
 
     @property
@@ -97,9 +102,9 @@ def dense_mlp_params(hidden: int, inner: int) -> ParamCount:
     return ParamCount().add("tensor_sharded", hidden * inner, hidden * inner, inner * hidden)
 
 
-def moe_params(model: ModelConfig, shared_expert_gate: bool = False) -> ParamCount:
+def moe_params(config: EstimateConfig) -> ParamCount:
     """Router, all routed experts (unsharded) and shared experts of one MoE layer."""
-    c, count = model, ParamCount()
+    c, count = config.model, ParamCount()
     hidden, inner, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
     count.add("replicated", experts * hidden)
     if c.model_type == "gpt_oss":
@@ -113,9 +118,9 @@ def moe_params(model: ModelConfig, shared_expert_gate: bool = False) -> ParamCou
         )
     else:
         count.add("routed_experts", experts * 2 * inner * hidden, experts * hidden * inner)
-    if c.n_shared_experts:
-        count += dense_mlp_params(hidden, inner * c.n_shared_experts)
-        if shared_expert_gate:
+    if config.shared_expert_width:
+        count += dense_mlp_params(hidden, config.shared_expert_width)
+        if config.shared_expert_gate:
             count.add("replicated", hidden)
     return count
 
@@ -128,7 +133,7 @@ def layer_params(config: EstimateConfig, layer: int, is_moe: bool | None = None)
     count = ParamCount().add("replicated", model.hidden_size, model.hidden_size)
     count += attention_params(model)
     if is_moe:
-        count += moe_params(model, config.shared_expert_gate)
+        count += moe_params(config)
     else:
         count += dense_mlp_params(model.hidden_size, model.intermediate_size)
     return count
@@ -148,12 +153,13 @@ def head_params(model: ModelConfig) -> ParamCount:
 
 def mtp_params(config: EstimateConfig) -> ParamCount:
     """One multi-token-prediction block (DeepSeek-V3 / Megatron layout): two input norms,
-    the ``[2H -> H]`` projection, a MoE decoder layer and the shared head's norm. The
-    embedding and output layer are the main model's."""
+    the ``[2H -> H]`` projection, a decoder layer of the last layer's kind (Megatron builds
+    it from the last layer's spec) and the shared head's norm. The embedding and output
+    layer are the main model's."""
     hidden = config.model.hidden_size
     count = ParamCount().add("replicated", hidden, hidden, hidden)
     count.add("tensor_sharded", 2 * hidden * hidden)
-    count += layer_params(config, 0, is_moe=any(config.moe_layers()))
+    count += layer_params(config, 0, is_moe=config.moe_layers()[-1])
     return count
 
 

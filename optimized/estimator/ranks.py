@@ -8,11 +8,14 @@ from optimized.estimator.optimized_walk import estimate_rank_optimized
 from optimized.estimator.reference_walk import estimate_rank_reference
 
 
-def estimate_rank(config: EstimateConfig, rank: int, partition: list[range]) -> RankEstimate:
-    """One pp-rank's memory under ``config.stack``'s schedule."""
+def estimate_rank(
+    config: EstimateConfig, rank: int, partition: list[range], routing=None
+) -> RankEstimate:
+    """One pp-rank's memory under ``config.stack``'s schedule; ``routing``: the
+    `optimized.estimator.routing.ObservedRouting` of one of its ranks (else balanced)."""
     if config.stack == "optimized":
-        return estimate_rank_optimized(config, rank, partition)
-    return estimate_rank_reference(config, rank, partition)
+        return estimate_rank_optimized(config, rank, partition, routing)
+    return estimate_rank_reference(config, rank, partition, routing)
 
 
 def estimate_ranks(config: EstimateConfig, partition: list[range]) -> list[RankEstimate]:

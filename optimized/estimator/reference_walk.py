@@ -5,6 +5,7 @@ early). Shared pieces live in `optimized.estimator.memory`.
 
 from __future__ import annotations
 
+from optimized.estimator.activations import chunk_boundary_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
     LayerProfile,
@@ -18,23 +19,42 @@ from optimized.estimator.memory import (
     rank_params,
     static_bytes,
     timeline_moment,
+    with_optimizer_step,
 )
 from optimized.estimator.schedule import walk
 
 
 def estimate_rank_reference(
-    config: EstimateConfig, rank: int, partition: list[range]
+    config: EstimateConfig, rank: int, partition: list[range], routing=None
 ) -> RankEstimate:
-    """One pp-rank of the reference stack, action by action over the DualPipeV walk."""
+    """One pp-rank of the reference stack, action by action over the DualPipeV walk;
+    ``routing``: an `ObservedRouting` to use instead of balanced routing."""
     stages = (rank, config.num_stages - 1 - rank)
     count = rank_params(config, stages, partition)
-    params, weights, all_gradients, optimizer = static_bytes(
+    params, weights, all_gradients, state_bytes = static_bytes(
         config, count, head_weight_numel(config, stages)
     )
+    # The first step's forward and backward run before AdamW has created its state.
+    optimizer = 0 if config.first_step else state_bytes
     layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
     weights += buffer_bytes(config, layers)
-    chunks = [chunk_profile(config, s, list(partition[s])) for s in stages]
+    by_micro_batch: dict = {}
+
+    def chunk_of(chunk: int, mb: int | None):
+        """The chunk's profile for micro-batch ``mb`` (the same for all when balanced)."""
+        key = (chunk, mb if routing is not None else None)
+        if key not in by_micro_batch:
+            config_of = None
+            if routing is not None:
+                config_of = lambda layer: routing.config_for(config, layer, mb)  # noqa: E731
+            layers = list(partition[stages[chunk]])
+            by_micro_batch[key] = chunk_profile(config, stages[chunk], layers, config_of)
+        return by_micro_batch[key]
+
     boundary = config.tokens * config.model.hidden_size * config.param_bytes
+    # A received input the pipeline keeps as the backward's leaf: in float32 it is the first
+    # norm's saved float input (counted with the layer), in 16-bit a tensor of its own.
+    leaf = chunk_boundary_bytes(config)
     optimized = config.stack == "optimized"
     first, last = rank == 0, rank == config.pp - 1
     state = WalkState()
@@ -43,7 +63,10 @@ def estimate_rank_reference(
 
     def forward_start(chunk: int) -> None:
         if chunk == 1 and last:
-            state.activations -= boundary  # the input is chunk 0's output, already held
+            # The input is chunk 0's output, already held (in float32 also as the float input).
+            state.activations -= boundary - leaf
+        elif not (chunk == 0 and first):
+            state.activations += leaf
 
     def forward_end(chunk: int) -> None:
         # The output stays: as the backward's root, and in the pending send (to the step's
@@ -60,8 +83,8 @@ def estimate_rank_reference(
         if part in ("all", "aggregate"):
             state.activations += layer.aggregate
 
-    def forward(chunk: int) -> None:
-        c = chunks[chunk]
+    def forward(chunk: int, mb: int) -> None:
+        c = chunk_of(chunk, mb)
         forward_start(chunk)
         for layer in c.layers:
             state.activations += layer.saved
@@ -73,8 +96,8 @@ def estimate_rank_reference(
         forward_end(chunk)
         state.moment()
 
-    def backward_start(chunk: int) -> int:
-        c = chunks[chunk]
+    def backward_start(chunk: int, mb: int) -> int:
+        c = chunk_of(chunk, mb)
         received = 0
         if c.head_saved:
             state.moment(c.head_backward_transient)
@@ -99,30 +122,32 @@ def estimate_rank_reference(
             state.grad((chunk, index, "dense"), layer.dense_grad)
 
     def backward_end(chunk: int, received: int) -> None:
-        c = chunks[chunk]
+        c = chunk_of(chunk, None)
         state.activations -= received
         if chunk == 0 and last:  # the gradient B1 handed over, and chunk 0's output
             state.activations -= 2 * boundary
         if chunk == 1 and last:  # chunk 1's input lives on as chunk 0's output until B0
-            state.activations += boundary
+            state.activations += boundary - leaf
+        elif not (chunk == 0 and first):
+            state.activations -= leaf
         if c.embedding_grad:
             state.grad((chunk, "embedding"), c.embedding_grad)
         else:
             state.activations += boundary  # the gradient sent (or handed to B0) stays
         state.moment()
 
-    def backward(chunk: int, defer: bool) -> None:
-        c = chunks[chunk]
-        received = backward_start(chunk)
+    def backward(chunk: int, mb: int, defer: bool) -> None:
+        c = chunk_of(chunk, mb)
+        received = backward_start(chunk, mb)
         for index in reversed(range(len(c.layers))):
             backward_layer(chunk, index, c.layers[index], defer)
             state.moment()
         backward_end(chunk, received)
 
-    def overlapped(f_chunk: int, b_chunk: int) -> None:
-        fc, bc = chunks[f_chunk], chunks[b_chunk]
+    def overlapped(f_chunk: int, fmb: int, b_chunk: int, bmb: int) -> None:
+        fc, bc = chunk_of(f_chunk, fmb), chunk_of(b_chunk, bmb)
         forward_start(f_chunk)
-        received = backward_start(b_chunk)
+        received = backward_start(b_chunk, bmb)
         b_layers = list(reversed(range(len(bc.layers))))
         for step in range(max(len(fc.layers), len(b_layers))):
             f = fc.layers[step] if step < len(fc.layers) else None
@@ -148,7 +173,7 @@ def estimate_rank_reference(
         if not deferred:
             return
         chunk, index = deferred.pop(0)
-        for i, layer in enumerate(chunks[chunk].layers):
+        for i, layer in enumerate(chunk_of(chunk, index).layers):
             if layer.deferred_inputs:
                 state.moment(layer.expert_grad)
                 state.activations -= layer.deferred_inputs
@@ -157,13 +182,14 @@ def estimate_rank_reference(
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        before = state.peak
+        before, start = state.peak, state.activations + state.gradients
         state.peak = (-1, 0, 0)
+        fmb, bmb = step.forward_micro_batch, step.backward_micro_batch
         if action.kind == "F":
-            forward(action.chunk)
+            forward(action.chunk, fmb)
         elif action.kind == "B":
             defer = optimized and action.deferred
-            backward(action.chunk, defer)
+            backward(action.chunk, bmb, defer)
             if defer:
                 deferred.append((action.chunk, step.backward_micro_batch))
         elif action.kind == "W":
@@ -171,20 +197,20 @@ def estimate_rank_reference(
                 weight_step()
             state.moment()
         elif optimized:
-            overlapped(action.chunk, action.backward_chunk)
+            overlapped(action.chunk, fmb, action.backward_chunk, bmb)
         else:  # the reference runs the F, then the B
-            forward(action.chunk)
-            backward(action.backward_chunk, False)
+            forward(action.chunk, fmb)
+            backward(action.backward_chunk, bmb, False)
         during = state.peak
         most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
-        timeline.append(timeline_moment(step, during, weights + optimizer + batch_bytes(config)))
+        timeline.append(
+            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
+        )
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
-    # The optimizer step: every gradient, the state AdamW creates, a parameter-sized pair of
-    # temporaries for the largest tensor.
     _, activations_at_peak, gradients_at_peak = peak_split
-    return RankEstimate(
+    estimate = RankEstimate(
         rank=rank,
         stages=stages,
         layers=(list(partition[stages[0]]), list(partition[stages[1]])),
@@ -200,3 +226,4 @@ def estimate_rank_reference(
         all_gradients_bytes=all_gradients,
         timeline=timeline,
     )
+    return with_optimizer_step(config, estimate, count, state_bytes)

@@ -9,6 +9,7 @@ deferred leaves the weight-gradient inputs behind until the matching W.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -173,6 +174,13 @@ def comm_events(rank: int, pp: int, num_microbatches: int) -> Iterator[CommEvent
 
 
 def send_completions(rank: int, pp: int, num_microbatches: int) -> list[int | None]:
+    """See `_send_completions` (cached: the partition search asks for the same rank's many
+    times)."""
+    return list(_send_completions(rank, pp, num_microbatches))
+
+
+@functools.lru_cache(maxsize=256)
+def _send_completions(rank: int, pp: int, num_microbatches: int) -> tuple[int | None, ...]:
     """For each send of ``rank`` (in its order), how many receives ``rank`` must have done
     before that send is known complete; None: not before the step ends.
 
@@ -203,4 +211,4 @@ def send_completions(rank: int, pp: int, num_microbatches: int) -> list[int | No
         later = (e for e in theirs[taken + 1 :] if e.op == "send" and e.peer == rank)
         reply = next(later, None)
         completions.append(None if reply is None else received_after[(event.peer, reply.message)])
-    return completions
+    return tuple(completions)

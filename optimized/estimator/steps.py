@@ -40,7 +40,7 @@ from optimized.estimator.activations import (
     I64,
     dense_mlp_saved,
     layer_saved,
-    routed_rows,
+    routed,
 )
 from optimized.estimator.config import EstimateConfig
 
@@ -58,6 +58,12 @@ class Step:
 class StepProfile:
     forward: dict[str, Step] = field(default_factory=dict)
     backward: dict[str, Step] = field(default_factory=dict)
+    weight_transients: list[int] = field(default_factory=list)
+    """Per grouped GEMM a W step runs for this layer (down, then gate_up: the order the
+    backward put them), the bytes it holds while it runs (see `weight_step_transients`)."""
+    weight_grad_shares: tuple[int, int] = (1, 2)
+    """Thirds of the layer's expert weight gradient each of those GEMMs makes (down: one,
+    gate/up: two)."""
     held_to_action_end: dict[str, int] = field(default_factory=dict)
     """Bytes a backward step would free, or a leaf's gradient it makes, that stay alive
     until the end of the action when this layer is the last of a chunk whose output is
@@ -102,6 +108,29 @@ def _eager_attention_peaks(config: EstimateConfig) -> tuple[int, int]:
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
+    """One layer's fourteen steps (computed once per layer kind, dense or MoE, per config)."""
+    key = ("step_profile", config.moe_layers()[layer])
+    if key not in config.cache:
+        config.cache[key] = _step_profile(config, layer)
+    return config.cache[key]
+
+
+def weight_step_transients(config: EstimateConfig) -> list[int]:
+    """What each deferred expert weight gradient holds while its W step computes it
+    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, and where the
+    parameter is used through a transposed view (all families but GPT-OSS, whose experts
+    are stored ``[E, in, out]``) a zero-filled parameter-sized copy laid out like the
+    parameter, which is added into ``.grad`` (or becomes it, the first time). Down
+    projection first, then gate/up."""
+    m, b = config.model, config.param_bytes
+    local = max(m.num_experts // config.ep, 1)
+    inner = m.moe_intermediate_size // config.etp
+    copies = 1 if m.model_type == "gpt_oss" else 2
+    down, gate_up = local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b
+    return [copies * down, copies * gate_up]
+
+
+def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     m, b, tokens = config.model, config.param_bytes, config.tokens
     hidden = m.hidden_size
     th = tokens * hidden * b
@@ -131,18 +160,19 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
             "dense",
         )  # fmt: skip
         return profile
-    sent, grouped = routed_rows(config)
-    received = sent
+    profile.weight_transients = weight_step_transients(config)
+    rows = routed(config)
+    sent, grouped, received = rows.sent, rows.grouped, rows.received
     ep = config.ep > 1
     padded_sent = _round_up(sent, GATHER_ALIGNMENT)
     padded_received = _round_up(received, GATHER_ALIGNMENT)
     inner = m.moe_intermediate_size // config.etp
-    local = max(m.num_experts // (config.ep * config.etp), 1)
+    local = max(m.num_experts // config.ep, 1)
     kept += _names(items, ("router.", "dispatch.", "shared_experts."))
     sorted_tokens = padded_sent * hidden * b
     # The residual is the attention residual itself (the norm's float input) only in float32
     # without shared experts.
-    residual_is_h = b == F32 and not m.n_shared_experts
+    residual_is_h = b == F32 and not config.shared_expert_width
     attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
     attention += 0 if residual_is_h else th
     fwd["attention_forward"] = Step(

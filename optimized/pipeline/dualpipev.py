@@ -104,6 +104,12 @@ class OptimizedDualPipeV:
         """Keep the list of early frees in the last step's context (tests)."""
         self.context: ExecutionContext | None = None
         """The last step's execution context."""
+        self.gradient_sync = None
+        """Optional `optimized.pipeline.gradient_sync.GradientSync`, told of every backward
+        (before it runs) and every W step (after): FSDP2 reduces at the schedule's marks."""
+
+    defers_weight_gradients = True
+    """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""
 
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
@@ -174,6 +180,7 @@ class OptimizedDualPipeV:
         """Backward of the oldest forwarded micro-batch of ``chunk``; ``defer``: ZB backward."""
         run = self.saved[chunk].popleft()
         self._observe(f"B{chunk}", run.micro_batch)
+        self._before_backward(chunk)
         store = self.context.weight_grads
         with store.deferring() if defer else nullcontext():
             grad = self._backward_start(chunk, run)
@@ -185,6 +192,7 @@ class OptimizedDualPipeV:
         j = self._next_forward(forward_chunk)
         run = self.saved[backward_chunk].popleft()
         self._observe(f"F{forward_chunk}&B{backward_chunk}", j)
+        self._before_backward(backward_chunk)
         start = self._forward_input(forward_chunk, j)
         grad = self._backward_start(backward_chunk, run)
         hidden, grad = overlapped_layers(start.layers, start.hidden, run.layers, grad)
@@ -195,6 +203,8 @@ class OptimizedDualPipeV:
         """Run the oldest deferred backward's expert weight gradients."""
         self._observe("W", None)
         self.context.weight_grads.pop()
+        if self.gradient_sync is not None:
+            self.gradient_sync.after_weight()
 
     # -------------------------------------------- chunk ends: embed, loss, p2p
     class _Start(NamedTuple):
@@ -249,6 +259,10 @@ class OptimizedDualPipeV:
             backward_stage((run.embedded,), (grad,))
         else:
             self._send_gradient(chunk, grad)
+
+    def _before_backward(self, chunk: int) -> None:
+        if self.gradient_sync is not None:
+            self.gradient_sync.before_backward(chunk)
 
     def _next_forward(self, chunk: int) -> int:
         j = self.forwarded[chunk]

@@ -16,6 +16,16 @@ that while one side's all-to-all is in flight the other side computes
     B combine wait, B experts, B dispatch start | F dispatch wait, F experts, F combine start
     B dispatch wait, B attention  | F combine wait, F aggregate
 
+The per-expert count exchange (``MoE.exchange_counts``, first in `dispatch_start`) stays a
+blocking all-to-all: this step list cannot hide it. The token dispatch's receive buffer is
+sized from it, so it must finish before the dispatch starts, and it can only start once the
+router has run, at the end of `attention_forward`. Between the two the list could only
+place the other side's combine-backward wait and expert backward; but the combine-backward
+exchange was started earlier on the same EP group, and collectives on one group complete in
+order, so the counts queue behind it either way; and moving `dispatch_start` after the
+expert backward would leave the token dispatch, the larger transfer, with no compute to
+hide behind. An asynchronous count exchange would move the same wait, not remove it.
+
 Records keep only what backward needs: the comm stages keep their split sizes
 and group, not tensors. Stage-boundary storage nobody reads again is freed
 early through the `ExecutionContext` (see `optimized.pipeline.execution`).

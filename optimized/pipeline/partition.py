@@ -69,12 +69,16 @@ def choose_partition(config: EstimateConfig) -> list[range]:
     layers, stages = config.model.num_hidden_layers, config.num_stages
     config = config.replace(layers_per_stage=None)
 
-    # A rank's estimate depends only on its own two stages' layer ranges, and the search
-    # revisits the same pairs many times: remember each rank's peak by that pair.
-    peaks: dict[tuple[int, range, range], int] = {}
+    # A rank's estimate depends only on its own two stages' layers, and of each layer only
+    # on its kind (dense or MoE: the estimator counts no per-index difference), and the
+    # search revisits the same pairs many times: remember each rank's peak by its two
+    # stages' sequences of kinds.
+    peaks: dict[tuple[int, tuple[bool, ...], tuple[bool, ...]], int] = {}
+    kinds = config.moe_layers()
 
     def rank_peak(rank: int, partition: list[range]) -> int:
-        key = (rank, partition[rank], partition[stages - 1 - rank])
+        first, second = partition[rank], partition[stages - 1 - rank]
+        key = (rank, tuple(kinds[i] for i in first), tuple(kinds[i] for i in second))
         if key not in peaks:
             peaks[key] = estimate_rank(config, rank, partition).peak_bytes
         return peaks[key]

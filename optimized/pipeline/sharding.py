@@ -33,18 +33,17 @@ routed experts' weight gradients to a later W step, whose closure adds them into
 object), so the closure may run after the module was resharded. FSDP2's post-backward
 hook reduce-scatters whatever that ``.grad`` holds and sets it to None, so a W gradient
 that lands between two backwards of a module is reduced by the next one, together with
-that micro-batch's gradient; the W steps after a module's last backward of the step are
-reduced by `reduce_pending_gradients` once the schedule's last W has run. Each deferred
-gradient is thus reduce-scattered exactly once (tests/test_sharding.py compares every
-gradient with an unsharded run's). Replicas of an expert shard run the same schedule, so
-they reach the same collectives in the same order.
+that micro-batch's gradient (``grad_sync="micro-batch"``), or all of them once after the
+chunk's last W (``step``). Each deferred gradient is thus reduce-scattered exactly once
+(tests/test_sharding.py compares every gradient with an unsharded run's). Replicas of an
+expert shard run the same schedule, so they reach the same collectives in the same order.
 
-Gradient accumulation: every micro-batch's backward reduce-scatters its gradients into
-the sharded ``.grad`` (FSDP2's default), which the micro-batches then sum; the schedule
-interleaves micro-batches and chunks, so "the last backward of this module" is not
-known to the trainer, and ``set_requires_gradient_sync(False)`` would need one. Unsharded
-gradients live only from a module's backward to its post-backward hook (a W gradient:
-to the module's next backward, or the step's end).
+Gradient accumulation: each unit's gradients are reduce-scattered once per step, at the
+last backward (or the last W step) the static schedule gives its chunk, and accumulate
+unsharded until then (`optimized.pipeline.gradient_sync`, ``ParallelConfig.grad_sync``);
+``grad_sync="micro-batch"`` reduces after every backward as FSDP2 does by default, and the
+W gradients left after a module's last backward are reduced by `reduce_pending_gradients`
+once the schedule's last W has run.
 
 What stays off FSDP2, on `ShardedAdamW`'s ZeRO-1 path (whole parameters and gradients,
 gradients all-reduced by `reduce_unsharded_gradients`, optimizer state sharded as flat
@@ -66,6 +65,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from models.distributed import Layout
 from models.model import CausalLM, is_expert_parameter
 from models.training import PipelineRunner, micro_batches_of, share_loss, token_count
+from optimized.estimator.sync_marks import sync_marks
+from optimized.pipeline.gradient_sync import GradientSync, chunk_units, reduce_unit
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
@@ -99,13 +100,42 @@ def expert_modules(part: CausalLM, layout: Layout) -> list[nn.Module]:
     return [layer.mlp.experts for layer in part.decoder_layers if layer.is_moe]
 
 
-def _shard(module: nn.Module, mesh: DeviceMesh) -> None:
-    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple[int, int]]:
+    """``name -> (start, count)``: the rows of the whole model's tensor each parameter of a
+    (meta-device) part holds on dp-rank ``dp_rank`` once `apply_fsdp` has sharded it (DP > 1)
+    -- its EP block, then its FSDP2 rows -- with no process group. What that rank reads
+    from a checkpoint (`models.weights.materialise` places the same rows); the dry run of
+    a published-size layout lists it."""
+    from models.weights import chunk_rows  # noqa: PLC0415
+
+    over: dict[int, tuple[int, int]] = {}
+    if dp > 1:
+        for module in fsdp_modules(part):
+            over.update({id(p): (dp, dp_rank) for p in module.parameters()})
+        if dp // ep > 1:
+            for layer in part.decoder_layers:
+                if layer.is_moe:
+                    experts = layer.mlp.experts.parameters()
+                    over.update({id(p): (dp // ep, dp_rank // ep) for p in experts})
+    out = {}
+    for prefix, module in part.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            size, index = over.get(id(param), (1, 0))
+            start, count = chunk_rows(param.shape[0], size, index)
+            out[full] = (getattr(module, "first_expert", 0) + start, count)
+    return {name: out[name] for name, _ in part.named_parameters()}
+
+
+def _shard(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     module.set_gradient_divide_factor(1.0)  # a sum: the loss is already the global mean
     module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-def apply_fsdp(part: CausalLM, layout: Layout, device: torch.device) -> set[str]:
+def apply_fsdp(
+    part: CausalLM, layout: Layout, device: torch.device, reshard_after_forward: bool = True
+) -> set[str]:
     """`fully_shard` each of `fsdp_modules` over the DP group and each of `expert_modules`
     over the expert replicas; the names of the parameters FSDP2 now manages (DTensors
     sharded on dim 0).
@@ -119,7 +149,7 @@ def apply_fsdp(part: CausalLM, layout: Layout, device: torch.device) -> set[str]
     ids = {id(p) for m in fsdp_modules(part) + experts for p in m.parameters()}
     names = {n for n, p in part.named_parameters() if id(p) in ids}
     for module in fsdp_modules(part):
-        _shard(module, dp_mesh)
+        _shard(module, dp_mesh, reshard_after_forward)
     if getattr(part, "lm_head", None) is not None:
         register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
     if experts:
@@ -127,7 +157,7 @@ def apply_fsdp(part: CausalLM, layout: Layout, device: torch.device) -> set[str]
             layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
         )
         for module in experts:
-            _shard(module, replica_mesh)
+            _shard(module, replica_mesh, reshard_after_forward)
     if any(p.is_meta for p in part.parameters()):
         _allocate(part, device)
     return names
@@ -154,33 +184,9 @@ def _allocate(part: nn.Module, device: torch.device) -> None:
 def reduce_pending_gradients(part: nn.Module) -> int:
     """Reduce-scatter the gradients still waiting in FSDP2's unsharded parameters: those
     the W steps added after a module's last post-backward hook of the step (see the
-    module docstring). Collective over each module's mesh; a module with none does
-    nothing. Returns how many parameter groups it reduced.
-
-    FSDP2 has no public call for "reduce what has accumulated now". This runs the
-    module's post-backward hook again and then its root's end-of-backward callback,
-    which is what `torch.distributed.pipelining` does for its zero-bubble schedules
-    (``_PipelineStageBase.perform_reduce_grad``, torch 2.13): private API, kept to this
-    one function (torch is pinned).
-    """
-    reduced = 0
-    for module in part.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fully_shard.state(module)
-        pending = [
-            group
-            for group in state._fsdp_param_groups
-            for param in group.fsdp_params
-            if getattr(param, "_unsharded_param", None) is not None  # gathered once
-            and param._unsharded_param.grad is not None
-        ]
-        for group in dict.fromkeys(pending):
-            group.post_backward()
-            reduced += 1
-        if pending:
-            state._root_post_backward_final_callback()
-    return reduced
+    module docstring; ``grad_sync="micro-batch"``). Collective over each module's mesh; a
+    module with none does nothing. Returns how many units it reduced (`reduce_unit`)."""
+    return sum(reduce_unit(m) for m in part.modules() if isinstance(m, FSDPModule))
 
 
 def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str]) -> None:
@@ -198,15 +204,35 @@ def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str
             dist.all_reduce(param.grad, group=layout.dp_group)
 
 
+def install_gradient_sync(runner, mode: str | None = None, reshard_after_forward=None):
+    """Tell ``runner``'s schedule where to sync each FSDP unit (`GradientSync` at the
+    schedule's `sync_marks`); ``mode`` and ``reshard_after_forward`` default to the
+    runner's `ParallelConfig`. Returns the `GradientSync`."""
+    parallel, layout, schedule = runner.parallel, runner.layout, runner.schedule
+    marks = sync_marks(
+        layout.pp_rank, layout.pp, parallel.micro_batches, schedule.defers_weight_gradients
+    )
+    sync = GradientSync(
+        chunk_units(runner.part, schedule.chunks, layout.pp_rank),
+        marks,
+        parallel.grad_sync if mode is None else mode,
+        parallel.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
+    )
+    schedule.gradient_sync = sync
+    return sync
+
+
 def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float:
-    """The runner's ``forward_backward`` with FSDP2 reducing the sharded gradients: the
-    same schedule step (its last W included), the W gradients still pending reduced, then
-    only the unsharded gradients all-reduced."""
+    """The runner's ``forward_backward`` with FSDP2 reducing the sharded gradients at the
+    schedule's marks (`install_gradient_sync`, done here on first use), then only the
+    unsharded gradients all-reduced."""
     optimizer.zero_grad()
     layout = runner.layout
+    sync = runner.schedule.gradient_sync or install_gradient_sync(runner)
     batches = micro_batches_of(ids, labels, runner.parallel, layout.dp_rank)
+    sync.begin()
     loss = runner.schedule.step(batches, token_count(labels))
-    reduce_pending_gradients(runner.part)
+    sync.finish(runner.part)
     reduce_unsharded_gradients(runner.part, layout, sharded)
     return share_loss(loss, layout)
 
@@ -231,10 +257,13 @@ class ShardedOptimizedPipeline(PipelineRunner):
         device = torch.device("cpu")
         self.runner = OptimizedPipeline(
             model, parallel, layout, source, optimizer, device=device,
-            shard=lambda part: self.sharded.update(apply_fsdp(part, layout, device)),
+            shard=lambda part: self.sharded.update(
+                apply_fsdp(part, layout, device, parallel.reshard_after_forward)
+            ),
         )  # fmt: skip
         self.part, self.layout, self.parallel = self.runner.part, layout, parallel
         self.schedule = self.runner.schedule
+        self.gradient_sync = install_gradient_sync(self.runner)
         self.optimizer = ShardedAdamW(
             self.part, layout, optimizer.lr, optimizer.betas, optimizer.eps,
             optimizer.weight_decay, True, self.sharded,
@@ -251,6 +280,12 @@ class ShardedOptimizedPipeline(PipelineRunner):
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         return forward_backward(self.runner, self.optimizer, self.sharded, ids, labels)
+
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = super().evaluate(ids, labels)
+        for unit in self.gradient_sync.all_units():
+            unit.reshard()  # a forward-only pass leaves them gathered when not resharding
+        return loss
 
     def optimizer_step(self) -> None:
         grads = [(p, p.grad) for p in self.part.parameters()]

@@ -15,7 +15,13 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   any other, each rank reading only the regions it holds;
 - ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
 - ``config.json`` (the model, Hugging Face style) and ``train.toml`` (the run's config);
-- ``manifest.json``, written last: every file's size and sha256.
+- ``manifest.json``, written last: every file's size and sha256, and the run id.
+
+A checkpoint folder belongs to one run: ``run.json`` beside the ``step-*`` folders holds
+its run id (written when the run claims the folder), and every manifest repeats it. A run
+never prunes or replaces a checkpoint another run wrote (`save_checkpoint`), and the
+trainer refuses to start a different run in a folder that holds one unless told to
+``overwrite`` (`optimized.train.preflight`).
 
 A checkpoint is written to ``.tmp-step-...`` and renamed when complete, so a crash never
 leaves a half-written ``step-*``; on resume each candidate is verified against its
@@ -49,6 +55,7 @@ from optimized.train.chunks import Chunk
 from optimized.train.optimizer import ParamShard, ShardedAdamW
 
 MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
 TRAINER_STATE = "trainer_state.pt"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -116,14 +123,14 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
+def _write_manifest(folder: Path, run_id: str | None) -> None:
     files = {
         p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
     with open(folder / MANIFEST, "w") as f:
-        json.dump({"files": files}, f, indent=1)
+        json.dump({"run_id": run_id, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -147,6 +154,42 @@ def verify(folder: str | os.PathLike) -> str | None:
         if _sha256(path) != info["sha256"]:
             return f"file {name} fails its sha256 check"
     return None
+
+
+def checkpoint_run(folder: str | os.PathLike) -> str | None:
+    """The run id a checkpoint's manifest records (None: unreadable, or written before
+    checkpoints carried one)."""
+    try:
+        run_id = json.loads((Path(folder) / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def read_run(root: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``run.json`` of a checkpoint dir (None when there is none); ``ValueError``
+    naming the file when it is unreadable."""
+    path = Path(root) / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"{path} is unreadable ({error}); it names the run that owns the folder"
+        ) from None
+    if not isinstance(run, dict) or not isinstance(run.get("run_id"), str):
+        raise ValueError(f"{path} holds no run_id; it names the run that owns the folder")
+    return run
+
+
+def write_run(root: str | os.PathLike, run: dict[str, Any]) -> None:
+    """Write ``run.json`` (atomically) claiming ``root`` for ``run["run_id"]``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{TMP_PREFIX}{RUN_FILE}"
+    tmp.write_text(json.dumps(run, indent=1) + "\n")
+    os.replace(tmp, root / RUN_FILE)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -173,6 +216,18 @@ def newest_valid(root: str | os.PathLike, warn: bool = True) -> Path | None:
 
 
 # ------------------------------------------------------------------ save
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; raised on every rank, so they agree what to do."""
+
+
+def _agree(problem: str | None, layout: Layout) -> None:
+    """Raise `CheckpointSaveError` on every rank when rank 0 met ``problem``."""
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointSaveError(box[0])
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -182,39 +237,61 @@ def save_checkpoint(
     model_config: ModelConfig,
     config_toml: str,
     keep_last: int,
+    run_id: str | None = None,
 ) -> Path:
-    """Write ``root/step-<step>`` atomically (collective); keep the newest ``keep_last``.
-    Each rank writes only its own pieces (`local_state`)."""
+    """Write ``root/step-<step>`` atomically (collective); keep the newest ``keep_last`` of
+    this run's (``run_id``'s) checkpoints, never touching another run's. Each rank writes
+    only its own pieces (`local_state`). A failure on any rank raises `CheckpointSaveError`
+    on every rank."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, rng_state())
+    problem = None
     if layout.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{TMP_PREFIX}{PREFIX}*"):  # left by a crash mid-save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{TMP_PREFIX}{PREFIX}*"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as error:
+            problem = f"cannot write checkpoint {tmp}: {error}"
+    _agree(problem, layout)
     line = ProgressLine(f"saving {final} (rank 0's part)", len(state),
                         enabled=None if layout.rank == 0 else False)  # fmt: skip
-    chunks.save(state, tmp, line)
+    try:
+        chunks.save(state, tmp, line)
+    except Exception as error:  # DCP raises on every rank when any rank failed to write
+        raise CheckpointSaveError(f"cannot write checkpoint {tmp}: {error}") from error
     line.close()
     if layout.rank == 0:
-        torch.save({**trainer_state, "rng": rng}, tmp / TRAINER_STATE)
-        with open(tmp / "config.json", "w") as f:
-            json.dump(model_config.to_hf(), f, indent=2, sort_keys=True)
-        (tmp / "train.toml").write_text(config_toml)
-        _write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        if keep_last > 0:
-            for old in list_checkpoints(root)[keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            _finish(tmp, final, root, trainer_state, rng, model_config, config_toml, run_id)
+            if keep_last > 0 and run_id is not None:
+                mine = [c for c in list_checkpoints(root) if checkpoint_run(c) == run_id]
+                for old in mine[keep_last:]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as error:
+            problem = f"cannot write checkpoint {final}: {error}"
+    _agree(problem, layout)
     return final
+
+
+def _finish(tmp, final, root, trainer_state, rng, model_config, config_toml, run_id) -> None:
+    """Rank 0's part of a save: trainer state, configs, manifest, then the rename."""
+    torch.save({**trainer_state, "rng": rng}, tmp / TRAINER_STATE)
+    with open(tmp / "config.json", "w") as f:
+        json.dump(model_config.to_hf(), f, indent=2, sort_keys=True)
+    (tmp / "train.toml").write_text(config_toml)
+    _write_manifest(tmp, run_id)
+    if final.exists():
+        owner = checkpoint_run(final)
+        if owner is not None and owner != run_id:
+            raise FileExistsError(f"{final} belongs to run {owner}, not to this run {run_id}")
+        shutil.rmtree(final)
+    os.rename(tmp, final)
 
 
 # ------------------------------------------------------------------ load

@@ -1,9 +1,19 @@
 """`twinpipe train`: the config from TOML, ``--set`` and flags; ranks from torchrun or here.
 
-Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process joins the
-environment's rendezvous (NCCL on GPUs, gloo on CPU). Otherwise the ranks are spawned on
-this machine with `models.distributed.launch` (gloo on CPU); a rank that raises ends
-every rank with its traceback. No other launcher.
+Before any process group starts, `optimized.train.preflight.plan_run` checks the config
+against every file it names (model, weights, data, outputs, the checkpoint folder's
+owner); a problem exits 2 naming the key, the value and what would be valid, and a run
+already trained as far as asked exits 0 saying so.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process checks, then
+joins the environment's rendezvous (NCCL on GPUs, gloo on CPU). Otherwise the ranks are
+spawned on this machine with `models.distributed.launch` (gloo on CPU), which forwards
+SIGTERM and SIGINT to them: they save and stop at the end of the step.
+
+Exit codes: 0 trained to ``steps`` (or nothing to do); 2 bad input; 3 a rank failed (its
+traceback, or the signal that killed it), a non-finite loss stopped the run, or a
+checkpoint had to be saved somewhere other than ``checkpoint.dir``; 128 + N when signal N
+stopped the run early (143 for SIGTERM, 130 for Ctrl-C), after saving.
 """
 
 from __future__ import annotations
@@ -13,7 +23,10 @@ import os
 import signal
 import sys
 
+from models.inputs import BadInput
 from optimized.train.config_io import add_config_arguments, config_from_args, print_config
+
+EXIT_BAD_INPUT, EXIT_CRASH = 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,60 +36,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def _rank_main(cfg) -> dict:
+def _rank_main(cfg, plan=None) -> dict:
     from optimized.train.trainer import train  # noqa: PLC0415
 
-    return train(cfg)
+    return train(cfg, plan)
+
+
+def _error(message: str) -> int:
+    print(f"twinpipe train: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _outcome(result: dict, steps: int) -> int:
+    """The exit code of a run whose ranks all returned."""
+    if result.get("rescued"):
+        print(
+            f"twinpipe train: error: checkpoint.dir could not be written; the checkpoints "
+            f"are in {result['rescued']}",
+            file=sys.stderr,
+        )
+        return EXIT_CRASH
+    if result.get("signal"):
+        name = signal.Signals(result["signal"]).name
+        print(
+            f"twinpipe train: stopped by {name} after step {result['stopped_at']} of {steps}",
+            file=sys.stderr,
+        )
+        return 128 + int(result["signal"])
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    from optimized.train.preflight import NothingToDo, plan_run  # noqa: PLC0415
+
     try:
         cfg = config_from_args(args)
     except ValueError as error:
-        print(f"twinpipe train: error: {error}", file=sys.stderr)
-        return 2
+        return _error(str(error))
     if args.print_config:
         print_config(cfg)
         return 0
-    from models.distributed import RankFailed, init_process_group, launch  # noqa: PLC0415
-    from optimized.train.trainer import check_weights  # noqa: PLC0415
-
-    try:  # a checkpoint that does not fit is refused here, before any rank starts
-        check_weights(cfg)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"twinpipe train: error: {error}", file=sys.stderr)
-        return 2
-
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = cfg.parallel.world_size
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        if int(os.environ["WORLD_SIZE"]) != world:
-            print(
-                f"twinpipe train: error: WORLD_SIZE={os.environ['WORLD_SIZE']} does not match "
-                f"parallel.pp * parallel.dp = {world}",
-                file=sys.stderr,
-            )
-            return 2
+    if under_torchrun and int(os.environ["WORLD_SIZE"]) != world:
+        return _error(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} does not match "
+            f"parallel.pp * parallel.dp = {world}"
+        )
+    nproc = cfg.parallel.nproc or world
+    if not under_torchrun and nproc != world:
+        return _error(
+            f"parallel.nproc = {nproc} is less than the world size {world}; use torchrun "
+            "to run on several machines"
+        )
+    speaks = not under_torchrun or os.environ["RANK"] == "0"
+    try:
+        plan = plan_run(cfg)
+    except BadInput as error:
+        return _error(str(error)) if speaks else EXIT_BAD_INPUT
+    except NothingToDo as done:
+        if speaks:
+            print(f"twinpipe train: {done}")
+        return 0
+    if speaks:
+        for note in plan.notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+    from models.distributed import RankFailed, init_process_group, launch  # noqa: PLC0415
+
+    if under_torchrun:
         init_process_group()
-        _rank_main(cfg)
+        result = _rank_main(cfg, plan)
         import torch.distributed as dist  # noqa: PLC0415
 
         dist.destroy_process_group()
-        return 0
-    nproc = cfg.parallel.nproc or world
-    if nproc != world:
-        print(
-            f"twinpipe train: error: parallel.nproc = {nproc} is less than the world size "
-            f"{world}; use torchrun to run on several machines",
-            file=sys.stderr,
-        )
-        return 2
-    # The ranks handle SIGTERM (save, then exit); the launcher waits for them.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        return _outcome(result, cfg.steps)
     try:
-        launch(_rank_main, world, (cfg,))
+        results = launch(_rank_main, world, (cfg, plan))
     except RankFailed as error:
         print(f"twinpipe train: a rank failed:\n{error}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+        return 128 + error.signal if error.signal else EXIT_CRASH
+    return _outcome(results[0], cfg.steps)

@@ -28,6 +28,8 @@ else:  # pragma: no cover - Python 3.10
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
+DEFAULT_WARMUP_STEPS = 10
+"""Warmup of a run that sets none, clamped to its length: ``--steps 5`` warms up 5 steps."""
 
 
 @dataclass(slots=True)
@@ -71,6 +73,14 @@ class ParallelSection:
     """Expert-parallel ranks inside each DP group; must divide ``dp``."""
     fsdp: bool | None = None
     """Shard parameters and optimizer state over DP; unset (auto): on when ``dp > 1``."""
+    grad_sync: str = "step"
+    """With FSDP: ``step`` reduce-scatters each unit's gradients once per step, at the last
+    backward (or W) the schedule gives its chunk, holding them unsharded across the
+    micro-batches; ``micro-batch`` after every backward (M times the traffic, less memory)."""
+    reshard_after_forward: bool = True
+    """With FSDP: free gathered parameters after each forward and gather them again for the
+    backward; off: gather once per step and hold the part's parameters unsharded until each
+    unit's last backward (fewer all-gathers, more memory)."""
     nproc: int | None = None
     """Processes launched on this machine; unset: the whole world (``pp * dp``)."""
 
@@ -91,8 +101,9 @@ class OptimSection:
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 3e-5
     """Learning rate the cosine schedule ends at, at step ``steps``."""
-    warmup_steps: int = 10
-    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``; unset: 10, or ``steps``
+    when the run is shorter (`warmup_of`)."""
     lr_schedule: str = "cosine"
     """After warmup: ``cosine`` (decay to ``min_lr``) or ``constant`` (stay at ``lr``)."""
     weight_decay: float = 0.1
@@ -117,7 +128,11 @@ class CheckpointSection:
     keep_last: int = 2
     """Checkpoints kept on disk, newest first; 0 keeps all."""
     resume: bool = True
-    """Resume from the newest checkpoint in ``dir`` when there is one."""
+    """Resume from the newest checkpoint in ``dir`` when there is one; off: ``dir`` must
+    hold no checkpoints (or pass ``overwrite``)."""
+    overwrite: bool = False
+    """Delete every checkpoint in ``dir`` (and its run record) before training, and start a
+    new run there; off: never start a new run in a folder that holds one."""
 
 
 @dataclass(slots=True)
@@ -274,6 +289,11 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "parallel.ep",
         f"must be >= 1 and divide parallel.dp = {par.dp}",
     )
+    from models.distributed import GRAD_SYNC
+
+    check(
+        par.grad_sync in GRAD_SYNC, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNC)}"
+    )
     world = max(par.pp, 1) * max(par.dp, 1)
     check(
         par.nproc is None or (par.nproc >= 1 and world % par.nproc == 0),
@@ -288,9 +308,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         f"must be in [0, optim.lr = {opt.lr}]",
     )
     check(
-        0 <= opt.warmup_steps <= max(cfg.steps, 0),
+        opt.warmup_steps is None or 0 <= opt.warmup_steps <= max(cfg.steps, 0),
         "optim.warmup_steps",
-        f"must be in [0, steps = {cfg.steps}]",
+        f"must be in [0, steps = {cfg.steps}], or unset for min({DEFAULT_WARMUP_STEPS}, steps)",
     )
     check(
         opt.lr_schedule in LR_SCHEDULES,
@@ -316,6 +336,12 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 # --------------------------------------------------------------------------- schedule
 
 
+def warmup_of(cfg: TrainConfig) -> int:
+    """``optim.warmup_steps``, or unset: ``min(DEFAULT_WARMUP_STEPS, steps)``."""
+    given = cfg.optim.warmup_steps
+    return min(DEFAULT_WARMUP_STEPS, max(cfg.steps, 0)) if given is None else given
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based).
 
@@ -327,10 +353,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     ``step == steps`` and staying there after.
     """
     opt = cfg.optim
+    warmup = warmup_of(cfg)
     if step < 0:
         raise ValueError(f"step = {step} is invalid: must be >= 0")
-    if step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
+    if step < warmup:
+        return opt.lr * (step + 1) / warmup
     if opt.lr_schedule == "constant":
         return opt.lr
     if opt.lr_schedule != "cosine":
@@ -338,8 +365,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
             f"optim.lr_schedule = {opt.lr_schedule!r} is invalid: "
             f"must be one of {', '.join(LR_SCHEDULES)}"
         )
-    decay_steps = cfg.steps - opt.warmup_steps
+    decay_steps = cfg.steps - warmup
     if decay_steps <= 0:
         return opt.min_lr
-    progress = min(1.0, (step - opt.warmup_steps) / decay_steps)
+    progress = min(1.0, (step - warmup) / decay_steps)
     return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

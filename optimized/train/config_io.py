@@ -190,7 +190,15 @@ def config_from_dict(data: dict, base: TrainConfig | None = None) -> TrainConfig
 
 def load_config(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     """``base`` (default: the defaults) updated by a TOML file; not yet validated."""
-    text = Path(path).read_text()
+    if Path(path).is_dir():
+        raise ValueError(f"--config {str(path)!r}: is a folder; expected a TOML file")
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        why = error.strerror or error
+        raise ValueError(f"--config {str(path)!r}: cannot read ({why})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--config {str(path)!r}: not a text file ({error.reason})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -265,6 +273,19 @@ def _dest(spec: ConfigField) -> str:
     return _DEST_PREFIX + spec.key.replace(".", "__")
 
 
+def _default_text(defaults: TrainConfig, spec: ConfigField) -> str:
+    """A field's default as its flag takes it (``unset`` for None, ``on``/``off``)."""
+    holder = defaults if spec.section is None else getattr(defaults, spec.section)
+    value = getattr(holder, spec.name)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value).replace("%", "%%")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, ``--set`` and one flag per field (``--lr``, ``--micro-batch-size``...).
 
@@ -279,10 +300,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override one value, dotted for sections (optim.lr=1e-3); an empty value unsets an "
-        "optional path; repeatable",
+        "optional path; repeatable (default: none)",
     )
+    defaults = TrainConfig()
     for spec in FIELDS:
-        text = f"{spec.doc} [{spec.key}]"
+        text = f"{spec.doc} [{spec.key}; default: {_default_text(defaults, spec)}]"
         if spec.type is bool:
             group.add_argument(
                 f"--{spec.flag}",

@@ -24,6 +24,7 @@ import torch
 
 from models.config import ModelConfig
 from models.distributed import DTYPES
+from models.inputs import respect_umask
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 """Shard size of the export (transformers reads any; 2 GiB keeps each buffer modest)."""
@@ -145,16 +146,55 @@ def export_checkpoint(
             line(disk, tensor.numel() * tensor.element_size())
     writer.close()
     line.close()
+    # safetensors creates its files 0600; an export is meant to be shared like any file.
+    respect_umask(p for p in Path(out).iterdir() if p.name.endswith((".safetensors", ".json")))
     return ExportReport(
         folder, target, len(plan), len(writer.shards), writer.total_bytes,
         writer.peak_buffer_bytes,
     )  # fmt: skip
 
 
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, found before any tensor is read."""
+    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+    from optimized.train.checkpointing import list_checkpoints, newest_valid  # noqa: PLC0415
+
+    source = Path(args.checkpoint)
+    if not source.is_dir():
+        return f"--checkpoint {args.checkpoint!r}: no such checkpoint folder"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = newest_valid(source)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    if folder is None:
+        what = (
+            "every checkpoint in it is incomplete or corrupt"
+            if list_checkpoints(source)
+            else "it holds no twinpipe checkpoint (step-* folders with a manifest.json)"
+        )
+        return f"--checkpoint {args.checkpoint!r}: {what}"
+    try:
+        ModelConfig.from_hf(folder / "config.json")
+    except (ValueError, OSError) as error:
+        return f"--checkpoint {args.checkpoint!r}: {error}"
+    if args.max_shard_bytes is not None and args.max_shard_bytes < 1:
+        return f"--max-shard-bytes={args.max_shard_bytes} is invalid: expected >= 1 or unset"
+    try:
+        check_output_dir(args.out, "--out")
+    except BadInput as error:
+        return str(error)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = _check(args)
+    if problem:
+        print(f"twinpipe export: error: {problem}", file=sys.stderr)
+        return 2
     try:
         report = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
-    except (ValueError, OSError) as error:
+    except ValueError as error:  # a checkpoint that does not match its own config.json
         print(f"twinpipe export: error: {error}", file=sys.stderr)
         return 2
     dtype = str(report.dtype).removeprefix("torch.")

@@ -13,6 +13,7 @@ peak so far, and ``resettable`` says so.
 from __future__ import annotations
 
 import re
+import resource
 from contextlib import contextmanager
 
 import torch
@@ -91,3 +92,13 @@ def format_peaks(per_rank: list[dict[str, int]], source: str) -> str:
         if ratios:
             lines.append(f"  {edge} / train: worst rank {max(ratios):.3f}")
     return "\n".join(lines)
+
+
+def peak_memory(peaks: PhasePeaks | None = None) -> tuple[int, str]:
+    """This process's peak memory in bytes and how it was measured (``peaks``: the run's
+    phases reset the high-water mark, and keep the lifetime peak)."""
+    if torch.cuda.is_available():
+        value = peaks.lifetime() if peaks else torch.cuda.max_memory_allocated()
+        return value, "cuda-max-memory-allocated"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return max(kib * 1024, peaks.lifetime() if peaks else 0), "max-rss"

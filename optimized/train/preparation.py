@@ -37,7 +37,7 @@ import sysconfig
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -56,11 +56,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
-def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+def resolve_inputs(
+    inputs: Sequence[str | os.PathLike], exclude: str | os.PathLike | None = None
+) -> list[Path]:
     """Files named by ``inputs``: files, folders (every non-hidden file below, sorted)
     or glob patterns (``**`` allowed, sorted). Order follows ``inputs``; repeats are
-    dropped. Raises `FileNotFoundError` naming an input that matches nothing."""
+    dropped, and so is everything under ``exclude`` (the output folder: a second run must
+    not read the first one's ``tokens.bin``). Raises `FileNotFoundError` naming an input
+    that matches nothing."""
     files: list[Path] = []
+    skip = Path(exclude).resolve() if exclude is not None else None
     for item in inputs:
         text = str(item)
         path = Path(text)
@@ -74,6 +79,8 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             found = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
         else:
             raise FileNotFoundError(f"input {text!r} is not a file, folder or glob pattern")
+        if skip is not None:
+            found = [p for p in found if not p.resolve().is_relative_to(skip)]
         if not found:
             raise FileNotFoundError(f"input {text!r} matches no files")
         files.extend(found)
@@ -105,6 +112,30 @@ class PrepareSummary:
     """Numpy dtype of ``tokens.bin``."""
     seconds: float
     """Wall time taken."""
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Files left out, and why (``binary``, ``empty``)."""
+    replaced: dict[Path, int] = field(default_factory=dict)
+    """Files with invalid UTF-8, and how many bytes became U+FFFD in each."""
+
+
+BINARY_SNIFF_BYTES = 8000
+"""A file with a NUL byte in its first this many bytes is binary (git's rule)."""
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """``raw`` as UTF-8 text (invalid bytes become U+FFFD) and how many bytes were invalid."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        escaped = raw.decode("utf-8", errors="surrogateescape")
+        invalid = sum(1 for ch in escaped if "\udc80" <= ch <= "\udcff")
+        return raw.decode("utf-8", errors="replace"), invalid
+
+
+def _skip_reason(raw: bytes, skip_empty: bool) -> str | None:
+    if not raw:
+        return "empty" if skip_empty else None
+    return "binary (a NUL byte)" if b"\0" in raw[:BINARY_SNIFF_BYTES] else None
 
 
 class _Progress:
@@ -135,16 +166,20 @@ def prepare_data(
     out_dir: str | os.PathLike,
     progress: bool = True,
     extra_index: dict | None = None,
+    skip_empty: bool = True,
 ) -> PrepareSummary:
     """Tokenize every file of ``inputs`` (one document each) into ``out_dir``.
 
-    Files are read as UTF-8 (invalid bytes become U+FFFD). Both outputs are written
-    under temporary names and renamed when complete, ``index.json`` last, so a crash
-    never leaves a folder that looks prepared. ``extra_index`` is merged into the
-    index (e.g. how a cached data set was chosen).
+    Files are read as UTF-8; invalid bytes become U+FFFD, counted per file in the
+    summary's ``replaced``. Binary files (a NUL byte early on) and, with ``skip_empty``,
+    empty ones are left out and listed in ``skipped``; when nothing is left, `ValueError`.
+    Nothing under ``out_dir`` is read. Both outputs are written under temporary names
+    and renamed when complete, ``index.json`` last, so a crash never leaves a folder that
+    looks prepared. ``extra_index`` is merged into the index (e.g. how a cached data set
+    was chosen).
     """
     start = time.monotonic()
-    files = resolve_inputs(inputs)
+    files = resolve_inputs(inputs, exclude=out_dir)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output {str(out)!r} exists and is not a folder")
@@ -155,6 +190,8 @@ def prepare_data(
     sizes = [path.stat().st_size for path in files]
     meter = _Progress(len(files), sum(sizes), progress, sys.stderr)
     offsets, sources = [0], []
+    skipped: list[tuple[Path, str]] = []
+    replaced: dict[Path, int] = {}
     num_tokens = bytes_read = 0
     eod = np.array([tokenizer.eod_id], dtype=dtype)
     try:
@@ -162,7 +199,14 @@ def prepare_data(
             for number, path in enumerate(files, start=1):
                 stat = path.stat()
                 raw = path.read_bytes()
-                ids = tokenizer.encode(raw.decode("utf-8", errors="replace"))
+                why = _skip_reason(raw, skip_empty)
+                if why:
+                    skipped.append((path, why))
+                    continue
+                text, invalid = _decode(raw)
+                if invalid:
+                    replaced[path] = invalid
+                ids = tokenizer.encode(text)
                 if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                     raise ValueError(f"tokenizer produced ids outside its vocabulary for {path}")
                 sink.write(ids.astype(dtype).tobytes())
@@ -180,13 +224,20 @@ def prepare_data(
                     }
                 )
                 meter.update(number, bytes_read, num_tokens)
+        if not sources:
+            raise ValueError(
+                f"no text to prepare: every input file was skipped ({len(skipped)}: "
+                + ", ".join(f"{p} ({why})" for p, why in skipped[:5])
+                + (", ..." if len(skipped) > 5 else "")
+                + ")"
+            )
         description = tokenizer.describe()
         index = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "dtype": dtype.name,
             "num_tokens": num_tokens,
-            "num_documents": len(files),
+            "num_documents": len(sources),
             "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id,
             "tokenizer": description,
@@ -204,12 +255,14 @@ def prepare_data(
     meter.update(len(files), bytes_read, num_tokens, final=True)
     return PrepareSummary(
         out_dir=out,
-        num_files=len(files),
-        num_documents=len(files),
+        num_files=len(sources),
+        num_documents=len(sources),
         num_tokens=num_tokens,
         bytes_read=bytes_read,
         dtype=dtype.name,
         seconds=time.monotonic() - start,
+        skipped=skipped,
+        replaced=replaced,
     )
 
 
@@ -326,6 +379,7 @@ def default_dataset(
             building,
             progress=progress,
             extra_index={"recipe": recipe},
+            skip_empty=False,  # empty modules are documents of the recipe too
         )
         if final.exists():  # stale: move it aside, then swap the new one in
             stale = data_root / f".{DEFAULT_DATASET_NAME}.old-{uuid.uuid4().hex[:8]}"

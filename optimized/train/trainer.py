@@ -16,9 +16,15 @@ One function, `train`, runs on every rank of an initialised process group. Each 
 4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every
    ``save_every`` steps, at the end, and when SIGTERM arrives.
 
+A run stops early on SIGTERM or SIGINT (the launcher forwards both to every rank): the
+ranks agree at the end of the step, save, and return ``signal``; the command exits
+128 + the signal. Metrics are written once per step: on resume, records past the resumed
+step are dropped from the metrics file before the steps are run again.
+
 Fault injection for tests: ``TWINPIPE_FAULT=KIND@STEP:RANK`` with KIND one of
-``nan-grad`` (fill this rank's gradients with NaN), ``crash`` (raise) or ``sigterm``
-(signal this process) at 0-based step STEP on global rank RANK.
+``nan-grad`` (fill this rank's gradients with NaN), ``crash`` (raise), ``sigterm`` or
+``sigkill`` (signal this process), or ``ckpt-dir-gone`` (replace ``checkpoint.dir`` by a
+file, as a disk that went away would) at 0-based step STEP on global rank RANK.
 """
 
 from __future__ import annotations
@@ -27,22 +33,23 @@ import importlib
 import json
 import math
 import os
-import resource
+import shutil
 import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import CheckpointWeights, validate_checkpoint
+from models.checkpoint import CheckpointWeights
+from models.communication import KINDS, CommunicationCounter, Counts, group_names
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
-from models.presets import resolve_model
+from models.inputs import rescue_folder
 from models.progress import ProgressLine
 from models.training import OptimizerConfig
 from models.weights import Reporting, SeededWeights, WeightSource
@@ -52,11 +59,8 @@ from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
 from optimized.train.optimizer import ShardedAdamW
-from optimized.train.phases import PhasePeaks, format_peaks
-from optimized.train.preparation import default_dataset
-
-DEFAULT_MODEL = "tiny-deepseek-v2"
-"""The model of a run that names none and starts from no checkpoint."""
+from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
+from optimized.train.preflight import RunPlan, claim, plan_run
 
 RUNNER = "optimized.pipeline:OptimizedPipeline"
 """The one seam between the trainer and the stack it drives (``module:Class``)."""
@@ -88,6 +92,10 @@ class StepMetrics:
     """Max over ranks: CUDA max_memory_allocated on GPU, the process's max RSS on CPU."""
     peak_memory_source: str
     skipped: bool = False
+    communication_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes the step's collective and point-to-point calls moved, by kind, summed over all
+    ranks (sent plus received, `models.communication`); the per-step metrics reduction is
+    not counted."""
 
     def line(self) -> str:
         text = (
@@ -100,20 +108,19 @@ class StepMetrics:
         return text + (" | skipped (non-finite)" if self.skipped else "")
 
 
-def peak_memory(peaks: PhasePeaks | None = None) -> tuple[int, str]:
-    """This process's peak memory in bytes and how it was measured (``peaks``: the run's
-    phases reset the high-water mark, and keep the lifetime peak)."""
-    if torch.cuda.is_available():
-        value = peaks.lifetime() if peaks else torch.cuda.max_memory_allocated()
-        return value, "cuda-max-memory-allocated"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return max(kib * 1024, peaks.lifetime() if peaks else 0), "max-rss"
+def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
+    """Bytes moved this step by kind, summed over all ranks (one all-reduce, not counted)."""
+    mine = [sum(t.bytes for (k, _), t in counts.items() if k == kind) for kind in KINDS]
+    total = torch.tensor(mine, dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return {kind: int(b) for kind, b in zip(KINDS, total.tolist()) if b}
 
 
 class MetricsSink:
     """Rank 0's outputs: stdout lines, JSON lines, TensorBoard, a terminal progress bar."""
 
-    def __init__(self, cfg: TrainConfig, enabled: bool) -> None:
+    def __init__(self, cfg: TrainConfig, enabled: bool, start: int = 0) -> None:
         self.enabled = enabled
         self.every = cfg.logging.log_every
         self.file = None
@@ -123,6 +130,7 @@ class MetricsSink:
             return
         if cfg.logging.metrics_file:
             Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            _drop_records_after(Path(cfg.logging.metrics_file), start)
             self.file = open(cfg.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
         if cfg.logging.tensorboard_dir:
             try:
@@ -158,12 +166,36 @@ class MetricsSink:
             self.writer.close()
 
 
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the metrics records of steps ``<= step`` (the steps this run does not redo), so
+    no step is recorded twice; rewritten atomically, and only when something is dropped."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            record_step = None
+        if isinstance(record_step, int) and record_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        print(f"{path}: dropped {dropped} records after step {step}, which this run redoes",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
 # ------------------------------------------------------------------ setup
 def parallel_config(cfg: TrainConfig, model: ModelConfig) -> ParallelConfig:
     parallel = ParallelConfig(
         pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
         micro_batch_size=cfg.data.micro_batch_size, micro_batches=cfg.data.micro_batches,
         seq_len=cfg.data.seq_len, dtype=cfg.dtype, seed=cfg.seed,
+        grad_sync=cfg.parallel.grad_sync, reshard_after_forward=cfg.parallel.reshard_after_forward,
     )  # fmt: skip
     parallel.validate(model)
     return parallel
@@ -206,74 +238,51 @@ def _fault() -> tuple[str, int, int] | None:
 
 
 class _StopFlag:
-    """Set by SIGTERM; the loop saves a checkpoint and stops at the end of the step."""
+    """Set by SIGTERM or SIGINT; the loop saves a checkpoint and stops at the end of the
+    step. ``requested`` is the signal's number (0: none)."""
 
     def __init__(self) -> None:
-        self.requested = False
-        try:
-            signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no handler
-            pass
+        self.requested = 0
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: no handler
+                pass
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
+        self.requested = signum
 
 
 # ------------------------------------------------------------------ loop
-def train_model(cfg: TrainConfig) -> ModelConfig:
-    """The model a run trains: ``model.name``; unset, the ``init_from`` checkpoint's own
-    model (its config.json), else `DEFAULT_MODEL`."""
-    if cfg.model.name is not None:
-        return resolve_model(cfg.model.name)
-    if cfg.model.init_from is not None:
-        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
-        return ModelConfig.from_hf(str(folder or cfg.model.init_from))
-    return resolve_model(DEFAULT_MODEL)
+def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
+    """Train on this rank (process group already initialised); returns this rank's
+    per-step losses (``None`` for skipped steps), where it stopped, the signal that
+    stopped it (0: none), where the last checkpoint went if not to ``checkpoint.dir``, and
+    every rank's peak memory in each phase (load, train, save; `optimized.train.phases`).
 
-
-def check_weights(cfg: TrainConfig) -> ModelConfig:
-    """Refuse, before any rank starts, a layout that does not fit the model or a checkpoint
-    (``init_from``, or the one ``checkpoint.dir`` would resume) that does not match it:
-    ``ValueError`` naming the file, the tensor, and the expected and found shape or dtype."""
-    model = train_model(cfg)
-    parallel_config(cfg, model)
-    if cfg.model.init_from is not None:
-        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
-        if folder is not None:
-            checkpointing.validate_training_checkpoint(folder, model)
-        else:
-            validate_checkpoint(cfg.model.init_from, model)
-    if cfg.checkpoint.dir and cfg.checkpoint.resume:
-        folder = checkpointing.newest_valid(cfg.checkpoint.dir, warn=False)
-        if folder is not None:
-            checkpointing.validate_training_checkpoint(folder, model)
-    return model
-
-
-class _Run(NamedTuple):
-    runner: Any
-    optimizer: ShardedAdamW
-    loader: TokenLoader
-    sharded: set[str]
-    start: int
-
-
-def _set_up(cfg: TrainConfig, model_config: ModelConfig, parallel, layout, device) -> _Run:
-    """Build this rank's part on the meta device, FSDP2 on it (DP > 1), its weights read
-    from the checkpoint being resumed, ``init_from`` or the seed (only its own slices),
-    the optimizer (its state from the checkpoint) and the data loader."""
+    ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
+    one, rank 0 makes it here."""
+    stop = _StopFlag()
+    device = _device(cfg)
+    plan = _shared_plan(cfg, plan)
+    model_config = plan.model
+    parallel = parallel_config(cfg, model_config)
+    layout = make_layout(parallel)
+    run_id = _claimed(cfg, plan, layout)
+    torch.manual_seed(cfg.seed)
     opt = cfg.optim
-    resume = _resume_folder(cfg, layout)
+    peaks = PhasePeaks(device)
+    peaks.begin()  # load: the part built from the checkpoint, the optimizer state read
+    resume = plan.resume
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
     sharded: set[str] = set()
 
     def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
-        sharded.update(sharding.apply_fsdp(part, layout, device))
+        sharded.update(sharding.apply_fsdp(part, layout, device, parallel.reshard_after_forward))
 
     source = weight_source(cfg, model_config, resume)
-    line = ProgressLine(
-        f"loading {source!r} (rank 0's part)", enabled=None if layout.rank == 0 else False
-    )
+    line = ProgressLine(f"loading {source!r} (rank 0's part)",
+                        enabled=None if layout.rank == 0 else False)  # fmt: skip
     runner = runner_class()(
         model_config, parallel, layout, Reporting(source, line),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
@@ -285,45 +294,30 @@ def _set_up(cfg: TrainConfig, model_config: ModelConfig, parallel, layout, devic
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
     )  # fmt: skip
     runner.optimizer = optimizer  # the runner zeroes gradients through it
-    data_dir = cfg.data.path or default_dataset()
+    data_dir = plan.data_dir
     loader = TokenLoader(
         TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
         cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
     )  # fmt: skip
+
     start = _resume(resume, optimizer, loader, layout)
-    return _Run(runner, optimizer, loader, sharded, start)
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on this rank (process group already initialised); returns this rank's
-    per-step losses (``None`` for skipped steps), where it stopped, and every rank's peak
-    memory in each phase (load, train, save; `optimized.train.phases`)."""
-    stop = _StopFlag()
-    device = _device(cfg)
-    model_config = train_model(cfg)
-    parallel = parallel_config(cfg, model_config)
-    layout = make_layout(parallel)
-    torch.manual_seed(cfg.seed)
-    opt = cfg.optim
-    peaks = PhasePeaks(device)
-    with peaks.phase("load"):
-        runner, optimizer, loader, sharded, start = _set_up(
-            cfg, model_config, parallel, layout, device
-        )
-    fsdp = bool(sharded)
-    sink = MetricsSink(cfg, enabled=layout.rank == 0)
+    peaks.end("load")
+    sink = MetricsSink(cfg, enabled=layout.rank == 0, start=start)
+    saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
-    result = {"start": start, "stopped_at": cfg.steps, "signal": False}
+    result = {"start": start, "stopped_at": cfg.steps, "signal": 0}
+    counter = CommunicationCounter(group_names(layout)).install()
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
             peaks.begin()
+            counter.start()
             batch = next(loader)
             ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
-                _inject(fault[0], runner.part, step, layout)
+                _inject(fault[0], step, layout, cfg.checkpoint.dir)
             if fsdp:
                 loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
             else:
@@ -340,6 +334,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             else:
                 optimizer.clip(norm, opt.grad_clip)
                 optimizer.step(lr)
+            traffic = step_traffic(counter.stop(), device)
             peaks.end("train")
             elapsed = time.perf_counter() - began
             memory, source = peak_memory(peaks)
@@ -351,31 +346,42 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
-                    step + 1, cfg.steps, float(shared[0]), loss, lr, norm,
-                    tokens_per_step / max(float(shared[0]), 1e-9), int(shared[1]), source,
+                    step + 1,
+                    cfg.steps,
+                    float(shared[0]),
+                    loss,
+                    lr,
+                    norm,
+                    tokens_per_step / max(float(shared[0]), 1e-9),
+                    int(shared[1]),
+                    source,
                     skipped,
+                    traffic,
                 )
-            )  # fmt: skip
+            )
             done = step + 1
-            stopping = bool(shared[2])
+            stopping = int(shared[2])
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (
                 done == cfg.steps or stopping or (every and done % every == 0)
             ):
                 with peaks.phase("save"):
-                    _save(cfg, done, optimizer, loader, layout, model_config)
+                    saved.save(done)
             if stopping:
                 if layout.rank == 0:
-                    print(f"SIGTERM: stopped after step {done}, checkpoint saved", flush=True)
-                result.update(stopped_at=done, signal=True)
+                    name = signal.Signals(stopping).name
+                    what = "checkpoint saved" if cfg.checkpoint.dir else "no checkpoint dir"
+                    print(f"{name}: stopped after step {done} of {cfg.steps}, {what}", flush=True)
+                result.update(stopped_at=done, signal=stopping)
                 break
     finally:
+        counter.remove()
         sink.close()
     every_rank: list[dict[str, int]] = [{}] * dist.get_world_size()
     dist.all_gather_object(every_rank, peaks.peaks)
     if layout.rank == 0 and cfg.checkpoint.dir:
         print(format_peaks(every_rank, peaks.source), flush=True)
-    return {"losses": losses, **result, "memory_peaks": every_rank}
+    return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -385,11 +391,14 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _inject(kind: str, part: torch.nn.Module, step: int, layout: Layout) -> None:
+def _inject(kind: str, step: int, layout: Layout, cfg_dir: str | None) -> None:
     if kind == "crash":
         raise RuntimeError(f"injected fault: rank {layout.rank} crashed at step {step + 1}")
-    if kind == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
+    if kind in ("sigterm", "sigkill"):
+        os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
+    if kind == "ckpt-dir-gone" and cfg_dir:
+        shutil.rmtree(cfg_dir, ignore_errors=True)
+        Path(cfg_dir).write_text("the disk went away\n")
 
 
 def _nonfinite(cfg, step, loss, norm, optimizer, layout) -> None:
@@ -410,36 +419,67 @@ def _nonfinite(cfg, step, loss, norm, optimizer, layout) -> None:
         print(f"warning: {text}; step skipped", file=sys.stderr, flush=True)
 
 
-def _save(cfg, done, optimizer, loader, layout, model_config) -> None:
-    state = {"step": done, "loader": loader.state_dict(), "world_size": dist.get_world_size()}
-    path = checkpointing.save_checkpoint(
-        cfg.checkpoint.dir, done, optimizer, layout, state, model_config,
-        config_to_toml(cfg), cfg.checkpoint.keep_last,
-    )  # fmt: skip
-    if layout.rank == 0:
-        print(f"saved checkpoint {path}", flush=True)
+class _Saver:
+    """Saves checkpoints into ``checkpoint.dir``; when a save fails there (the disk filled
+    or went away), into a rescue folder that every later save uses too, named on stdout."""
+
+    def __init__(self, cfg, run_id, optimizer, loader, layout, model_config) -> None:
+        self.cfg, self.run_id, self.optimizer = cfg, run_id, optimizer
+        self.loader, self.layout, self.model_config = loader, layout, model_config
+        self.root = cfg.checkpoint.dir
+        self.rescued: str | None = None
+
+    def save(self, done: int) -> None:
+        try:
+            path = self._write(self.root, done)
+        except checkpointing.CheckpointSaveError as error:
+            if self.rescued is not None:
+                raise
+            box = [str(rescue_folder()) if self.layout.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.root = self.rescued = box[0]
+            path = self._write(self.root, done)
+            if self.layout.rank == 0:
+                print(f"error: {error}; saved the checkpoint to {path} instead",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        if self.layout.rank == 0:
+            print(f"saved checkpoint {path}", flush=True)
+
+    def _write(self, root: str, done: int) -> Path:
+        state = {"step": done, "loader": self.loader.state_dict(), "run_id": self.run_id,
+                 "world_size": dist.get_world_size()}  # fmt: skip
+        return checkpointing.save_checkpoint(
+            root, done, self.optimizer, self.layout, state, self.model_config,
+            config_to_toml(self.cfg), self.cfg.checkpoint.keep_last, self.run_id,
+        )  # fmt: skip
 
 
-def _resume_folder(cfg: TrainConfig, layout: Layout) -> str | None:
-    """The newest complete checkpoint of ``checkpoint.dir`` (rank 0 checks, every rank
-    gets its answer), or None to start afresh."""
-    if not (cfg.checkpoint.dir and cfg.checkpoint.resume):
+def _shared_plan(cfg: TrainConfig, plan: RunPlan | None) -> RunPlan:
+    """``plan``, or (called without one, as tests do) rank 0's plan given to every rank."""
+    if plan is not None:
+        return plan
+    box = [None]
+    if dist.get_rank() == 0:
+        box = [plan_run(cfg)]
+        for note in box[0].notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _claimed(cfg: TrainConfig, plan: RunPlan, layout: Layout) -> str | None:
+    """The run id that owns ``checkpoint.dir``, recorded there by rank 0 (`preflight.claim`)."""
+    if not cfg.checkpoint.dir:
         return None
-    choice = [None]
-    if layout.rank == 0:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            folder = checkpointing.newest_valid(cfg.checkpoint.dir)
-        for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr, flush=True)
-        choice = [str(folder) if folder else None]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    box = [claim(cfg, plan) if layout.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _resume(folder: str | None, optimizer, loader, layout: Layout) -> int:
-    """Load the optimizer state and the trainer state of ``folder`` (the parameters were
-    read from it when the part was built); return the step to start from."""
+    """Load the optimizer state and the trainer state of the checkpoint the plan chose
+    (None: start afresh; its parameters were the part's weight source); return the step
+    to start from."""
     if folder is None:
         return 0
     state = checkpointing.load_checkpoint(folder, optimizer, layout)

@@ -1,0 +1,139 @@
+"""A Hugging Face ``config.json`` read with errors a user can act on, and refused when it
+asks for math twinpipe does not implement.
+
+Why a module of its own: a config file comes from outside, and every way it can be
+wrong used to surface somewhere else -- a truncated file as a bare ``JSONDecodeError``
+without a file name, a list as ``AttributeError: 'list' object has no attribute 'get'``,
+a missing width as ``KeyError`` from inside a rank after the process group started. Here
+each becomes one `ModelConfigError` (a ``ValueError``) naming the file, the field, the
+value and what would be valid, raised where the config is read, before any work.
+
+Worse than a crash is a config that runs and means something else. Hugging Face configs
+carry fields that change the network's math; a field twinpipe does not read would be
+silently ignored, and the run would train another model than the one named (DeepSeek-V3's
+``scoring_func: sigmoid`` routing would run as softmax routing). `UNSUPPORTED` lists every
+such field with the values that mean what twinpipe computes; any other value is refused
+by name. Fields that only describe a run (``use_cache``, ``dtype``, token ids) or that the
+transformers 5 modeling of the family ignores (DeepSeek-V2's ``aux_loss_alpha``) pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+CONFIG_NAME = "config.json"
+
+
+class ModelConfigError(ValueError):
+    """A model config that cannot be read, or asks for what twinpipe does not compute.
+    (A config that does not exist is a ``FileNotFoundError`` with the same kind of
+    message.)"""
+
+
+def config_path(path: str | os.PathLike) -> str:
+    """The ``config.json`` a path names: the file itself, or the one inside a folder;
+    ``FileNotFoundError`` naming the path when there is none."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        inside = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(inside):
+            raise FileNotFoundError(
+                f"{path} is a folder without a {CONFIG_NAME}: a model is a preset name, a "
+                f"Hugging Face {CONFIG_NAME}, or a folder holding one"
+            )
+        return inside
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no Hugging Face config at {path}: no such file")
+    return path
+
+
+def read_config_json(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """``(file, raw dict)`` of a ``config.json`` (or a folder holding one)."""
+    file = config_path(path)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise ModelConfigError(f"{file}: cannot read: {error.strerror or error}") from None
+    if not data.strip():
+        raise ModelConfigError(f"{file} is empty: expected a JSON object (a HF config.json)")
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        where = f" at line {error.lineno} column {error.colno}" if hasattr(error, "lineno") else ""
+        raise ModelConfigError(
+            f"{file} is not valid JSON ({getattr(error, 'msg', error)}{where}); is it truncated?"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(
+            f"{file} holds a JSON {type(raw).__name__}, not an object: a HF config.json is "
+            '{"model_type": ..., "hidden_size": ..., ...}'
+        )
+    return file, raw
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and value == 0)
+
+
+def _one(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and math.isclose(value, 1.0))
+
+
+_ALL = ("deepseek_v2", "gpt_oss", "qwen3_moe")
+UNSUPPORTED: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...] = (
+    # (families, field, accepted(value), what twinpipe computes)
+    (("deepseek_v2",), "scoring_func", _is(None, "softmax"),
+     "'softmax' (router scores are a softmax over the experts)"),
+    (("deepseek_v2",), "topk_method", _is(None, "greedy", "group_limited_greedy"),
+     "'greedy' or 'group_limited_greedy' (no noaux_tc bias-corrected selection)"),
+    (("deepseek_v2",), "e_score_correction_bias", _zero,
+     "absent (no noaux_tc score-correction bias)"),
+    (("deepseek_v2",), "moe_layer_freq", _is(None, 1),
+     "1 (every layer from first_k_dense_replace on is MoE)"),
+    (("deepseek_v2",), "mlp_bias", _is(None, False), "false (MLPs without biases)"),
+    (("deepseek_v2", "qwen3_moe"), "hidden_act", _is(None, "silu"), "'silu' (SwiGLU experts)"),
+    (_ALL, "attention_dropout", _zero, "0 (no dropout)"),
+    (_ALL, "hidden_dropout", _zero, "0 (no dropout)"),
+    (_ALL, "num_nextn_predict_layers", _zero, "0 (no multi-token-prediction layers)"),
+    (("qwen3_moe", "gpt_oss"), "output_router_logits", _is(None, False),
+     "false (no router auxiliary loss added to the language-model loss)"),
+    (("qwen3_moe",), "use_sliding_window", _is(None, False), "false (full attention)"),
+    (("deepseek_v2", "qwen3_moe"), "layer_types",
+     lambda v: v is None or (isinstance(v, list) and set(v) <= {"full_attention"}),
+     "absent or every entry 'full_attention'"),
+    (_ALL, "partial_rotary_factor", _one, "1 (rotary over the whole rotary width)"),
+)  # fmt: skip
+
+
+def unsupported_fields(raw: dict[str, Any]) -> list[str]:
+    """One line per field of ``raw`` that asks for math twinpipe does not implement."""
+    family = raw.get("model_type")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    problems = []
+    for families, name, accepted, valid in UNSUPPORTED:
+        if family not in families:
+            continue
+        for where, holder in ((name, raw), (f"rope_parameters.{name}", rope)):
+            if isinstance(holder, dict) and name in holder and not accepted(holder[name]):
+                problems.append(f"{where} = {holder[name]!r} is not implemented: valid is {valid}")
+    return problems
+
+
+def check_supported(raw: dict[str, Any], where: str) -> None:
+    """Raise `ModelConfigError` naming every math-changing field of ``raw`` that twinpipe
+    would otherwise ignore."""
+    problems = unsupported_fields(raw)
+    if problems:
+        raise ModelConfigError(
+            f"{where} asks for what twinpipe does not compute, so it would train another "
+            "model than the one named:\n  " + "\n  ".join(problems)
+        )

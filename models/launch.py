@@ -1,0 +1,235 @@
+"""Local ranks: spawn them, forward the launcher's signals to them, and name the one that
+failed first.
+
+`launch` runs a function on N local processes joined by gloo (or NCCL); `torchrun` is the
+other way in (`init_process_group` joins its rendezvous). Two things a launcher must get
+right, and `torch.multiprocessing`'s own join does not:
+
+- **Signals.** ``kill PID``, ``docker stop`` and systemd send SIGTERM to the launcher
+  only. It forwards SIGTERM and SIGINT to every live rank, so a trainer saves and stops
+  instead of being orphaned or ignored; `RankFailed.signal` and the caller's exit code
+  (128 + the signal) say the work stopped early.
+- **The root cause.** Once one rank dies, its peers fail too (gloo: "Connection reset by
+  peer"), often before the launcher notices the first. A rank that raised writes its
+  traceback with a time stamp, and the earliest is the root cause; but a rank killed by a
+  signal (``kill -9``, the out-of-memory killer) writes nothing. So every rank's exit
+  status is kept, and a rank that died by a signal the launcher did not send, without a
+  traceback, is named first, with the signal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+PEER_GRACE_S = 20.0
+"""After the first rank fails, how long its peers get to fail on their own (and write
+their tracebacks) before they are killed."""
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the job from the environment (torchrun or `launch`): NCCL on GPU, gloo on CPU."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    local_rank: int,
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    port: int,
+    result_dir: str,
+    timeout_s: float,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    init_process_group(timeout_s)
+    try:
+        result = fn(*args)
+    except BaseException:
+        # Note when and how this rank failed: once one rank dies, its peers fail too
+        # (their connections close), and the launcher reports the first failure, the
+        # root cause, rather than whichever secondary failure it happens to see first.
+        with open(os.path.join(result_dir, f"error{local_rank}.txt"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
+    dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """A rank of a launched job failed; the message names it, how, and its traceback.
+
+    ``signal`` is the signal the launcher received and forwarded (0: none): the job was
+    stopped rather than broken."""
+
+    def __init__(self, message: str, signal: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _tracebacks(result_dir: str) -> dict[int, tuple[float, str]]:
+    found = {}
+    for name in os.listdir(result_dir):
+        if name.startswith("error") and name.endswith(".txt"):
+            with open(os.path.join(result_dir, name)) as f:
+                stamp, _, trace = f.read().partition("\n")
+            found[int(name[5:-4])] = (float(stamp), trace)
+    return found
+
+
+def _last_line(trace: str) -> str:
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def describe_failure(
+    exit_codes: dict[int, int], tracebacks: dict[int, tuple[float, str]], killed_here: set[int]
+) -> str:
+    """Which rank failed first and how, from every rank's exit code and traceback.
+
+    A rank that died by a signal the launcher did not send, leaving no traceback, is the
+    root cause; else the earliest traceback; else the first non-zero exit code."""
+    killed = sorted(
+        r
+        for r, code in exit_codes.items()
+        if code < 0 and r not in killed_here and r not in tracebacks
+    )
+    if killed:
+        first = killed[0]
+        name = _signal_name(-exit_codes[first])
+        text = f"rank {first} was killed by {name} (signal {-exit_codes[first]})"
+        if name == "SIGKILL":
+            text += "; the kernel's out-of-memory killer sends SIGKILL too (see dmesg)"
+        if killed[1:]:
+            text += f"; ranks {killed[1:]} were killed too"
+        after = sorted(tracebacks, key=lambda r: tracebacks[r][0])
+        for rank in after:
+            text += f"\n  rank {rank} failed after it: {_last_line(tracebacks[rank][1])}"
+        return text
+    if tracebacks:
+        rank = min(tracebacks, key=lambda r: tracebacks[r][0])
+        others = sorted(r for r in tracebacks if r != rank)
+        also = f" (ranks {others} failed after it)" if others else ""
+        return f"rank {rank} failed first{also}:\n{tracebacks[rank][1]}"
+    failed = sorted(r for r, code in exit_codes.items() if code != 0 and r not in killed_here)
+    if failed:
+        rank = failed[0]
+        return f"rank {rank} exited with code {exit_codes[rank]} and left no traceback"
+    return "a rank ended without a result"
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` local processes; return each rank's result.
+
+    A rank that fails ends every rank: its peers get `PEER_GRACE_S` to fail on their
+    own, then are killed, and `RankFailed` names the root cause. SIGTERM and SIGINT sent
+    to this process are forwarded to every rank; a job that then does not return on
+    every rank raises `RankFailed` with ``signal`` set. A rank stuck in a collective
+    times out after ``timeout_s``.
+    """
+    with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        processes = context.processes
+        received: list[int] = []
+
+        def forward(signum: int, frame: Any) -> None:
+            received.append(signum)
+            for process in processes:
+                if process.exitcode is None:
+                    os.kill(process.pid, signum)
+
+        previous = {}
+        for signum in FORWARDED:
+            try:
+                previous[signum] = signal.signal(signum, forward)
+            except ValueError:  # not the main thread: signals reach this thread's owner
+                pass
+        try:
+            killed_here = _join(processes)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for file in context.error_files:
+                if file and os.path.exists(file):
+                    os.unlink(file)
+        exit_codes = {rank: process.exitcode for rank, process in enumerate(processes)}
+        results = [os.path.join(result_dir, f"rank{r}.pt") for r in range(world_size)]
+        if any(exit_codes.values()) or not all(os.path.exists(r) for r in results):
+            message = describe_failure(exit_codes, _tracebacks(result_dir), killed_here)
+            if received:
+                message = f"stopped by {_signal_name(received[0])}: {message}"
+            raise RankFailed(message, received[0] if received else 0)
+        return [torch.load(r, weights_only=False) for r in results]
+
+
+def _join(processes: list) -> set[int]:
+    """Wait for every process; after the first failure give the rest `PEER_GRACE_S`, then
+    kill them. Returns the ranks killed here."""
+    failed_at = None
+    killed_here: set[int] = set()
+    while True:
+        alive = {p.sentinel: r for r, p in enumerate(processes) if p.exitcode is None}
+        if not alive:
+            return killed_here
+        wait(list(alive), timeout=1.0)
+        for rank in alive.values():
+            processes[rank].join(timeout=0)
+            if processes[rank].exitcode not in (None, 0) and failed_at is None:
+                failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
+            for rank, process in enumerate(processes):
+                if process.exitcode is None:
+                    process.kill()
+                    killed_here.add(rank)
+            for process in processes:
+                process.join()

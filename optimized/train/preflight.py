@@ -1,0 +1,292 @@
+"""Everything `twinpipe train` checks before a process group starts, and the run it plans.
+
+A mistake found inside a rank costs a spawn, a rendezvous and often the whole run (a
+read-only checkpoint folder fails at the final save, after every step). So the parent
+(or, under torchrun, every rank before it joins) calls `plan_run`, which reads only
+configs, headers and indexes and checks:
+
+- the model config (`models.config_json`: unreadable files, unsupported fields) and the
+  layout against it (``seq_len`` within the positions, ``2 * pp`` stages of layers, EP
+  dividing the experts);
+- ``init_from``: a twinpipe checkpoint of this model, or a Hugging Face checkpoint whose
+  tensors, shapes and dtypes are this model's (`models.inputs.check_hf_checkpoint`);
+- the data: a prepared folder, enough tokens for one global batch, no token id beyond the
+  model's vocabulary;
+- every output path: the checkpoint dir, the metrics file, the TensorBoard dir;
+- the checkpoint dir's owner: a folder belongs to one run (``run.json``). Resuming picks
+  its newest complete checkpoint; a folder whose every checkpoint is corrupt is an error,
+  not a fresh start; ``--no-resume`` into another run's folder needs ``--overwrite``; a
+  finished run (or ``--steps`` at or below the checkpoint's step) has nothing to do.
+
+Each problem is a `models.inputs.BadInput` naming the config key, the value and what would
+be valid; the command exits 2. `claim` is the one step that writes: rank 0 runs it after
+the process group starts, so every rank planned against the same folder.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import shutil
+import sys
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.distributed import ParallelConfig
+from models.inputs import BadInput, check_hf_checkpoint, check_output_dir, check_output_file
+from models.presets import resolve_model
+from optimized.train import checkpointing
+from optimized.train.config import TrainConfig
+
+
+class NothingToDo(Exception):
+    """The run is already trained as far as asked; the message says where and how far."""
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """What the parent decided, handed to every rank."""
+
+    model: ModelConfig
+    """The model config, read once."""
+    data_dir: str
+    """The prepared token folder (``data.path`` or the default data set)."""
+    resume: str | None = None
+    """The checkpoint to resume from; None: start at step 0."""
+    resume_step: int = 0
+    """The step ``resume`` was saved after."""
+    run_id: str | None = None
+    """The run that owns ``checkpoint.dir``; None: a new run, named when it claims it."""
+    replace: list[str] = field(default_factory=list)
+    """What ``--overwrite`` deletes from ``checkpoint.dir`` before training."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings to print once (checkpoints skipped as incomplete or corrupt)."""
+
+
+_PARALLEL_KEYS = {
+    "pp": "parallel.pp", "dp": "parallel.dp", "ep": "parallel.ep", "dtype": "dtype",
+    "micro_batch_size": "data.micro_batch_size", "micro_batches": "data.micro_batches",
+    "seq_len": "data.seq_len",
+}  # fmt: skip
+
+
+def plan_run(cfg: TrainConfig) -> RunPlan:
+    """Check ``cfg`` against the files it names; the plan, or `BadInput` / `NothingToDo`."""
+    model = _model(cfg)
+    _layout(cfg, model)
+    if cfg.model.init_from:
+        _init_from(cfg.model.init_from, model)
+    data_dir = _data(cfg, model)
+    _outputs(cfg)
+    plan = RunPlan(model, data_dir)
+    if cfg.checkpoint.dir:
+        _ownership(cfg, model, plan)
+    return plan
+
+
+DEFAULT_MODEL = "tiny-deepseek-v2"
+"""The model of a run that names none and starts from no checkpoint."""
+
+
+def _model(cfg: TrainConfig) -> ModelConfig:
+    """``model.name``; unset, the ``init_from`` checkpoint's own model, else `DEFAULT_MODEL`."""
+    name, key = cfg.model.name, "model.name"
+    if name is None and cfg.model.init_from is not None:
+        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
+        name, key = str(folder or cfg.model.init_from), "model.init_from"
+    try:
+        return resolve_model(name or DEFAULT_MODEL)
+    except (ValueError, OSError) as error:
+        raise BadInput(f"{key} = {name!r}: {error}") from None
+
+
+def _layout(cfg: TrainConfig, model: ModelConfig) -> None:
+    parallel = ParallelConfig(
+        pp=cfg.parallel.pp, dp=cfg.parallel.dp, ep=cfg.parallel.ep,
+        micro_batch_size=cfg.data.micro_batch_size, micro_batches=cfg.data.micro_batches,
+        seq_len=cfg.data.seq_len, dtype=cfg.dtype, seed=cfg.seed,
+    )  # fmt: skip
+    try:
+        parallel.validate(model)
+    except ValueError as error:
+        text = re.sub(
+            r"ParallelConfig\.(\w+)=", lambda m: f"{_PARALLEL_KEYS.get(m[1], m[1])} = ", str(error)
+        )
+        raise BadInput(f"{text} (model {cfg.model.name})") from None
+
+
+def _same_model(found: ModelConfig, model: ModelConfig) -> bool:
+    return found.to_hf() == model.to_hf()
+
+
+def _init_from(source: str, model: ModelConfig) -> None:
+    folder = checkpointing.newest_valid(source, warn=False)
+    if folder is None and checkpointing.list_checkpoints(source):
+        raise BadInput(
+            f"model.init_from = {source!r}: every twinpipe checkpoint in it is incomplete or "
+            "corrupt"
+        )
+    if folder is None:
+        check_hf_checkpoint(source, model, "model.init_from")
+        return
+    _check_training_checkpoint(folder, model, "model.init_from")
+
+
+def _check_training_checkpoint(folder: Path, model: ModelConfig, key: str) -> None:
+    try:
+        found = ModelConfig.from_hf(folder / "config.json")
+    except (ValueError, OSError) as error:
+        raise BadInput(f"{key}: checkpoint {folder}: {error}") from None
+    if not _same_model(found, model):
+        differ = sorted(
+            k for k, v in model.to_hf().items() if found.to_hf().get(k) != v and k != "dtype"
+        )
+        raise BadInput(
+            f"{key}: checkpoint {folder} holds another model than {model.model_type} being "
+            f"trained (differs in {', '.join(differ[:6]) or 'its config'})"
+        )
+    try:  # its tensors, as DCP's metadata records them
+        checkpointing.validate_training_checkpoint(folder, model)
+    except ValueError as error:
+        raise BadInput(f"{key}: {error}") from None
+
+
+def _data(cfg: TrainConfig, model: ModelConfig) -> str:
+    from optimized.train.preparation import default_dataset, read_index  # noqa: PLC0415
+
+    key = "data.path"
+    folder = cfg.data.path
+    if folder is None:
+        folder = str(default_dataset())
+    try:
+        index = read_index(folder)
+    except (OSError, ValueError, KeyError) as error:
+        raise BadInput(f"{key} = {folder!r}: {error}") from None
+    seq_len = cfg.data.seq_len
+    samples = max(0, (int(index["num_tokens"]) - 1) // seq_len)
+    needed = cfg.parallel.dp * cfg.data.micro_batches * cfg.data.micro_batch_size
+    if samples < needed:
+        raise BadInput(
+            f"{key} = {folder!r} holds {index['num_tokens']} tokens: {samples} samples of "
+            f"seq_len + 1 = {seq_len + 1}, fewer than one global batch of {needed} "
+            "(parallel.dp x data.micro_batches x data.micro_batch_size); "
+            "use more data, a shorter seq_len or smaller batches"
+        )
+    vocab = int(index.get("vocab_size", 0))
+    if vocab > model.vocab_size:
+        largest = _largest_token(Path(folder), index)
+        if largest >= model.vocab_size:
+            raise BadInput(
+                f"{key} = {folder!r} holds token id {largest}, beyond the model's vocabulary "
+                f"(vocab_size = {model.vocab_size}, ids 0..{model.vocab_size - 1}); its "
+                f"tokenizer has {vocab} ids: prepare the data with the model's tokenizer"
+            )
+    return str(folder)
+
+
+def _largest_token(folder: Path, index: dict) -> int:
+    """The largest id in ``tokens.bin``, read in blocks (only when the data's tokenizer
+    has more ids than the model)."""
+    from optimized.train.preparation import TOKENS_FILE  # noqa: PLC0415
+
+    tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(index["dtype"]), mode="r")
+    block = 1 << 24
+    return max(int(tokens[i : i + block].max()) for i in range(0, len(tokens), block))
+
+
+def _outputs(cfg: TrainConfig) -> None:
+    if cfg.checkpoint.dir:
+        check_output_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    if cfg.logging.metrics_file:
+        check_output_file(cfg.logging.metrics_file, "logging.metrics_file")
+    if cfg.logging.tensorboard_dir:
+        check_output_dir(cfg.logging.tensorboard_dir, "logging.tensorboard_dir")
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401, PLC0415
+        except ImportError as error:
+            raise BadInput(
+                f"logging.tensorboard_dir = {cfg.logging.tensorboard_dir!r}: TensorBoard is "
+                f"not installed ({error}); pip install tensorboard, or leave it unset"
+            ) from None
+
+
+def _ownership(cfg: TrainConfig, model: ModelConfig, plan: RunPlan) -> None:
+    """Who owns ``checkpoint.dir``, and where this run starts in it."""
+    root = Path(cfg.checkpoint.dir)
+    try:
+        run = checkpointing.read_run(root)
+    except ValueError as error:
+        raise BadInput(f"checkpoint.dir = {str(root)!r}: {error}") from None
+    found = checkpointing.list_checkpoints(root)
+    owner = run["run_id"] if run else None
+    if not found and run is None:
+        return  # a new folder, or an empty one: this run claims it
+    if cfg.checkpoint.overwrite:
+        plan.replace = [str(p) for p in found] + ([str(root / checkpointing.RUN_FILE)] * bool(run))
+        return
+    holds = f"run {owner}" if owner else "a run"
+    names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+    if not cfg.checkpoint.resume:
+        raise BadInput(
+            f"checkpoint.dir = {str(root)!r} holds {holds}'s checkpoints ({names or 'none'}); "
+            "checkpoint.resume = false would start a new run in it. Pass --overwrite to "
+            "delete them, resume it, or choose another --checkpoint-dir"
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = checkpointing.newest_valid(root)
+    skipped = [str(w.message) for w in caught]
+    if folder is None and found:
+        raise BadInput(
+            f"checkpoint.dir = {str(root)!r}: every checkpoint is incomplete or corrupt, so "
+            "there is nothing to resume, and starting over would overwrite them:\n  "
+            + "\n  ".join(skipped)
+            + "\nPass --overwrite to delete them and start afresh, or choose another "
+            "--checkpoint-dir"
+        )
+    plan.notes += skipped
+    plan.run_id = owner or (checkpointing.checkpoint_run(folder) if folder else None)
+    if folder is None:
+        return
+    _check_training_checkpoint(folder, model, "checkpoint.dir")
+    step = _saved_step(folder)
+    if step >= cfg.steps:
+        raise NothingToDo(
+            f"nothing to do: {folder} is step {step} of run {plan.run_id or '(unnamed)'}, and "
+            f"steps = {cfg.steps}; raise --steps to train further"
+        )
+    plan.resume, plan.resume_step = str(folder), step
+
+
+def _saved_step(folder: Path) -> int:
+    match = re.fullmatch(rf"{checkpointing.PREFIX}(\d+)", folder.name)
+    if match:
+        return int(match[1])
+    import torch  # noqa: PLC0415
+
+    return int(torch.load(folder / checkpointing.TRAINER_STATE, weights_only=False)["step"])
+
+
+def claim(cfg: TrainConfig, plan: RunPlan) -> str:
+    """Rank 0, after the process group started: delete what ``--overwrite`` replaces, and
+    record this run as the owner of ``checkpoint.dir``. Returns the run id."""
+    root = Path(cfg.checkpoint.dir)
+    for path in plan.replace:
+        target = Path(path)
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    if plan.replace:
+        print(f"--overwrite: deleted {len(plan.replace)} entries of {root}", file=sys.stderr)
+    run_id = plan.run_id or uuid.uuid4().hex[:12]
+    if plan.run_id is None or not (root / checkpointing.RUN_FILE).exists():
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        checkpointing.write_run(root, {"run_id": run_id, "created": stamp,
+                                       "model": cfg.model.name, "seed": cfg.seed})  # fmt: skip
+    return run_id

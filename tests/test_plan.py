@@ -1,0 +1,147 @@
+"""`twinpipe plan`: layouts, the bubble against the schedule's action counts, traffic, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main as cli_main
+from models.presets import preset
+from optimized.estimator import EstimateConfig
+from optimized.estimator.bubble import simulate
+from optimized.estimator.plan import PlanRequest, layouts, parse_size, plan, smallest_change
+from optimized.estimator.schedule import comm_events, rank_actions
+from optimized.estimator.traffic import step_traffic
+
+MIB = 1024**2
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (2, 6), (4, 8), (4, 12), (8, 16)])
+def test_bubble_against_action_counts(pp, m):
+    costs = (1.0, 2.0, 0.5)
+    bubble = simulate(pp, m, costs)
+    for rank in range(pp):
+        actions = list(rank_actions(rank, pp, m))
+        forwards = sum(a.kind in ("F", "FB") for a in actions)
+        backwards = sum(a.kind in ("B", "FB") for a in actions)
+        deferred = sum(a.kind == "B" and a.deferred for a in actions)
+        weights = sum(a.kind == "W" for a in actions)
+        # Every weight gradient is computed once: at its backward or at its W step.
+        assert deferred == weights and forwards == backwards == 2 * m
+        busy = bubble.busy[rank]
+        assert (busy.f, busy.b, busy.w) == (forwards, backwards, backwards - deferred + weights)
+        assert busy.value == forwards * 1.0 + backwards * 2.0 + (backwards) * 0.5
+        idle = bubble.idle[rank]
+        assert idle.value == pytest.approx(bubble.makespan.value - busy.value)
+        assert (idle.f, idle.b, idle.w) == (
+            bubble.makespan.f - busy.f,
+            bubble.makespan.b - busy.b,
+            bubble.makespan.w - busy.w,
+        )
+        assert idle.value >= 0
+    if pp == 1:
+        assert bubble.idle_fraction == 0
+
+
+def test_bubble_by_hand_pp2():
+    # PP2, M4, F = B = W = 1 (traced by hand action by action): rank 0 waits 2 units for
+    # rank 1's first chunk-1 output, rank 1 for rank 0's chunk-0 inputs; the step takes 26.
+    bubble = simulate(2, 4)
+    assert str(bubble.makespan) == "10F + 8B + 8W" and bubble.makespan.value == 26
+    assert [str(idle) for idle in bubble.idle] == ["2F", "2F"]
+    assert bubble.idle_fraction == pytest.approx(2 / 26)
+    # More micro-batches amortise the same fill and drain.
+    assert simulate(2, 8).idle_fraction < bubble.idle_fraction
+    assert simulate(4, 8).idle_fraction > simulate(2, 8).idle_fraction
+
+
+def test_traffic_by_hand():
+    config = EstimateConfig(
+        preset("tiny-qwen3-moe"), pp=2, dp=2, ep=2, num_microbatches=4, seq_len=64,
+        micro_batch_size=2,
+    )  # fmt: skip
+    partition = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    sent = step_traffic(config, 0, partition)
+    tokens, hidden, b = 128, 64, 4
+    # Rank 0 holds two MoE layers (stages 0 and 3): per micro-batch four exchanges of
+    # tokens * top-2 rows, half of them to the other EP rank, and 8 int64 counts, half sent.
+    assert sent["all_to_all"] == 2 * 4 * (4 * tokens * 2 * hidden * b // 2 + 8 * 8 // 2)
+    sends = sum(1 for e in comm_events(0, 2, 4) if e.op == "send")
+    assert sent["p2p"] == sends * tokens * hidden * b
+    # No FSDP: one ring all-reduce of every gradient (non-expert over DP = 2, the experts
+    # have one replica: DP / EP = 1).
+    from optimized.estimator.memory import rank_params
+    from optimized.estimator.params import shard
+
+    count = shard(rank_params(config, (0, 3), partition), config)
+    dense = count["tensor_sharded"] + count["replicated"]
+    assert sent["data_parallel"] == dense * b * 2 // 2
+
+
+def request(**fields) -> PlanRequest:
+    values = dict(
+        model=preset("tiny-qwen3-moe"), gpus=4, gpu_memory=6 * MIB, seq_len=64,
+        global_batch=8, dtype="float32",
+    )  # fmt: skip
+    values.update(fields)
+    return PlanRequest(**values)
+
+
+def test_layouts_are_the_valid_ones():
+    found = layouts(request())
+    keys = {(c.pp, c.dp, c.ep, c.micro_batch_size, c.num_microbatches, c.fsdp) for c in found}
+    # PP1: DP4, EP 1/2/4, 2 sequences per rank -> mbs1 M2 (mbs2 M1 is too few); PP2: DP2,
+    # EP 1/2, 4 per rank -> mbs1 M4 (mbs2 M2 < 2 * PP). FSDP on and off each.
+    expected = {(1, 4, ep, 1, 2, fsdp) for ep in (1, 2, 4) for fsdp in (False, True)} | {
+        (2, 2, ep, 1, 4, fsdp) for ep in (1, 2) for fsdp in (False, True)
+    }
+    assert keys == expected
+    for config in found:
+        assert config.dp * config.num_microbatches * config.micro_batch_size == 8
+        assert config.shard_optimizer and config.master_weights
+
+
+def test_plan_sorts_fitting_by_bubble_then_traffic():
+    planned = plan(request())
+    fitting = [p for p in planned if p.fits]
+    assert fitting and fitting == planned[: len(fitting)]
+    budget = request().budget
+    for p in planned:
+        assert p.fits == (p.largest_peak is not None and p.largest_peak <= budget)
+    keys = [(p.bubble["idle_fraction"], p.traffic_total) for p in fitting]
+    assert keys == sorted(keys)
+
+
+def test_nothing_fits_names_the_smallest_change():
+    tight = request(gpu_memory=3 * MIB)
+    assert not any(p.fits for p in plan(tight))
+    changes = smallest_change(tight)
+    assert any(change.startswith("--seq-len") for change in changes)
+    shorter = int(next(c for c in changes if c.startswith("--seq-len")).split()[1])
+    assert any(p.fits for p in plan(request(gpu_memory=3 * MIB, seq_len=shorter)))
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 1024**3
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("512MiB") == 512 * MIB
+    with pytest.raises(ValueError, match="--gpu-memory='lots'"):
+        parse_size("lots")
+
+
+def test_plan_cli(capsys):
+    args = ["plan", "--model", "tiny-qwen3-moe", "--gpus", "4", "--gpu-memory", "6MiB",
+            "--seq-len", "64", "--global-batch", "8", "--dtype", "float32"]  # fmt: skip
+    assert cli_main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fitting"] == sum(layout["fits"] for layout in report["layouts"]) > 0
+    top = report["layouts"][0]
+    assert top["fits"] and top["largest_peak_bytes"] <= report["budget_bytes"]
+    assert set(top["bytes_sent_per_step"]) == {"all_to_all", "p2p", "data_parallel", "total"}
+    assert cli_main(args) == 0
+    assert "fit" in capsys.readouterr().out
+    assert cli_main([*args[:6], "lots", *args[7:]]) == 2
+    assert "--gpu-memory='lots'" in capsys.readouterr().err
+    assert cli_main([*args, "--margin", "1.5"]) == 2
+    assert "--margin=1.5" in capsys.readouterr().err
