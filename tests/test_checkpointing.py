@@ -57,6 +57,7 @@ def _counting_rank_main(cfg):
     return {**trainer.train(cfg), **counts}
 
 
+@pytest.mark.multiprocess
 def test_each_rank_saves_its_own_pieces_without_gathering(tmp_path):
     """PP=2 DP=2 EP=2, FSDP2 on: no tensor collective during the save; DCP's metadata holds
     every parameter at its whole-model shape, its pieces (EP experts, FSDP2 rows) cover it
@@ -173,6 +174,8 @@ def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
     assert abs(started[0]["losses"][0] - hf_loss) <= 1e-5 * hf_loss
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bfloat16_resume_is_exact_and_resumes_with_fsdp_off(tmp_path, monkeypatch):
     """bfloat16 at DP=2 (FSDP2 on, experts over 2 replicas): stopped after step 1 and
     resumed, the losses equal the uninterrupted run's bit for bit (float32 masters and
