@@ -29,7 +29,6 @@ from models.config import ModelConfig
 from models.config_json import read_config_json
 from models.decoder import SINGLE, ExpertParallel
 from models.hf_layout import (
-    CONFIG_NAME,
     FLOAT_DTYPES,
     FUSED_EXPERTS,
     INDEX_NAME,
@@ -151,11 +150,8 @@ def validate_checkpoint(
     ``config.json``) from its headers alone; raise `CheckpointError` (a ``ValueError``)
     naming the file, the tensor, and the expected and found shape or dtype."""
     path = os.fspath(path)
-    config_file = os.path.join(path, CONFIG_NAME)
-    if not os.path.exists(config_file):
-        raise FileNotFoundError(f"no Hugging Face config at {config_file}")
-    _, raw = read_config_json(config_file)  # a truncated or odd file: an error naming it
-    own = ModelConfig.from_hf(config_file)
+    config_file, raw = read_config_json(path)
+    own = ModelConfig.from_hf(path)
     config = config or own
     quantization = quantization_of(raw)
     if quantization not in (None, MXFP4) or (quantization and config.model_type != "gpt_oss"):
@@ -165,8 +161,8 @@ def validate_checkpoint(
         )
     if own.model_type != config.model_type:
         raise CheckpointError(
-            f"{config_file} is a {own.model_type} model, not the {config.model_type} model "
-            "being trained: pass --model for this checkpoint, or another checkpoint"
+            f"{config_file} holds a {own.model_type} model, not the {config.model_type} model "
+            "being run: pass --model for this checkpoint, or another checkpoint"
         )
     tensors: dict[str, StoredTensor] = {}
     index: dict[str, str] = {}

@@ -11,6 +11,7 @@ buffer. The shards are ``model-0000k-of-0000n.safetensors`` with a
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 
@@ -141,4 +142,63 @@ def save_pretrained(model, path: str | os.PathLike, max_shard_bytes: int | None 
     write_config(path, hf_config)
     for name, tensor in state.items():
         writer.write(name, tensor)
+    writer.close()
+
+
+def write_mxfp4(
+    source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None
+) -> None:
+    """Re-write an unquantised GPT-OSS checkpoint folder as GPT-OSS is published: routed
+    experts in MXFP4 (`models.mxfp4.quantize`, ``*_blocks``/``*_scales``), the rest as
+    stored, ``quantization_config`` in config.json. One tensor at a time (tests and
+    benchmarks build published-style checkpoints with it)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from models.hf_layout import FUSED_EXPERTS, MXFP4  # noqa: PLC0415
+    from models.mxfp4 import quantize  # noqa: PLC0415
+
+    source = os.fspath(source)
+    with open(os.path.join(source, CONFIG_NAME)) as f:
+        hf_config = json.load(f)
+    if hf_config.get("model_type") != "gpt_oss":
+        raise ValueError(
+            f"{source} holds a {hf_config.get('model_type')} model; MXFP4 is GPT-OSS's"
+        )
+    files = [os.path.join(source, WEIGHTS_NAME)]
+    if not os.path.exists(files[0]):
+        with open(os.path.join(source, INDEX_NAME)) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(source, name) for name in names]
+    entries = []  # (file, name, stored name, bytes)
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle is no mapping
+                view = handle.get_slice(name)
+                shape, item = view.get_shape(), 2 if view.get_dtype() in ("BF16", "F16") else 4
+                if FUSED_EXPERTS.match(name):
+                    experts, inner, outer = shape
+                    values = experts * outer * inner
+                    entries.append((file, name, f"{name}_blocks", values // 2))
+                    entries.append((file, name, f"{name}_scales", values // 32))
+                else:
+                    entries.append((file, name, name, math.prod(shape) * item))
+    writer = ShardWriter(out, plan_shards([(e[2], e[3]) for e in entries], max_shard_bytes), True)
+    hf_config["quantization_config"] = {
+        "quant_method": MXFP4,
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    write_config(os.fspath(out), hf_config)
+    packed: dict[str, torch.Tensor] = {}
+    for file, name, stored, _ in entries:
+        if stored.endswith("_scales"):
+            writer.write(stored, packed.pop(stored))
+            continue
+        with safe_open(file, "pt") as handle:
+            tensor = handle.get_tensor(name)
+        if stored.endswith("_blocks"):  # ours [E, K, N] is stored transposed: [E, N, K / 32, 16]
+            pairs = [quantize(expert.transpose(0, 1)) for expert in tensor]  # one at a time
+            packed[f"{name}_scales"] = torch.stack([scales for _, scales in pairs])
+            tensor = torch.stack([blocks for blocks, _ in pairs])
+        writer.write(stored, tensor)
     writer.close()

@@ -35,7 +35,7 @@ SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 MXFP4 = "mxfp4"
 """``quantization_config.quant_method`` of GPT-OSS's published checkpoints."""
-FLOAT_DTYPES = ("F32", "BF16", "F16")
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 """safetensors dtypes a weight may be stored in (it is cast to the model's dtype on load)."""
 _LIST_AT_MOST = 12
 
@@ -186,7 +186,7 @@ def check_tensors(
     wrong_dtype = wrong_dtype or []
     if not (missing or unexpected or wrong or wrong_dtype):
         return
-    lines = [f"{where} does not match the {config.model_type} config:"]
+    lines = [f"{where} does not hold the {config.model_type} model being run:"]
     for title, items in (
         ("missing", [f"{name} {list(expected[name])}" for name in missing]),
         ("unexpected", [f"{name} {list(found[name])}{at(name)}" for name in unexpected]),

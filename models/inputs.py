@@ -137,15 +137,17 @@ def respect_umask(paths: Iterable[str | os.PathLike]) -> None:
 
 # ------------------------------------------------------------------ checkpoints in
 def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
-    """A Hugging Face checkpoint folder that holds ``config``'s model: the family of its
-    ``config.json``, every tensor with its shape and a float dtype (GPT-OSS's MXFP4 blocks
-    aside), no file truncated. Reads only ``config.json``, the index and the headers
-    (`models.checkpoint.validate_checkpoint`); `BadInput` naming ``flag`` and the folder."""
+    """A Hugging Face checkpoint folder that holds ``config``'s model: its ``config.json``
+    is of the same family, every tensor is there with its shape, no file is truncated,
+    every weight is a float (or GPT-OSS's MXFP4 experts), no quantisation we do not read.
+    Reads only ``config.json``, the index and the headers
+    (`models.checkpoint.validate_checkpoint`)."""
     from models.checkpoint import validate_checkpoint  # noqa: PLC0415
 
-    if not Path(path).is_dir():
+    folder = Path(path)
+    if not folder.is_dir():
         raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
     try:
-        validate_checkpoint(path, config)
+        validate_checkpoint(folder, config)
     except (ValueError, OSError) as error:
         raise BadInput(f"{flag} {str(path)!r}: {error}") from None

@@ -63,13 +63,14 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, "
                          f"got {list(weight.shape)}")  # fmt: skip
-    values = weight.float().reshape(*weight.shape[:-1], -1, BLOCK)
+    values = weight.float().contiguous().reshape(*weight.shape[:-1], -1, BLOCK)
     largest = values.abs().amax(dim=-1).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-SCALE_BIAS, 127)
     scaled = values / torch.exp2(exponent).unsqueeze(-1)
     magnitudes = torch.tensor(FP4_VALUES[:8])
-    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
-    codes = (codes | ((scaled < 0).to(codes.dtype) << 3)).to(torch.uint8)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2  # nearest code, ties to the smaller
+    codes = torch.bucketize(scaled.abs(), midpoints).to(torch.uint8)
+    codes |= (scaled < 0).to(torch.uint8) << 3
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = (exponent + SCALE_BIAS).to(torch.uint8)
     return blocks, scales

@@ -148,15 +148,23 @@ def as_source(weights: WeightSource | Mapping[str, torch.Tensor]) -> WeightSourc
 
 
 # ------------------------------------------------------------------ materialise
+def chunk_rows(rows: int, size: int, index: int) -> tuple[int, int]:
+    """``(start, count)`` of shard ``index`` of ``size`` over ``rows`` rows, cut as
+    `torch.chunk` (and FSDP2) cuts dim 0: ``ceil(rows / size)`` each, the last ones short
+    or empty."""
+    chunk = -(-rows // size)
+    start = min(rows, index * chunk)
+    return start, min(rows, start + chunk) - start
+
+
 def _row_offset(module: nn.Module, param: torch.Tensor) -> int:
     """First row of the whole model's tensor this rank's ``param`` holds."""
     start = getattr(module, "first_expert", 0)  # models.layers.Experts: this EP rank's block
     if isinstance(param, DTensor):
         if tuple(param.placements) != (Shard(0),):
             raise ValueError(f"cannot place rows of a DTensor with placements {param.placements}")
-        rows, size = param.shape[0], param.device_mesh.size()
-        chunk = -(-rows // size)
-        start += min(rows, param.device_mesh.get_local_rank() * chunk)  # torch.chunk, as FSDP2
+        mesh = param.device_mesh
+        start += chunk_rows(param.shape[0], mesh.size(), mesh.get_local_rank())[0]
     return start
 
 

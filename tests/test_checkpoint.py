@@ -18,7 +18,14 @@ from models import (
     preset,
     save_pretrained,
 )
-from models.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_state_dict_hf, to_hf_state_dict
+from models.checkpoint import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    load_state_dict_hf,
+    to_hf_state_dict,
+    validate_checkpoint,
+)
 
 FAMILIES = ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe"]
 
@@ -281,3 +288,46 @@ def test_to_hf_state_dict_names_what_a_partial_state_lacks():
     state.pop("model.layers.1.self_attn.q_norm.weight")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight \[16\]"):
         to_hf_state_dict(state, config)
+
+
+def test_int32_weights_are_refused_naming_file_tensor_and_dtypes(tmp_path):
+    saved(small("tiny-qwen3-moe"), tmp_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rewrite(tmp_path, lambda t: t.update({name: t[name].to(torch.int32)}))
+    with pytest.raises(
+        CheckpointError,
+        match=name.replace(".", r"\.")
+        + r": expected F32 or BF16 or F16 or F64, found I32 \(in .*"
+        + WEIGHTS_NAME.replace(".", r"\."),
+    ):
+        from_pretrained(tmp_path)
+
+
+def test_truncated_files_are_refused_naming_file_and_tensor(tmp_path):
+    saved(small("tiny-gpt-oss"), tmp_path, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    shard = tmp_path / sorted(set(index["weight_map"].values()))[-1]
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-100])
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{shard.name} is truncated: it has {len(raw) - 100} bytes, but tensor "
+        rf"\S+ \(F32 \[[\d, ]+\]\) ends at byte {len(raw)}",
+    ):
+        validate_checkpoint(tmp_path)
+    shard.write_bytes(raw[:5])
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated or not a safetensors"):
+        from_pretrained(tmp_path)
+
+
+def test_another_models_checkpoint_is_refused(tmp_path):
+    saved(small("tiny-qwen3-moe"), tmp_path)
+    with pytest.raises(CheckpointError, match="holds a qwen3_moe model, not the deepseek_v2 model"):
+        validate_checkpoint(tmp_path, small("tiny-deepseek-v2"))
+    wider = small("tiny-qwen3-moe", moe_intermediate_size=48)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.layers\.0\.mlp\.experts\.0\.up_proj\.weight: expected \[48, 64\], "
+        r"found \[32, 64\] \(in ",
+    ):
+        validate_checkpoint(tmp_path, wider)

@@ -1,4 +1,5 @@
-"""Training checkpoints: corrupt or partial ones skipped, HF export and --init-from."""
+"""Training checkpoints: each rank writes its own pieces (no gathering), corrupt or partial
+ones skipped, streaming HF export, --init-from, mismatched checkpoints refused up front."""
 
 from __future__ import annotations
 
@@ -8,13 +9,108 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models import preset, save_pretrained
 from models.config import ModelConfig
-from models.model import CausalLM
+from models.distributed import launch
+from models.hf_layout import INDEX_NAME, expected_state_shapes, shard_file_name
+from models.model import CausalLM, build_model
 from optimized.train import TokenDataset, TokenLoader, default_dataset
 from optimized.train.checkpointing import load_model_state, newest_valid
-from optimized.train.export import export
+from optimized.train.chunks import CachedReader, tensor_metadata
+from optimized.train.export import export, export_checkpoint
 from reference.ops import ReferenceOps
-from tests.test_train import _reference_runner, config, train  # noqa: F401 - fixture
+from tests.test_train import _cli, _reference_runner, config, train  # noqa: F401 - fixture
+
+TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+                      "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
+
+
+def _counting_rank_main(cfg):
+    """Train, counting the tensor collectives each save makes (gathering would be some)."""
+    import torch.distributed as dist
+
+    from optimized.train import checkpointing, trainer
+
+    counts = {"save_collectives": 0, "saves": 0}
+    save = checkpointing.save_checkpoint
+
+    def counted_save(*args, **kwargs):
+        originals = {name: getattr(dist, name) for name in TENSOR_COLLECTIVES}
+
+        def counting(function):
+            def call(*a, **k):
+                counts["save_collectives"] += 1
+                return function(*a, **k)
+
+            return call
+
+        for name, function in originals.items():
+            setattr(dist, name, counting(function))
+        try:
+            counts["saves"] += 1
+            return save(*args, **kwargs)
+        finally:
+            for name, function in originals.items():
+                setattr(dist, name, function)
+
+    checkpointing.save_checkpoint = counted_save
+    return {**trainer.train(cfg), **counts}
+
+
+@pytest.mark.multiprocess
+def test_each_rank_saves_its_own_pieces_without_gathering(tmp_path):
+    """PP=2 DP=2 EP=2, FSDP2 on: no tensor collective during the save; DCP's metadata holds
+    every parameter at its whole-model shape, its pieces (EP experts, FSDP2 rows) cover it
+    exactly once, every rank writing its own file; optimizer state is flat float32."""
+    cfg = config("steps=1", "optim.warmup_steps=0", "parallel.pp=2", "parallel.dp=2",
+                 "parallel.ep=2", "data.micro_batches=4", f"checkpoint.dir={tmp_path}")  # fmt: skip
+    ranks = launch(_counting_rank_main, 4, (cfg,))
+    assert [r["saves"] for r in ranks] == [1] * 4
+    assert [r["save_collectives"] for r in ranks] == [0] * 4
+    folder = newest_valid(tmp_path)
+    reader = CachedReader(folder)
+    metadata = reader.read_metadata()
+    stored = tensor_metadata(metadata)
+    model = preset("tiny-deepseek-v2")
+    for name, shape in expected_state_shapes(model).items():
+        md = stored[f"model.{name}"]
+        assert tuple(md.size) == tuple(shape), name
+        rows = sorted((c.offsets[0], c.sizes[0]) for c in md.chunks)
+        assert [start for start, _ in rows] == [0] + [a + b for a, b in rows[:-1]], name
+        assert sum(size for _, size in rows) == shape[0], name
+        if ".mlp.experts." in name:  # EP=2, one replica each: a block of E/2 per EP rank
+            assert rows == [(0, shape[0] // 2), (shape[0] // 2, shape[0] // 2)], name
+        elif shape[0] > 1:  # FSDP2 over DP=2: half the rows each
+            assert len(rows) == 2, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim = stored[f"optim.{name}.{key}"]
+            assert tuple(optim.size) == (shape.numel(),) and optim.properties.dtype == torch.float32
+            assert sum(c.sizes[0] for c in optim.chunks) == shape.numel(), (name, key)
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    assert len(files) == 4  # every rank wrote its own file
+
+
+def test_a_mismatched_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+    """--init-from another model's checkpoint, or one with int32 weights: exit 2, the error
+    names the file, the tensor, and what was expected and found; no rank ran."""
+    save_pretrained(build_model(preset("tiny-qwen3-moe")), tmp_path / "qwen")
+    done = _cli("--model", "tiny-deepseek-v2", "--init-from", str(tmp_path / "qwen"),
+                "--steps", "1", "--warmup-steps", "0", "--nproc", "1")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "holds a qwen3_moe model, not the deepseek_v2 model" in done.stderr
+    assert "step 00000001" not in done.stdout
+    model = build_model(preset("tiny-deepseek-v2")).to(torch.bfloat16)
+    save_pretrained(model, tmp_path / "ds")
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "ds" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, weights, {"format": "pt"})
+    done = _cli("--init-from", str(tmp_path / "ds"), "--steps", "1", "--warmup-steps", "0")
+    assert done.returncode == 2, done.stderr
+    assert "model.norm.weight: expected F32 or BF16 or F16 or F64, found I32" in done.stderr
+    assert str(weights) in done.stderr
 
 
 def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path):
@@ -51,7 +147,12 @@ def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
 
     cfg = config("steps=2", f"checkpoint.dir={tmp_path / 'ck'}")
     train(cfg)
-    folder = export(tmp_path / "ck", tmp_path / "hf")
+    report = export_checkpoint(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=200_000)
+    folder = report.folder
+    assert report.shards >= 3 and (tmp_path / "hf" / INDEX_NAME).exists()
+    assert (tmp_path / "hf" / shard_file_name(0, report.shards)).exists()
+    assert report.peak_buffer_bytes <= 200_000 + 512 * 64 * 4  # a shard, or one big tensor
+    assert export(tmp_path / "ck", tmp_path / "hf") == folder  # again, over the first
     ids, labels = _first_batch(cfg)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -71,3 +172,27 @@ def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
     # Step 1 of a run started from the export sees the same weights and the same batch.
     started = train(config("steps=1", "optim.warmup_steps=0", f"model.init_from={tmp_path / 'hf'}"))
     assert abs(started[0]["losses"][0] - hf_loss) <= 1e-5 * hf_loss
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bfloat16_resume_is_exact_and_resumes_with_fsdp_off(tmp_path, monkeypatch):
+    """bfloat16 at DP=2 (FSDP2 on, experts over 2 replicas): stopped after step 1 and
+    resumed, the losses equal the uninterrupted run's bit for bit (float32 masters and
+    moments come back from the checkpoint's chunks). Resumed with FSDP off instead (each
+    rank reads the whole parameters and its ZeRO-1 slices from the FSDP2-written chunks),
+    they agree within bfloat16's bound."""
+    common = ("steps=3", "dtype=bfloat16", "parallel.dp=2", "parallel.ep=1")
+    whole = train(config(*common, "parallel.fsdp=true"))[0]["losses"]
+    resumed = {}
+    for fsdp in ("true", "false"):
+        folder = tmp_path / fsdp
+        monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
+        first = train(config(*common, "parallel.fsdp=true", f"checkpoint.dir={folder}"))[0]
+        monkeypatch.delenv("TWINPIPE_FAULT")
+        second = train(config(*common, f"parallel.fsdp={fsdp}", f"checkpoint.dir={folder}"))[0]
+        assert first["stopped_at"] == 1 and second["start"] == 1
+        resumed[fsdp] = first["losses"] + second["losses"]
+    assert resumed["true"] == whole
+    for a, b in zip(resumed["false"], whole, strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b), (resumed["false"], whole)

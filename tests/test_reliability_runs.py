@@ -118,7 +118,9 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
         finally:
             os.umask(old)
         modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
-        assert modes["model.safetensors"] == 0o666 & ~mask, modes
+        # the export is sharded: model-00001-of-00001.safetensors and its index
+        assert modes["model-00001-of-00001.safetensors"] == 0o666 & ~mask, modes
+        assert modes["model.safetensors.index.json"] == 0o666 & ~mask, modes
         assert modes["config.json"] == 0o666 & ~mask, modes
 
     # --overwrite replaces the old run: a new owner, and none of its checkpoints left.

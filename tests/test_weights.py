@@ -114,3 +114,52 @@ def test_a_state_dict_is_a_source_and_rope_tables_are_rebuilt():
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
     with pytest.raises(KeyError, match="has no tensor model.norm.weight"):
         build_part(config, StateDictWeights({}), [], False, True)
+
+
+def _sharded_build_worker(cases):
+    from models.distributed import ParallelConfig, make_layout
+    from models.model import CausalLM
+    from optimized.pipeline.sharding import apply_fsdp, held_rows
+
+    out = []
+    for name, ep in cases:
+        config = preset(name)
+        layout = make_layout(ParallelConfig(pp=1, dp=2, ep=ep, micro_batches=2))
+        source = Recording(SeededWeights(config, 4))
+
+        def shard(part, layout=layout):
+            apply_fsdp(part, layout, torch.device("cpu"))
+
+        part = build_part(config, source, ep=layout.expert_parallel, shard=shard)
+        with torch.device("meta"):
+            meta = CausalLM(config, ops=None, ep=layout.expert_parallel)
+        plan = held_rows(meta, 2, ep, layout.dp_rank)
+        locals_ = {
+            n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for n, p in part.named_parameters()
+        }
+        calls = {n: (start, shape[0]) for n, start, shape, _ in source.calls}
+        out.append((plan, calls, locals_))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_fsdp_on_meta_reads_exactly_the_planned_rows():
+    """FSDP2 applied to the meta part (DP=2; EP=1, experts over 2 replicas, and EP=2):
+    each rank reads once, for every parameter, exactly the rows `held_rows` plans without a
+    process group (the dry run's figures), and holds those rows of the whole model."""
+    from models.distributed import launch
+
+    cases = [("tiny-gpt-oss", 1), ("tiny-deepseek-v2", 2)]
+    per_rank = launch(_sharded_build_worker, 2, (cases,))
+    for index, (name, _) in enumerate(cases):
+        whole = build_model(preset(name), seed=4).state_dict()
+        total = 0
+        for rank in per_rank:
+            plan, calls, held = rank[index]
+            assert calls == {n: rows for n, rows in plan.items() if rows[1]}, name
+            for param_name, (start, count) in plan.items():
+                assert torch.equal(held[param_name], whole[param_name][start : start + count])
+                total += held[param_name].numel()
+        # EP and FSDP2 together: every element of the model is held once over the 2 ranks.
+        assert total == sum(t.numel() for t in whole.values()), name

@@ -102,6 +102,33 @@ def expert_modules(part: CausalLM, layout: Layout) -> list[nn.Module]:
     return [layer.mlp.experts for layer in part.decoder_layers if layer.is_moe]
 
 
+def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple[int, int]]:
+    """``name -> (start, count)``: the rows of the whole model's tensor each parameter of a
+    (meta-device) part holds on dp-rank ``dp_rank`` once `apply_fsdp` has sharded it (DP > 1)
+    -- its EP block, then its FSDP2 rows -- with no process group. What that rank reads
+    from a checkpoint (`models.weights.materialise` places the same rows); the dry run of
+    a published-size layout lists it."""
+    from models.weights import chunk_rows  # noqa: PLC0415
+
+    over: dict[int, tuple[int, int]] = {}
+    if dp > 1:
+        for module in fsdp_modules(part):
+            over.update({id(p): (dp, dp_rank) for p in module.parameters()})
+        if dp // ep > 1:
+            for layer in part.decoder_layers:
+                if layer.is_moe:
+                    experts = layer.mlp.experts.parameters()
+                    over.update({id(p): (dp // ep, dp_rank // ep) for p in experts})
+    out = {}
+    for prefix, module in part.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            size, index = over.get(id(param), (1, 0))
+            start, count = chunk_rows(param.shape[0], size, index)
+            out[full] = (getattr(module, "first_expert", 0) + start, count)
+    return {name: out[name] for name, _ in part.named_parameters()}
+
+
 def _shard(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     module.set_gradient_divide_factor(1.0)  # a sum: the loss is already the global mean

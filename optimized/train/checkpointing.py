@@ -1,15 +1,18 @@
-"""Training checkpoints: layout-free, written atomically, verified before they are trusted.
+"""Training checkpoints: each rank writes its own bytes; layout-free; atomic; verified.
 
 On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint dir):
 
-- a `torch.distributed.checkpoint` (DCP) of *whole-model* tensors under the whole-model
-  names: ``model.<name>`` for every parameter, routed experts as whole ``[E, ...]``
-  tensors, and ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (and ``.master``, the float32
-  copy, when parameters are bfloat16) with the parameter's shape. Each rank gathers its
-  FSDP2 parameter rows and its optimizer slices over their replica group (DP, or the
-  expert replicas), then its expert shards over its EP group; every rank hands DCP its
-  part, and DCP keeps one copy of what DP replicas share. Nothing on
-  disk depends on PP, DP or EP, so a checkpoint saved at one layout loads at any other;
+- a `torch.distributed.checkpoint` (DCP) in which every rank writes exactly the
+  parameters and optimizer state it holds, nothing gathered, as chunks of whole-model
+  tensors (`optimized.train.chunks`): ``model.<name>`` with the whole model's shape
+  (routed experts ``[E, ...]``), each rank's piece at its offset: the rows of its
+  experts (EP) and of its FSDP2 shard; ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (and
+  ``.master``, the float32 copy, when parameters are not float32) as flat float32
+  tensors of the parameter's element count, each rank's slice at its flat offset (the
+  sharded AdamW's slices are flat ranges, not always whole rows). DCP's metadata holds
+  every global shape and chunk, and replicas' identical pieces are written once. Nothing
+  on disk depends on PP, DP, EP or FSDP, so a checkpoint saved at one layout loads at
+  any other, each rank reading only the regions it holds;
 - ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
 - ``config.json`` (the model, Hugging Face style) and ``train.toml`` (the run's config);
 - ``manifest.json``, written last: every file's size and sha256, and the run id.
@@ -23,12 +26,15 @@ trainer refuses to start a different run in a folder that holds one unless told 
 A checkpoint is written to ``.tmp-step-...`` and renamed when complete, so a crash never
 leaves a half-written ``step-*``; on resume each candidate is verified against its
 manifest, and one that is incomplete or corrupt is skipped with a warning naming it.
+Resuming reads the parameters as the part is built (`TrainingCheckpointWeights`, a
+weight source) and the optimizer state into the slices each rank owns (`load_checkpoint`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -37,54 +43,74 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.config import ModelConfig
 from models.distributed import Layout
+from models.hf_layout import CheckpointError, expected_state_shapes
 from models.model import is_expert_parameter
+from models.progress import ProgressLine
 from optimized.train import chunks
-from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
+from optimized.train.chunks import Chunk
+from optimized.train.optimizer import ParamShard, ShardedAdamW
 
 MANIFEST = "manifest.json"
 RUN_FILE = "run.json"
 TRAINER_STATE = "trainer_state.pt"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
-# ------------------------------------------------------------------ gathering
-def _gather_experts(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Whole ``[E, ...]`` from this EP group's shards (dim 0 is the local experts)."""
-    if layout.ep == 1:
-        return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(layout.ep)]
-    dist.all_gather(pieces, tensor.contiguous(), group=layout.ep_group)
-    return torch.cat(pieces)
+# ------------------------------------------------------------------ geometry
+def _experts_before(s: ParamShard, layout: Layout) -> int:
+    """Experts of the whole tensor before this EP rank's block (0 for non-experts)."""
+    return layout.ep_rank * s.param.shape[0] if is_expert_parameter(s.name) else 0
 
 
-def _local_experts(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """This EP rank's experts of a whole ``[E, ...]`` tensor."""
-    per_rank = tensor.shape[0] // layout.ep
-    return tensor[layout.ep_rank * per_rank : (layout.ep_rank + 1) * per_rank]
+def global_shape(s: ParamShard, layout: Layout) -> tuple[int, ...]:
+    """The whole model's shape of ``s``'s parameter (routed experts: all ``E``)."""
+    shape = tuple(s.param.shape)
+    return ((shape[0] * layout.ep,) if is_expert_parameter(s.name) else shape[:1]) + shape[1:]
 
 
-def _whole(tensor: torch.Tensor, name: str, layout: Layout) -> torch.Tensor:
-    return _gather_experts(tensor, layout) if is_expert_parameter(name) else tensor
+def parameter_chunk(s: ParamShard, layout: Layout) -> Chunk | None:
+    """This rank's rows of the whole parameter (its experts, its FSDP2 rows), in place."""
+    local = s.local()
+    if local.numel() == 0:
+        return None
+    row = math.prod(s.param.shape[1:])
+    first = _experts_before(s, layout) + (s.start // row if s.fsdp else 0)
+    return chunks.rows(local, first, global_shape(s, layout))
 
 
-def full_state_dict(optimizer: ShardedAdamW, layout: Layout) -> dict[str, torch.Tensor]:
-    """This rank's contribution to the layout-free state dict (collective over the world)."""
-    state: dict[str, torch.Tensor] = {}
+def state_chunk(s: ParamShard, layout: Layout, piece: torch.Tensor) -> Chunk | None:
+    """This rank's flat slice ``[start, stop)`` of a parameter's optimizer state, as a
+    chunk of the flat whole-model tensor (``piece`` may be padded past ``stop``)."""
+    if s.stop <= s.start:
+        return None
+    whole = math.prod(global_shape(s, layout))
+    offset = _experts_before(s, layout) * math.prod(s.param.shape[1:]) + s.start
+    return Chunk(piece[: s.stop - s.start], (offset,), (whole,))
+
+
+def local_state(optimizer: ShardedAdamW, layout: Layout) -> dict[str, Chunk]:
+    """This rank's pieces of the layout-free state dict, by key (views: nothing copied)."""
+    state: dict[str, Chunk] = {}
     for s in optimizer.shards:
-        state[f"model.{s.name}"] = _whole(optimizer.full_parameter(s), s.name, layout).clone()
+        parameter = parameter_chunk(s, layout)
+        if parameter is not None:
+            state[f"model.{s.name}"] = parameter
         for key, piece in optimizer.state_tensors(s).items():
-            whole = gather_slices(piece, s).view(s.param.shape)
-            state[f"optim.{s.name}.{key}"] = _whole(whole, s.name, layout).clone()
+            if key == "master" and s.param.dtype == torch.float32:
+                continue  # the float32 parameter is its own master
+            chunk = state_chunk(s, layout, piece)
+            if chunk is not None:
+                state[f"optim.{s.name}.{key}"] = chunk
     return state
 
 
@@ -214,12 +240,13 @@ def save_checkpoint(
     run_id: str | None = None,
 ) -> Path:
     """Write ``root/step-<step>`` atomically (collective); keep the newest ``keep_last`` of
-    this run's (``run_id``'s) checkpoints, never touching another run's. A failure on any
-    rank raises `CheckpointSaveError` on every rank."""
+    this run's (``run_id``'s) checkpoints, never touching another run's. Each rank writes
+    only its own pieces (`local_state`). A failure on any rank raises `CheckpointSaveError`
+    on every rank."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
-    state = full_state_dict(optimizer, layout)
+    state = local_state(optimizer, layout)
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, rng_state())
     problem = None
@@ -232,10 +259,13 @@ def save_checkpoint(
         except OSError as error:
             problem = f"cannot write checkpoint {tmp}: {error}"
     _agree(problem, layout)
+    line = ProgressLine(f"saving {final} (rank 0's part)", len(state),
+                        enabled=None if layout.rank == 0 else False)  # fmt: skip
     try:
-        dcp.save(state, checkpoint_id=str(tmp))
+        chunks.save(state, tmp, line)
     except Exception as error:  # DCP raises on every rank when any rank failed to write
         raise CheckpointSaveError(f"cannot write checkpoint {tmp}: {error}") from error
+    line.close()
     if layout.rank == 0:
         try:
             _finish(tmp, final, root, trainer_state, rng, model_config, config_toml, run_id)
@@ -265,66 +295,81 @@ def _finish(tmp, final, root, trainer_state, rng, model_config, config_toml, run
 
 
 # ------------------------------------------------------------------ load
-def _placeholders(folder: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Empty tensors of the stored shapes and dtypes for those ``keys`` the checkpoint has."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    return {
-        key: torch.empty(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
-        for key in keys
-        if key in metadata
-    }
+def _metadata(folder: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
+    return chunks.tensor_metadata(chunks.CachedReader(folder).read_metadata())
+
+
+def check_keys(folder: str | os.PathLike, wanted: dict[str, tuple[int, ...]]) -> None:
+    """`CheckpointError` naming every key of ``wanted`` (key -> global shape) the checkpoint
+    lacks or holds at another shape."""
+    stored = _metadata(folder)
+    problems = [f"{key}: missing (expected {list(shape)})" for key, shape in wanted.items()
+                if key not in stored]  # fmt: skip
+    problems += [
+        f"{key}: expected {list(shape)}, found {list(stored[key].size)}"
+        for key, shape in wanted.items()
+        if key in stored and tuple(stored[key].size) != tuple(shape)
+    ]
+    if problems:
+        listed = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more"
+                                                if len(problems) > 12 else "")  # fmt: skip
+        raise CheckpointError(f"checkpoint {folder} does not match this model:\n  {listed}")
+
+
+def validate_training_checkpoint(folder: str | os.PathLike, config: ModelConfig) -> None:
+    """Check a training checkpoint's parameters against ``config`` from DCP's metadata
+    alone (no process group); `CheckpointError` names each key and both shapes."""
+    wanted = {f"model.{n}": tuple(s) for n, s in expected_state_shapes(config).items()}
+    if config.tie_word_embeddings:
+        wanted.pop("model.lm_head.weight", None)
+    check_keys(folder, wanted)
 
 
 def load_checkpoint(
     folder: str | os.PathLike, optimizer: ShardedAdamW, layout: Layout
 ) -> dict[str, Any]:
-    """Load ``folder`` into this rank's parameters and optimizer slices; return its trainer
-    state (step, loader position, RNG states)."""
+    """Load ``folder``'s optimizer state into the slices this rank owns (collective; the
+    parameters were read from it when the part was built); return its trainer state
+    (step, loader position, RNG states)."""
     folder = Path(folder)
-    keys = []
-    for s in optimizer.shards:
-        keys += [f"model.{s.name}"] + [f"optim.{s.name}.{k}" for k in _OPTIM_KEYS]
-    state = _placeholders(folder, keys)
-    missing = [f"model.{s.name}" for s in optimizer.shards if f"model.{s.name}" not in state]
-    if missing:
-        raise ValueError(f"checkpoint {folder} lacks {', '.join(missing[:8])}")
-    dcp.load(state, checkpoint_id=str(folder))
     trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
     step = int(trainer_state["step"])
-    with torch.no_grad():
-        for s in optimizer.shards:
-            optimizer.set_parameter(s, _mine(state[f"model.{s.name}"], s, layout))
-        optimizer.reset_masters()
-        for s in optimizer.shards:
-            full = {
-                k: _mine(state[f"optim.{s.name}.{k}"], s, layout)
-                for k in _OPTIM_KEYS
-                if f"optim.{s.name}.{k}" in state
+    stored = _metadata(folder)
+    state: dict[str, Chunk] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for s in optimizer.shards:
+        targets = {}
+        if s.param.dtype != torch.float32 and f"optim.{s.name}.master" in stored:
+            targets["master"] = s.master
+        if step > 0:
+            moments[s.name] = {k: torch.zeros_like(s.master) for k in ("exp_avg", "exp_avg_sq")}
+            targets.update(moments[s.name])
+        for key, piece in targets.items():
+            chunk = state_chunk(s, layout, piece)
+            if chunk is not None:
+                state[f"optim.{s.name}.{key}"] = chunk
+    check_keys(folder, {key: tuple(chunk.size()) for key, chunk in state.items()})
+    chunks.load(state, reader=chunks.CachedReader(folder))
+    for s in optimizer.shards:
+        if s.name in moments:
+            optimizer.optimizer.state[s.master] = {
+                **moments[s.name],
+                "step": torch.tensor(float(step)),  # AdamW keeps it on CPU
             }
-            optimizer.load_state(s, full, step)
     return trainer_state
-
-
-_OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "master")
-
-
-def _mine(tensor: torch.Tensor, s: ParamShard, layout: Layout) -> torch.Tensor:
-    return _local_experts(tensor, layout) if is_expert_parameter(s.name) else tensor
 
 
 def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The whole model's state dict (our naming) from a checkpoint, in one process."""
-    from models.hf_layout import expected_state_shapes  # noqa: PLC0415
-
-    folder = Path(folder)
-    names = list(expected_state_shapes(config))
-    state = _placeholders(folder, [f"model.{n}" for n in names])
-    if config.tie_word_embeddings and "model.lm_head.weight" not in state:
-        names.remove("lm_head.weight")
+    stored = _metadata(folder)
+    shapes = expected_state_shapes(config)
+    names = [n for n in shapes if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    validate_training_checkpoint(folder, config)
+    out = {n: torch.empty(shapes[n], dtype=stored[f"model.{n}"].properties.dtype) for n in names}
+    state = {f"model.{n}": Chunk(out[n], (0,) * len(shapes[n]), tuple(shapes[n])) for n in names}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    out = {name: state[f"model.{name}"] for name in names}
+        chunks.load(state, folder, collective=False)
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -36,8 +36,9 @@ DEFAULT_WARMUP_STEPS = 10
 class ModelSection:
     """Which network to train and where its first weights come from."""
 
-    name: str = field(default="tiny-deepseek-v2", metadata={"flag": "model"})
-    """A preset name (see `models.presets.PRESET_NAMES`) or a Hugging Face config.json path."""
+    name: str | None = field(default=None, metadata={"flag": "model"})
+    """A preset name (see `models.presets.PRESET_NAMES`) or a Hugging Face config.json path;
+    unset: the model of ``init_from`` (its config.json), else tiny-deepseek-v2."""
     init_from: str | None = None
     """Checkpoint to take the initial weights from (HF folder or twinpipe checkpoint); unset:
     random initialization from ``seed``."""
@@ -274,7 +275,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 
     name = cfg.model.name
     check(
-        name in PRESET_NAMES or Path(name).exists(),
+        name is None or name in PRESET_NAMES or Path(name).exists(),
         "model.name",
         f"must be a preset ({', '.join(PRESET_NAMES)}) or an existing config.json path",
     )

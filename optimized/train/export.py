@@ -1,8 +1,15 @@
-"""`twinpipe export`: a training checkpoint as a Hugging Face checkpoint transformers loads.
+"""`twinpipe export`: a training checkpoint as a Hugging Face checkpoint, streamed.
 
-The checkpoint is layout-free (whole-model tensors under whole-model names), so export
-runs in one process at any training layout: read the model tensors, build the whole
-`CausalLM`, and write it with `models.checkpoint.save_pretrained`.
+The checkpoint is layout-free (chunks of whole-model tensors, `optimized.train.checkpointing`),
+so export runs in one process whatever layout trained it, and never builds the model:
+tensor by tensor, in the order of the on-disk layout (`models.hf_layout`: DeepSeek-V2 and
+Qwen3-MoE experts one tensor per expert, GPT-OSS fused), each output tensor is read from
+the DCP chunks that hold it straight into the current shard's buffer, and each shard
+(``model-0000k-of-0000n.safetensors``, planned up front from the shapes, with
+``model.safetensors.index.json``) is written as soon as it is full. The peak is one
+shard's buffer plus the one stored chunk DCP reads at a time (at most the largest
+tensor), never the model. Weights are written in the trained dtype (or ``--dtype``);
+a GPT-OSS model imported from MXFP4 is exported unquantised, and the command says so.
 """
 
 from __future__ import annotations
@@ -11,12 +18,16 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from models.config import ModelConfig
 from models.distributed import DTYPES
 from models.inputs import respect_umask
+
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+"""Shard size of the export (transformers reads any; 2 GiB keeps each buffer modest)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,33 +40,118 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=tuple(DTYPES), default=None, help="cast (default: as trained)"
     )
     parser.add_argument(
-        "--max-shard-bytes", type=int, default=None, help="shard above this (default: one file)"
+        "--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
+        help=f"bytes per safetensors shard (default {DEFAULT_SHARD_BYTES})",
+    )  # fmt: skip
+
+
+def _pieces(name: str, shape: torch.Size, config: ModelConfig):
+    """The on-disk tensors of our tensor ``name``: (disk name, shape, offsets in ours)."""
+    from models.hf_layout import hf_tensors  # noqa: PLC0415
+
+    whole = torch.empty(shape, device="meta")
+    for disk_name, view in hf_tensors(name, whole, config).items():
+        if view.dim() == whole.dim():  # itself
+            yield disk_name, view.shape, (0,) * whole.dim()
+            continue
+        expert = int(disk_name.split(".mlp.experts.")[1].split(".")[0])
+        first_row = config.moe_intermediate_size if ".up_proj." in disk_name else 0
+        yield disk_name, view.shape, (expert, first_row, 0)
+
+
+class ExportReport(NamedTuple):
+    """What `export_checkpoint` wrote."""
+
+    folder: Path
+    """The training checkpoint exported."""
+    dtype: torch.dtype
+    """The dtype of every weight written."""
+    tensors: int
+    shards: int
+    total_bytes: int
+    peak_buffer_bytes: int
+    """The largest shard buffer held: with one stored chunk, the export's memory."""
+
+
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write the newest complete checkpoint under ``checkpoint`` to ``out``; return it."""
+    return export_checkpoint(checkpoint, out, dtype, max_shard_bytes).folder
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+    progress: bool | None = None,
+) -> ExportReport:
+    """Write the newest complete checkpoint under ``checkpoint`` to ``out``, one tensor at a
+    time (see the module docstring); ``progress`` (default: on a terminal) prints tensors
+    and GB written."""
+    from models.checkpoint_write import ShardWriter, plan_shards, write_config  # noqa: PLC0415
+    from models.hf_layout import expected_state_shapes, to_hf_state_dict  # noqa: PLC0415
+    from models.progress import ProgressLine  # noqa: PLC0415
+    from optimized.train import chunks  # noqa: PLC0415
+    from optimized.train.checkpointing import (  # noqa: PLC0415
+        newest_valid,
+        validate_training_checkpoint,
     )
-
-
-def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
-           max_shard_bytes: int | None = None) -> Path:  # fmt: skip
-    """Write the newest complete checkpoint under ``checkpoint`` to ``out``; return its folder."""
-    from models.checkpoint import save_pretrained  # noqa: PLC0415
-    from models.model import CausalLM  # noqa: PLC0415
-    from optimized.train.checkpointing import load_model_state, newest_valid  # noqa: PLC0415
 
     folder = newest_valid(checkpoint)
     if folder is None:
         raise ValueError(f"no complete checkpoint in {checkpoint}")
     config = ModelConfig.from_hf(str(folder / "config.json"))
-    state = load_model_state(folder, config)
-    stored = state["model.embed_tokens.weight"].dtype
-    with torch.device("meta"):
-        model = CausalLM(config, ops=object())
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.to(DTYPES[dtype] if dtype else stored)
-    save_pretrained(model, out, max_shard_bytes)
+    validate_training_checkpoint(folder, config)
+    reader = chunks.CachedReader(folder)
+    stored = chunks.tensor_metadata(reader.read_metadata())
+    trained = stored["model.model.embed_tokens.weight"].properties.dtype
+    target = DTYPES[dtype] if dtype else trained
+    plan = []  # (our name or None: zero-width, disk name, shape, offsets in ours)
+    shapes = expected_state_shapes(config)
+    for name, shape in shapes.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        plan += [(name, *piece) for piece in _pieces(name, shape, config)]
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    planned = {disk for _, disk, _, _ in plan}
+    for disk, tensor in to_hf_state_dict(meta, config).items():
+        if disk not in planned:  # DeepSeek-V2's zero-width shared experts, as transformers
+            plan.append((None, disk, tensor.shape, ()))
+    item = torch.empty((), dtype=target).element_size()
+    sizes = [(disk, shape.numel() * item) for _, disk, shape, _ in plan]
+    writer = ShardWriter(out, plan_shards(sizes, max_shard_bytes), single=False)
+    hf_config = config.to_hf()
+    hf_config["dtype"] = str(target).removeprefix("torch.")
+    write_config(str(out), hf_config)
+    line = ProgressLine(
+        f"exporting {folder}", len(plan), sum(n for _, n in sizes), enabled=progress
+    )
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        for name, disk, shape, offsets in plan:
+            tensor = torch.empty(shape, dtype=target)
+            if name is not None:
+                key = f"model.{name}"
+                region = tensor.view((1,) * (len(offsets) - tensor.dim()) + tuple(shape))
+                chunks.load(
+                    {key: chunks.Chunk(region, offsets, tuple(stored[key].size))},
+                    reader=reader, collective=False,
+                )  # fmt: skip
+            writer.write(disk, tensor)
+            line(disk, tensor.numel() * tensor.element_size())
+    writer.close()
+    line.close()
     # safetensors creates its files 0600; an export is meant to be shared like any file.
     respect_umask(p for p in Path(out).iterdir() if p.name.endswith((".safetensors", ".json")))
-    return folder
+    return ExportReport(
+        folder, target, len(plan), len(writer.shards), writer.total_bytes,
+        writer.peak_buffer_bytes,
+    )  # fmt: skip
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -101,6 +197,16 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"twinpipe export: error: {problem}", file=sys.stderr)
         return 2
-    folder = export(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
-    print(f"exported {folder} to {args.out}")
+    try:
+        report = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
+    except ValueError as error:  # a checkpoint that does not match its own config.json
+        print(f"twinpipe export: error: {error}", file=sys.stderr)
+        return 2
+    dtype = str(report.dtype).removeprefix("torch.")
+    print(
+        f"exported {report.folder} to {args.out}: {report.tensors} tensors in {report.shards} "
+        f"shard(s), {report.total_bytes / 1e9:.2f} GB, every weight in {dtype} (unquantised: "
+        f"GPT-OSS experts read from MXFP4 are written in {dtype}); largest shard buffer "
+        f"{report.peak_buffer_bytes / 1e9:.2f} GB"
+    )
     return 0

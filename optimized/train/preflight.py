@@ -99,11 +99,20 @@ def _objective(cfg: TrainConfig) -> None:
     objective_options(cfg, runner_class())
 
 
+DEFAULT_MODEL = "tiny-deepseek-v2"
+"""The model of a run that names none and starts from no checkpoint."""
+
+
 def _model(cfg: TrainConfig) -> ModelConfig:
+    """``model.name``; unset, the ``init_from`` checkpoint's own model, else `DEFAULT_MODEL`."""
+    name, key = cfg.model.name, "model.name"
+    if name is None and cfg.model.init_from is not None:
+        folder = checkpointing.newest_valid(cfg.model.init_from, warn=False)
+        name, key = str(folder or cfg.model.init_from), "model.init_from"
     try:
-        return resolve_model(cfg.model.name)
+        return resolve_model(name or DEFAULT_MODEL)
     except (ValueError, OSError) as error:
-        raise BadInput(f"model.name = {cfg.model.name!r}: {error}") from None
+        raise BadInput(f"{key} = {name!r}: {error}") from None
 
 
 def _layout(cfg: TrainConfig, model: ModelConfig) -> None:
@@ -151,6 +160,10 @@ def _check_training_checkpoint(folder: Path, model: ModelConfig, key: str) -> No
             f"{key}: checkpoint {folder} holds another model than {model.model_type} being "
             f"trained (differs in {', '.join(differ[:6]) or 'its config'})"
         )
+    try:  # its tensors, as DCP's metadata records them
+        checkpointing.validate_training_checkpoint(folder, model)
+    except ValueError as error:
+        raise BadInput(f"{key}: {error}") from None
 
 
 def _data(cfg: TrainConfig, model: ModelConfig) -> str:

@@ -33,7 +33,6 @@ import importlib
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -51,8 +50,9 @@ from models.communication import KINDS, CommunicationCounter, Counts, group_name
 from models.config import ModelConfig
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.inputs import rescue_folder
+from models.progress import ProgressLine
 from models.training import OptimizerConfig
-from models.weights import SeededWeights, WeightSource
+from models.weights import Reporting, SeededWeights, WeightSource
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
@@ -60,6 +60,7 @@ from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
+from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
 from optimized.train.preflight import RunPlan, claim, plan_run
 
 RUNNER = "optimized.pipeline:OptimizedPipeline"
@@ -122,14 +123,6 @@ def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return {kind: int(b) for kind, b in zip(KINDS, total.tolist()) if b}
-
-
-def peak_memory() -> tuple[int, str]:
-    """This process's peak memory in bytes and how it was measured."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated(), "cuda-max-memory-allocated"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib * 1024, "max-rss"
 
 
 class MetricsSink:
@@ -273,7 +266,8 @@ class _StopFlag:
 def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     """Train on this rank (process group already initialised); returns this rank's
     per-step losses (``None`` for skipped steps), where it stopped, the signal that
-    stopped it (0: none) and where the last checkpoint went if not to ``checkpoint.dir``.
+    stopped it (0: none), where the last checkpoint went if not to ``checkpoint.dir``, and
+    every rank's peak memory in each phase (load, train, save; `optimized.train.phases`).
 
     ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
     one, rank 0 makes it here."""
@@ -286,6 +280,8 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     run_id = _claimed(cfg, plan, layout)
     torch.manual_seed(cfg.seed)
     opt = cfg.optim
+    peaks = PhasePeaks(device)
+    peaks.begin()  # load: the part built from the checkpoint, the optimizer state read
     resume = plan.resume
     fsdp = cfg.parallel.use_fsdp and layout.dp > 1
     sharded: set[str] = set()
@@ -293,11 +289,15 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
         sharded.update(sharding.apply_fsdp(part, layout, device, parallel.reshard_after_forward))
 
+    source = weight_source(cfg, model_config, resume)
+    line = ProgressLine(f"loading {source!r} (rank 0's part)",
+                        enabled=None if layout.rank == 0 else False)  # fmt: skip
     runner = runner_class()(
-        model_config, parallel, layout, weight_source(cfg, model_config, resume),
+        model_config, parallel, layout, Reporting(source, line),
         OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
         device=device, shard=shard if fsdp else None, **objective_options(cfg, runner_class()),
     )  # fmt: skip
+    line.close()
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
@@ -310,16 +310,18 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     )  # fmt: skip
 
     start = _resume(resume, optimizer, loader, layout)
+    peaks.end("load")
     sink = MetricsSink(cfg, enabled=layout.rank == 0, start=start)
     saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
-    step = start
+    result = {"start": start, "stopped_at": cfg.steps, "signal": 0}
     counter = CommunicationCounter(group_names(layout)).install()
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
+            peaks.begin()
             counter.start()
             batch = next(loader)
             ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
@@ -342,8 +344,9 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                 optimizer.clip(norm, opt.grad_clip)
                 optimizer.step(lr)
             traffic = step_traffic(counter.stop(), device)
+            peaks.end("train")
             elapsed = time.perf_counter() - began
-            memory, source = peak_memory()
+            memory, source = peak_memory(peaks)
             shared = torch.tensor(
                 [elapsed, float(memory), float(stop.requested)], dtype=torch.float64,
                 device=device,
@@ -373,19 +376,23 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
             if cfg.checkpoint.dir and (
                 done == cfg.steps or stopping or (every and done % every == 0)
             ):
-                saved.save(done)
+                with peaks.phase("save"):
+                    saved.save(done)
             if stopping:
                 if layout.rank == 0:
                     name = signal.Signals(stopping).name
                     what = "checkpoint saved" if cfg.checkpoint.dir else "no checkpoint dir"
                     print(f"{name}: stopped after step {done} of {cfg.steps}, {what}", flush=True)
-                return {"losses": losses, "start": start, "stopped_at": done, "signal": stopping,
-                        "rescued": saved.rescued}  # fmt: skip
+                result.update(stopped_at=done, signal=stopping)
+                break
     finally:
         counter.remove()
         sink.close()
-    return {"losses": losses, "start": start, "stopped_at": cfg.steps, "signal": 0,
-            "rescued": saved.rescued}  # fmt: skip
+    every_rank: list[dict[str, int]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(every_rank, peaks.peaks)
+    if layout.rank == 0 and cfg.checkpoint.dir:
+        print(format_peaks(every_rank, peaks.source), flush=True)
+    return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
 
 
 def _device(cfg: TrainConfig) -> torch.device:

@@ -1,0 +1,257 @@
+"""Real checkpoints at real widths: the measurements of issue 15, as commands.
+
+Not a pytest-benchmark suite (`twinpipe bench` collects only ``bench_*.py``): these write
+and read multi-GB checkpoints, so run them by hand, one at a time, under the shared lock
+on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``).
+
+- ``write``: a ``mid-*`` preset built by transformers at random weights in bf16 and saved
+  with transformers' ``save_pretrained``; ``--mxfp4`` then re-writes GPT-OSS's experts as
+  published (`models.checkpoint_write.write_mxfp4`).
+- ``load``: `models.from_pretrained` in a fresh process; its peak resident memory over the
+  process's own baseline, against the target 1.10 x the model's bytes + its largest tensor.
+- ``export-check``: `twinpipe export` of a training checkpoint in a fresh process (its
+  peak), then transformers loads the export and its logits are held against ours.
+- ``dry-run``: a published-size layout (default PP=4 DP=8 EP=8) built on the meta device:
+  every rank's tensors and bytes to read from the checkpoint (its stages, EP experts and
+  FSDP2 rows; `optimized.pipeline.sharding.held_rows`), and the totals against the
+  checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+_STATUS = re.compile(r"(VmRSS|VmHWM):\s+(\d+) kB")
+
+
+def _memory() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v) * 1024 for k, v in _STATUS.findall(f.read())}
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ---------------------------------------------------------------------- write
+def write(args: argparse.Namespace) -> None:
+    import transformers
+
+    from models import preset
+
+    config = preset(args.model)
+    torch.manual_seed(args.seed)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    hf_config.dtype = torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    out = Path(args.out)
+    bf16 = out / "bf16" if args.mxfp4 else out
+    model.save_pretrained(bf16, max_shard_size="1GB")
+    del model
+    if args.mxfp4:
+        from models.checkpoint_write import write_mxfp4
+
+        write_mxfp4(bf16, out / "mxfp4", max_shard_bytes=1 << 30)
+    print(json.dumps({"written": str(out), "mxfp4": args.mxfp4}))
+
+
+# ---------------------------------------------------------------------- load
+def _load_child(path: str, dtype: str) -> dict:
+    from models import from_pretrained
+
+    baseline = _memory()["VmRSS"]
+    _reset_peak()
+    model = from_pretrained(path, dtype=getattr(torch, dtype))
+    peak = _memory()["VmHWM"]
+    params = list(model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params)
+    target = 1.10 * model_bytes + largest
+    return {
+        "checkpoint": path, "dtype": dtype, "model_bytes": model_bytes,
+        "largest_tensor_bytes": largest, "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak, "peak_over_baseline_bytes": peak - baseline,
+        "target_bytes": int(target), "ratio_to_target": (peak - baseline) / target,
+        "peak_over_model": (peak - baseline) / model_bytes,
+    }  # fmt: skip
+
+
+def load(args: argparse.Namespace) -> None:
+    print(json.dumps(_in_child("_load_child", args.checkpoint, args.dtype), indent=1))
+
+
+def _in_child(function: str, *arguments: str) -> dict:
+    """``function(*arguments)`` of this module in a fresh interpreter (its own peak)."""
+    code = (
+        "import json, sys; from benchmarks import checkpoints; "
+        f"print('RESULT', json.dumps(checkpoints.{function}(*sys.argv[1:])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *arguments], capture_output=True, text=True, check=False
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{function} failed:\n{done.stdout}\n{done.stderr}")
+
+
+# --------------------------------------------------------------- export-check
+def _export_child(checkpoint: str, out: str) -> dict:
+    from optimized.train.export import export_checkpoint
+
+    baseline = _memory()["VmRSS"]
+    _reset_peak()
+    report = export_checkpoint(checkpoint, out)
+    peak = _memory()["VmHWM"]
+    return {
+        "export": out, "tensors": report.tensors, "shards": report.shards,
+        "total_bytes": report.total_bytes, "peak_buffer_bytes": report.peak_buffer_bytes,
+        "baseline_rss_bytes": baseline, "peak_over_baseline_bytes": peak - baseline,
+    }  # fmt: skip
+
+
+def export_check(args: argparse.Namespace) -> None:
+    import transformers
+
+    from models import from_pretrained
+    from models.config import ModelConfig
+    from models.hf_layout import expected_state_shapes
+    from reference.ops import ReferenceOps
+
+    result = _in_child("_export_child", args.checkpoint, args.out)
+    config = ModelConfig.from_hf(args.out)
+    largest = max(s.numel() for s in expected_state_shapes(config).values())
+    result["largest_tensor_bytes"] = largest * 2
+    ids = torch.randint(0, config.vocab_size, (1, args.seq_len),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with torch.no_grad():
+        ours = from_pretrained(args.out, dtype=torch.bfloat16, ops=ReferenceOps())
+        ours_logits = ours(ids).float()
+        del ours
+        hf = transformers.AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.bfloat16)
+        hf.set_attn_implementation("eager")
+        hf.set_experts_implementation("eager")
+        hf_logits = hf(input_ids=ids).logits.float()
+    difference = (ours_logits - hf_logits).norm() / hf_logits.norm()
+    result.update(
+        logits_relative_l2=float(difference),
+        logits_max_abs_difference=float((ours_logits - hf_logits).abs().max()),
+        bf16_bound=1e-2,
+        within_bound=bool(difference <= 1e-2),
+    )
+    print(json.dumps(result, indent=1))
+
+
+# -------------------------------------------------------------------- dry-run
+def _disk_bytes(name: str, count: int, shape: torch.Size, quantized: bool) -> int:
+    """Bytes of ``count`` rows of our tensor ``name`` (whole shape ``shape``) in the
+    published on-disk format: bf16, GPT-OSS experts as MXFP4 blocks and scales."""
+    from models.hf_layout import FUSED_EXPERTS, mxfp4_shapes
+
+    per_row = math.prod(shape[1:])
+    if quantized and FUSED_EXPERTS.match(name):
+        packed = mxfp4_shapes(name, shape).values()
+        return sum(count * math.prod(s[1:]) for s in packed)
+    return count * per_row * 2
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    from models import preset
+    from models.decoder import ExpertParallel
+    from models.distributed import ParallelConfig
+    from models.hf_layout import MXFP4, expected_hf_shapes, expected_state_shapes
+    from models.model import CausalLM
+    from models.training import even_partition, rank_chunks
+    from optimized.pipeline.runner import default_partition
+    from optimized.pipeline.sharding import held_rows
+
+    config = preset(args.model)
+    quantized = config.model_type == "gpt_oss" and not args.bf16
+    parallel = ParallelConfig(
+        pp=args.pp, dp=args.dp, ep=args.ep, micro_batches=2 * args.pp, seq_len=args.seq_len,
+        dtype="bfloat16",
+    )  # fmt: skip
+    if args.partition == "even":
+        stages = even_partition(config.num_hidden_layers, 2 * args.pp)
+    else:  # what twinpipe train uses: the memory estimator's choice
+        stages = default_partition(config, parallel)
+    shapes = expected_hf_shapes(config, MXFP4 if quantized else None)
+    whole = expected_state_shapes(config)
+    checkpoint = sum(
+        s.numel() * (1 if n.endswith(("_blocks", "_scales")) else 2) for n, s in shapes.items()
+    )
+    ranks, total, tensors = [], 0, 0
+    for pp_rank in range(args.pp):
+        chunks = rank_chunks(stages, pp_rank)
+        for dp_rank in range(args.dp):
+            ep = ExpertParallel(None, dp_rank % args.ep, args.ep)
+            with torch.device("meta"):
+                part = CausalLM(config, None, ep, chunks[0] + chunks[1], pp_rank == 0,
+                                pp_rank == 0)  # fmt: skip
+            rows = held_rows(part, args.dp, args.ep, dp_rank)
+            held = {n: r for n, r in rows.items() if r[1]}
+            nbytes = sum(_disk_bytes(n, r[1], whole[n], quantized) for n, r in held.items())
+            ranks.append({"pp_rank": pp_rank, "dp_rank": dp_rank, "ep_rank": ep.rank,
+                          "layers": len(chunks[0] + chunks[1]), "tensors": len(held),
+                          "bytes": nbytes})  # fmt: skip
+            total += nbytes
+            tensors += len(held)
+    report = {
+        "model": args.model, "pp": args.pp, "dp": args.dp, "ep": args.ep,
+        "format": "bf16 + MXFP4 experts" if quantized else "bf16",
+        "stages": " ".join(f"{s[0]}-{s[-1]}" if s else "-" for s in stages),
+        "checkpoint_bytes": checkpoint, "bytes_read_by_all_ranks": total,
+        "equal": total == checkpoint, "tensor_slices": tensors,
+        "largest_rank_bytes": max(r["bytes"] for r in ranks),
+        "smallest_rank_bytes": min(r["bytes"] for r in ranks),
+    }  # fmt: skip
+    if args.per_rank:
+        report["ranks"] = ranks
+    print(json.dumps(report, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoints")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("write", help="a mid-* preset saved by transformers (bf16)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--mxfp4", action="store_true", help="also write GPT-OSS experts as MXFP4")
+    p.add_argument("--seed", type=int, default=0)
+    p = commands.add_parser("load", help="from_pretrained's peak memory, in a fresh process")
+    p.add_argument("checkpoint")
+    p.add_argument("--dtype", default="bfloat16")
+    p = commands.add_parser("export-check", help="export, then logits against transformers")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, default=128)
+    p = commands.add_parser("dry-run", help="every rank's reads at a published-size layout")
+    p.add_argument("--model", required=True)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--ep", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--bf16", action="store_true", help="GPT-OSS as a bf16 checkpoint")
+    p.add_argument(
+        "--partition", choices=("estimated", "even"), default="estimated",
+        help="stage layers: the estimator's choice (as twinpipe train) or even",
+    )  # fmt: skip
+    p.add_argument("--per-rank", action="store_true", help="list every rank")
+    args = parser.parse_args(argv)
+    {"write": write, "load": load, "export-check": export_check, "dry-run": dry_run}[args.command](
+        args
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
