@@ -114,7 +114,8 @@ def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
     code = main(
         [
             "compare", *small, "--baseline", "optimized", "--candidate", "optimized-fsdp",
-            "--json", str(tmp_path / "out.json"),
+            # shards only between uses (the default holds gathered parameters for the step)
+            "--reshard-after-forward", "on", "--json", str(tmp_path / "out.json"),
         ]
     )  # fmt: skip
     report = json.loads((tmp_path / "out.json").read_text())
