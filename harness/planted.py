@@ -82,7 +82,10 @@ def _cross_entropy_grad(scale: float) -> Iterator[tuple[Any, str, Any]]:
     original = dualpipev.linear_cross_entropy
 
     def planted(hidden, weight, labels, **kwargs):
-        return _ScaleGradient.apply(original(hidden, weight, labels, **kwargs), scale)
+        out = original(hidden, weight, labels, **kwargs)
+        if isinstance(out, tuple):  # (loss, z_loss) with return_z_loss=True
+            return (_ScaleGradient.apply(out[0], scale), *out[1:])
+        return _ScaleGradient.apply(out, scale)
 
     yield dualpipev, "linear_cross_entropy", planted
 

@@ -121,6 +121,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     judged = list(range(plan.steps)) if lockstep or oracle else [0]
     tol = tolerance(plan.baseline, plan.candidate, parallel.dtype)
     floor = lockstep and any("grads_truth" in r for r in records)
+    tokens = parallel.micro_batches * parallel.micro_batch_size * parallel.seq_len * parallel.dp
 
     loss_b = [r["loss"]["baseline"] for r in records]
     loss_c = [r["loss"]["candidate"] for r in records]
@@ -135,7 +136,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     for step in range(plan.steps):
         limits = None
         if floor:
-            verdict = noise_floor.judge_step(records[step], _drifts(per_rank, step))
+            verdict = noise_floor.judge_step(records[step], _drifts(per_rank, step), tokens)
             floor_steps.append(verdict)
             limits = noise_floor.router_limits(_drifts(per_rank, step))
         routing_steps.append(_routing(per_rank, step, limits))

@@ -47,12 +47,14 @@ def _overhead_worker(model, parallel, state, noise_floor):
         noise_floor=noise_floor, track_memory=False, progress=False,
     )  # fmt: skip
     rank = _Rank(plan)
+    rank.start_step()
     _lockstep_shared(rank, _batches(plan, 0), {"loss": {}, "time": {}})
     tracker = MemoryTracker("cpu")
     tracker.register(parameters=rank.baseline.part, optimizer_state=rank.baseline.optimizer)
     for key in ("baseline", "candidate"):  # each stack's schedule marks its actions
         getattr(rank, key).observer = lambda phase, mb, key=key: tracker.mark(f"{key} {phase}", mb)
     batches = _batches(plan, 1)
+    rank.start_step()
     with tracker.step():
         _lockstep_shared(rank, batches, {"loss": {}, "time": {}})
     during = [e["peak_bytes"] for e in tracker.timeline if e["phase"].startswith("candidate")]

@@ -152,7 +152,7 @@ def test_top_layouts_run_and_fit():
     (the optimized stack as `twinpipe compare` runs it: torch's AdamW), and their measured
     peaks are below the budget and within the estimator's accuracy: 1% from the routing
     the run saw, and the balanced figure the plan used within what skewed routing moves."""
-    from harness.compare import _rank_main
+    from harness.lockstep import RankPlan, run_rank
     from models import build_model
     from models.distributed import ParallelConfig, launch
     from models.training import OptimizerConfig
@@ -170,9 +170,13 @@ def test_top_layouts_run_and_fit():
             pp=c.pp, dp=c.dp, ep=c.ep, micro_batches=c.num_microbatches,
             micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, dtype=c.dtype,
         )  # fmt: skip
-        args = (model, parallel, state, ["optimized"], 2, OptimizerConfig(), True, False, False,
-                True)  # fmt: skip
-        per_rank = launch(_rank_main, parallel.world_size, args)
+        # Free-running, each stack routing on its own: the optimized stack's step as
+        # `twinpipe compare` measures it, with its own expert choices counted.
+        run = RankPlan(
+            model, parallel, state, "reference", "optimized", 2, OptimizerConfig(),
+            trajectory="free", routing="free", progress=False, count_routing=True,
+        )  # fmt: skip
+        per_rank = launch(run_rank, parallel.world_size, (run,))
         step = 1  # AdamW's state exists in the second step, as the plan assumes
         counts = {r: res["optimized"]["routing_counts"][step] for r, res in enumerate(per_rank)}
         loads = received_loads(counts, c.dp, c.ep, model.num_experts)

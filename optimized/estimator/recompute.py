@@ -22,15 +22,16 @@ against a storage tracker on real layers), relative to the level when the step s
   ``[T, heads, head_dim]`` temporaries of the RMSNorm's backward (the gradient through
   the normalised value, through the rsqrt, the mean's expand and pow's two factors)
   beside its float input;
-- GPT-OSS (attention sinks, no fused kernel): the eager softmax over ``S + 1`` columns,
-  its recomputed scores and probabilities and their gradients, or the recompute's own
-  forward high point (`eager_backward`, `eager_forward`).
+- GPT-OSS (sinks as a virtual key of the fused kernel, sliding layers banded): the
+  kernels' saved tensors and gradients, or the recompute's own forward high point
+  (`sink_backward`, `optimized.estimator.sink_attention`).
 """
 
 from __future__ import annotations
 
 from optimized.estimator.activations import F32, Saved, attention_saved, layer_saved
 from optimized.estimator.config import EstimateConfig
+from optimized.estimator.sink_attention import backward_grads, forward_peak, sink_tensors
 
 
 def _sum(items: list[Saved], *prefixes: str) -> int:
@@ -88,7 +89,7 @@ def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) ->
     """The ``attention_backward`` step's high point above its start (flash path)."""
     m, b = config.model, config.param_bytes
     if m.model_type == "gpt_oss":
-        return eager_backward(config, layer, is_moe)
+        return sink_backward(config, layer, is_moe)
     rows = config.tokens
     th = rows * m.hidden_size * b
     heads, kv_heads, width, padded = _shapes(config)
@@ -107,59 +108,39 @@ def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) ->
     return max(moments)
 
 
-def eager_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
-    """GPT-OSS's recomputed eager attention with sinks (`models.layers.eager_attention`): the
-    high point of its backward, at the gradient of the sliced-off sink column. Alive: the
-    recomputed input norm, rotary tables and ``q``, one of ``k`` / ``v`` repeated to every
-    query head, the values' gradient (``[B, h, S, D]`` each), the max's indices and the
-    softmax's row sums, and three ``[B, h, S, S + 1]`` score-sized tensors in the run dtype
-    (the zero-filled gradient of the sliced probabilities, its scattered copy and the
-    softmax's input gradient), beside the block output's gradient."""
+def sink_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
+    """GPT-OSS's recomputed attention (`optimized.estimator.sink_attention`): the higher of
+    the recompute's forward high point and the fused backward, beside the recomputed input
+    norm, rotary tables and the rotated ``q``, ``k`` and the values' projection, and the
+    block output's gradient."""
     m, b = config.model, config.param_bytes
     rows = config.tokens
     th = rows * m.hidden_size * b
-    heads = m.num_attention_heads // config.tp
+    heads, kv_heads = m.num_attention_heads // config.tp, m.num_key_value_heads // config.tp
     items = attention_saved(config.replace(stack="reference"), layer)
-    norm = _sum(items, "input_layernorm.", "rotary.")
+    norm = _sum(items, "input_layernorm.")
     if b == F32:  # the block's input itself
         norm -= _sum(items, "input_layernorm.float_input")
-    head_rows = config.micro_batch_size * heads * config.seq_len
-    scores = head_rows * (config.seq_len + 1)
-    tensors = 3 * rows * heads * m.head_dim * b + head_rows * (8 + b) + 3 * scores * b
-    freed = freed_before(config, layer, is_moe)
-    backward = norm + tensors + th - freed
-    # The recompute's own forward can be higher (short sequences): `eager_forward` beside the
-    # block output's gradient, the input norm's other saved tensors and the max's indices.
-    norm_rest = norm - _sum(items, "rotary.", "input_layernorm.output")
-    recompute = eager_forward(config) + th + norm_rest + head_rows * 8 - freed
-    return max(backward, recompute)
+    rotary = 3 * config.seq_len * (m.head_dim // 2) * F32  # cos, sin, their scaled product
+    projections = rows * (heads + 2 * kv_heads) * m.head_dim * b
+    around = norm + rotary + projections + th - freed_before(config, layer, is_moe)
+    saved = _sum(sink_tensors(config, layer)["saved"])
+    return around + max(forward_peak(config, layer), saved + backward_grads(config, layer))
 
 
-def eager_forward(config: EstimateConfig) -> int:
-    """GPT-OSS's eager attention with sinks in the forward (nothing saved: the block runs
-    under checkpoint): its high point, at the copy of the output into the output
-    projection's layout. Alive: the input norm's output, ``q``, ``k``, the values'
-    projection, ``k`` and ``v`` repeated to every query head, the probabilities times
-    ``v`` and its copy (``[T, h * D]``), the max-subtracted scores and their softmax
-    (``[B, h, S, S + 1]``, run dtype), the float32 ``[S, S]`` causal mask and the cos and
-    sin tables with their product (float32 ``[S, D / 2]`` each)."""
+def sink_forward(config: EstimateConfig, layer: int) -> int:
+    """GPT-OSS's attention block in the forward (nothing saved: it runs under checkpoint):
+    its high point, the input norm's output, the rotary tables, the rotated ``q``, ``k``
+    and the values' projection beside the attention function's own peak."""
     m, b = config.model, config.param_bytes
-    rows, seq = config.tokens, config.seq_len
+    rows = config.tokens
     heads, kv_heads = m.num_attention_heads // config.tp, m.num_key_value_heads // config.tp
-    width = m.head_dim
-    scores = config.micro_batch_size * heads * seq * (seq + 1)
-    per_head = rows * width * b
-    tensors = per_head * (heads + kv_heads + kv_heads + 2 * heads + heads + heads)
-    return (
-        rows * m.hidden_size * b
-        + tensors
-        + 2 * scores * b
-        + seq * seq * F32
-        + (3 * seq * (width // 2) * F32)
-    )
+    rotary = 3 * config.seq_len * (m.head_dim // 2) * F32
+    projections = rows * (heads + 2 * kv_heads) * m.head_dim * b
+    return rows * m.hidden_size * b + rotary + projections + forward_peak(config, layer)
 
 
 __all__ = [
-    "attention_backward_rise", "eager_backward", "eager_forward", "freed_before",
-    "recomputed_block",
+    "attention_backward_rise", "freed_before", "recomputed_block", "sink_backward",
+    "sink_forward",
 ]  # fmt: skip

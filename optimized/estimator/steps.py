@@ -44,7 +44,8 @@ from optimized.estimator.activations import (
     routed,
 )
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.recompute import attention_backward_rise, eager_forward
+from optimized.estimator.recompute import attention_backward_rise, sink_forward
+from optimized.estimator.sink_attention import sliding
 
 
 @dataclass(slots=True)
@@ -170,8 +171,9 @@ def dense_grads_before_attention(config: EstimateConfig, layer: int) -> int:
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
-    """One layer's fourteen steps (computed once per layer kind, dense or MoE, per config)."""
-    key = ("step_profile", config.moe_layers()[layer])
+    """One layer's fourteen steps (computed once per layer kind per config: dense or MoE,
+    and for GPT-OSS banded sliding or full attention)."""
+    key = ("step_profile", config.moe_layers()[layer], sliding(config, layer))
     if key not in config.cache:
         config.cache[key] = _step_profile(config, layer)
     return config.cache[key]
@@ -210,8 +212,8 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     for name in bnames:
         bwd[name] = Step(name)
     kept = _names(items, ("post_attention_layernorm.",))
-    # GPT-OSS's sinks take the eager attention (no fused kernel): its S x (S + 1) forward.
-    eager = eager_forward(config) if m.model_type == "gpt_oss" else 0
+    # GPT-OSS's sinks ride the fused kernel as a virtual key: its forward high point.
+    eager = sink_forward(config, layer) if m.model_type == "gpt_oss" else 0
     if not is_moe:
         kept += _names(items, ("mlp.",))
         fwd["attention_forward"] = Step(
