@@ -24,7 +24,8 @@ from optimized.train.loader import TokenDataset, TokenLoader
 from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run
 from optimized.train.preparation import default_dataset
-from optimized.train.trainer import StepMetrics, runner_class
+from optimized.train.metrics import StepMetrics
+from optimized.train.trainer import runner_class
 from reference.ops import ReferenceOps
 
 Z_LOSS, LABEL_SMOOTHING = 1e-2, 0.1

@@ -1,0 +1,139 @@
+"""The metrics of `twinpipe train`: one `StepMetrics` per step, its log line, and the
+`MetricsSink` that writes each step once to the JSON-lines file and TensorBoard (on resume,
+records past the resumed step are dropped from the file before the steps run again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.communication import KINDS, Counts
+from optimized.train.config import TrainConfig
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    step: int
+    """1-based step number."""
+    steps: int
+    step_time_s: float
+    """Slowest rank's wall time for the step."""
+    loss: float
+    learning_rate: float
+    gradient_norm: float
+    tokens_per_second: float
+    peak_memory_bytes: int
+    """Max over ranks: CUDA max_memory_allocated on GPU, the process's max RSS on CPU."""
+    peak_memory_source: str
+    skipped: bool = False
+    communication_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes the step's collective and point-to-point calls moved, by kind, summed over all
+    ranks (sent plus received, `models.communication`); the per-step metrics reduction is
+    not counted."""
+    z_loss: float | None = None
+    """The step's mean z-loss when ``loss.z_loss`` is on (else None). ``loss`` is the
+    objective minimised, z-loss included; the log line shows the two parts."""
+
+    def line(self) -> str:
+        cross_entropy, z_loss = self.loss, ""
+        if self.z_loss is not None:
+            cross_entropy, z_loss = self.loss - self.z_loss, f"z-loss {self.z_loss:.4e} | "
+        text = (
+            f"step {self.step:08d}/{self.steps:08d} | step-time {self.step_time_s:.3f} sec | "
+            f"cross-entropy-loss {cross_entropy:.4f} | {z_loss}"
+            f"learning-rate {self.learning_rate:.6e} | "
+            f"gradient-norm {self.gradient_norm:.4f} | "
+            f"tokens-per-second {self.tokens_per_second:,.0f} | "
+            f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
+        )
+        return text + (" | skipped (non-finite)" if self.skipped else "")
+
+
+def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
+    """Bytes moved this step by kind, summed over all ranks (one all-reduce, not counted)."""
+    mine = [sum(t.bytes for (k, _), t in counts.items() if k == kind) for kind in KINDS]
+    total = torch.tensor(mine, dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return {kind: int(b) for kind, b in zip(KINDS, total.tolist()) if b}
+
+
+class MetricsSink:
+    """Rank 0's outputs: stdout lines, JSON lines, TensorBoard, a terminal progress bar."""
+
+    def __init__(self, cfg: TrainConfig, enabled: bool, start: int = 0) -> None:
+        self.enabled = enabled
+        self.every = cfg.logging.log_every
+        self.file = None
+        self.writer = None
+        self.bar = enabled and sys.stderr.isatty()
+        if not enabled:
+            return
+        if cfg.logging.metrics_file:
+            Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            _drop_records_after(Path(cfg.logging.metrics_file), start)
+            self.file = open(cfg.logging.metrics_file, "a")  # noqa: SIM115 - closed in close()
+        if cfg.logging.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError as error:
+                warnings.warn(f"TensorBoard is off: {error}", stacklevel=2)
+            else:
+                self.writer = SummaryWriter(cfg.logging.tensorboard_dir)
+
+    def record(self, m: StepMetrics) -> None:
+        if not self.enabled or (m.step % self.every and m.step != m.steps):
+            return
+        if self.bar:
+            sys.stderr.write("\r\033[K")
+        print(m.line(), flush=True)
+        if self.file:
+            self.file.write(json.dumps(asdict(m)) + "\n")
+            self.file.flush()
+        if self.writer:
+            for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second"):
+                if getattr(m, key) is not None:
+                    self.writer.add_scalar(key, getattr(m, key), m.step)
+        if self.bar:
+            done = int(30 * m.step / m.steps)
+            sys.stderr.write(f"[{'#' * done}{'.' * (30 - done)}] {m.step}/{m.steps}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.bar:
+            sys.stderr.write("\n")
+        if self.file:
+            self.file.close()
+        if self.writer:
+            self.writer.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the metrics records of steps ``<= step`` (the steps this run does not redo), so
+    no step is recorded twice; rewritten atomically, and only when something is dropped."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            record_step = None
+        if isinstance(record_step, int) and record_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        print(f"{path}: dropped {dropped} records after step {step}, which this run redoes",
+              file=sys.stderr, flush=True)  # fmt: skip
