@@ -21,10 +21,10 @@ from models.presets import resolve_model
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.train.metrics import StepMetrics
 from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run
 from optimized.train.preparation import default_dataset
-from optimized.train.metrics import StepMetrics
 from optimized.train.trainer import runner_class
 from reference.ops import ReferenceOps
 
