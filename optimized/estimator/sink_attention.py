@@ -62,8 +62,10 @@ def sink_tensors(config: EstimateConfig, layer: int) -> dict[str, list[Saved]]:
     rest = blocks - 1
     padded = blocks * window
     saved = [
-        t("first.q", window + 1, heads), t("first.k", window + 1, kv_heads),
-        t("first.v", window + 1, kv_heads), t("first.out", window + 1, heads),
+        t("first.q", window + 1, heads),
+        t("first.k", window + 1, kv_heads),
+        t("first.v", window + 1, kv_heads),
+        t("first.out", window + 1, heads),
         Saved("first.logsumexp", batch * heads * (window + 1) * F32),
         t("rest.k", 2 * window + 1, kv_heads, batch * rest),
         t("rest.v", 2 * window + 1, kv_heads, batch * rest),
