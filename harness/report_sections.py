@@ -38,10 +38,16 @@ def _ratio(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _bounds(group: dict[str, Any]) -> str:
+    if "radial_low" not in group:  # a report written before the signed bounds
+        return format_number(group["radial_limit"])
+    return f"{format_number(group['radial_low'])}..{format_number(group['radial_high'])}"
+
+
 def noise_floor_rows(step: dict[str, Any], limit: int | None) -> tuple[list[str], list[list[str]]]:
     """One step's noise-floor verdict: the loss, each gradient group, each router."""
     header = ["quantity", "reference err", "candidate err", "ratio", "limit", "radial ref",
-              "radial cand", "radial limit", "ok"]  # fmt: skip
+              "radial cand", "radial bounds", "ok"]  # fmt: skip
     rows = []
     loss = step["loss"]
     rows.append(["loss", format_number(loss["baseline"]), format_number(loss["candidate"]),
@@ -52,7 +58,7 @@ def noise_floor_rows(step: dict[str, Any], limit: int | None) -> tuple[list[str]
         rows.append(
             [g["group"], format_number(g["baseline"]), format_number(g["candidate"]),
              _ratio(g["ratio"]), format_number(g["limit"]), format_number(g["radial_baseline"]),
-             format_number(g["radial_candidate"]), format_number(g["radial_limit"]),
+             format_number(g["radial_candidate"]), _bounds(g),
              "yes" if g["passed"] else "NO"]
         )  # fmt: skip
     routers = step["routers"] if limit is None else step["routers"][:2]
@@ -72,8 +78,9 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
         "noise floor: each bfloat16 stack's error against a float32 run of the same step; the "
         f"candidate may be k={settings.get('k')} times the reference's (+ slack "
         f"{settings.get('slack_rel')} on gradients, {settings.get('slack_loss')} on the loss, "
-        f"{settings.get('slack_router')} on router scores; radial part: k times the "
-        f"reference's + {settings.get('z')} standard deviations of rounding noise + "
+        f"{settings.get('slack_router')} on router scores; radial part: between zero and k "
+        f"times the reference's, widened by {settings.get('z')} standard deviations of "
+        "rounding noise + "
         f"{settings.get('radial_share', 0):.3g} of the reference's error)"
     ]
     steps = floor.get("steps") or []

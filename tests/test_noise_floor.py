@@ -1,0 +1,55 @@
+"""The bfloat16 verdict's arithmetic (`harness.noise_floor`), on made-up errors: the L2
+bound, the signed radial bounds and the number of independent error sources."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.inplace import pair_sums
+from harness.noise_floor import RADIAL_SHARE, K, Z, judge_group
+
+N = 4096
+
+
+TRUTH = torch.randn(N, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def _stack(scale: float, seed: int, rel: float = 1e-2) -> torch.Tensor:
+    """The truth times ``scale``, plus random noise of relative size ``rel``."""
+    noise = torch.randn(N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    noise -= noise.dot(TRUTH) / TRUTH.dot(TRUTH) * TRUTH  # no radial part of its own
+    return TRUTH * scale + noise * (rel * TRUTH.norm() / noise.norm())
+
+
+def _judge(base_scale: float, cand_scale: float, tokens: int | None = None) -> dict:
+    base, cand = _stack(base_scale, 1), _stack(cand_scale, 2)
+    return judge_group("g", pair_sums(base, TRUTH), pair_sums(cand, TRUTH), tokens)
+
+
+def test_a_scale_error_in_the_reference_s_direction_passes_up_to_k_times():
+    entry = _judge(1 + 2e-3, 1 + 2 * 2e-3)
+    assert entry["passed"], entry
+    assert entry["radial_low"] < 0 < entry["radial_high"]
+    assert entry["radial_high"] > K * 2e-3
+
+
+def test_a_scale_error_against_the_reference_s_direction_fails():
+    """The same size as the reference's own, the other way: the symmetric rule
+    ``|radial| <= K |reference's|`` passed it."""
+    entry = _judge(1 + 2e-3, 1 - 2e-3)
+    assert abs(entry["radial_candidate"]) < K * abs(entry["radial_baseline"])
+    assert not entry["passed"]
+    assert entry["radial_candidate"] < entry["radial_low"]
+    assert entry["radial_limit"] == -entry["radial_low"]
+
+
+def test_the_step_s_tokens_bound_the_independent_error_sources():
+    """Errors correlated token by token: the allowance is ``Z rel / sqrt(min(n, tokens))``."""
+    free = _judge(1.0, 1 - 2e-3)
+    capped = _judge(1.0, 1 - 2e-3, tokens=16)
+    assert not free["passed"] and capped["passed"]
+    rel = capped["baseline"]
+    allowance = Z * rel / math.sqrt(16) + RADIAL_SHARE * rel
+    assert math.isclose(capped["radial_high"], max(0.0, K * capped["radial_baseline"]) + allowance)
