@@ -286,13 +286,20 @@ def _compare_truth(rank: _Rank, record: dict, held32: dict, grads: dict) -> None
     }
 
 
-def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
-    base, cand = rank.baseline, rank.candidate
+def _baseline_step(rank: _Rank, batches: dict, record: dict) -> dict:
+    """The float32 truth's step (bfloat16 with the noise floor), then the baseline's forward
+    and backward; the truth's gradients, held until both sides are compared with them."""
     held32 = _truth_step(rank, batches, record)
     start = time.perf_counter()
     with rank.region("baseline", "forward-backward", storage_bytes(held32)):
-        record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
+        record["loss"]["baseline"] = rank.baseline.forward_backward(*batches.pop("baseline"))
     record["time"]["baseline"] = time.perf_counter() - start
+    return held32
+
+
+def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
+    base, cand = rank.baseline, rank.candidate
+    held32 = _baseline_step(rank, batches, record)
     grads_base = take_gradients(base.part)
     held = storage_bytes(grads_base) + storage_bytes(held32) + rank.truth_held()
     start = time.perf_counter()
@@ -325,11 +332,7 @@ def _lockstep_copied(rank: _Rank, batches: dict, record: dict) -> None:
     """One side is FSDP2-sharded: the candidate copies the baseline's state, then both
     run their own update."""
     base, cand = rank.baseline, rank.candidate
-    held32 = _truth_step(rank, batches, record)
-    start = time.perf_counter()
-    with rank.region("baseline", "forward-backward", storage_bytes(held32)):
-        record["loss"]["baseline"] = base.forward_backward(*batches.pop("baseline"))
-    record["time"]["baseline"] = time.perf_counter() - start
+    held32 = _baseline_step(rank, batches, record)
     copy_state(base, cand)
     held = rank.footprint(base) + storage_bytes(held32) + rank.truth_held()
     start = time.perf_counter()

@@ -11,6 +11,23 @@ from optimized.estimator import EstimateConfig, estimate
 GIB = 1024**3
 
 
+def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--stack``, as `twinpipe estimate` and `twinpipe plan` take them."""
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="parameter and activation dtype",
+    )
+    parser.add_argument(
+        "--stack",
+        choices=("reference", "optimized"),
+        default="optimized",
+        help="whose activations to count: the plain reference stack or the optimized one "
+        "(early frees, fused cross-entropy)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name or a HF config.json / folder")
     parser.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 * pp stages)")
@@ -29,19 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--micro-batches", type=int, default=None, help="micro-batches per step (default: 2 * pp)"
     )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="bfloat16",
-        help="parameter and activation dtype",
-    )
-    parser.add_argument(
-        "--stack",
-        choices=("reference", "optimized"),
-        default="optimized",
-        help="whose activations to count: the plain reference stack or the optimized one "
-        "(early frees, fused cross-entropy)",
-    )
+    add_dtype_and_stack(parser)
     parser.add_argument(
         "--shard-optimizer",
         action=argparse.BooleanOptionalAction,

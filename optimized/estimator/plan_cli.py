@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from optimized.estimator.cli import add_dtype_and_stack
 from optimized.estimator.plan import (
     FSDP_CHOICES,
     OPTIMIZERS,
@@ -29,20 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--global-batch", type=int, required=True, help="sequences per step over all DP ranks"
     )
-    parser.add_argument(
-        "--stack",
-        choices=("reference", "optimized"),
-        default="optimized",
-        help="whose activations to count: the plain reference stack or the optimized one",
-    )
+    add_dtype_and_stack(parser)
     parser.add_argument(
         "--margin", type=float, default=0.1, help="share of GPU memory kept free (default 0.1)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="bfloat16",
-        help="parameter and activation dtype",
     )
     parser.add_argument(
         "--optimizer",
