@@ -53,3 +53,13 @@ def test_the_step_s_tokens_bound_the_independent_error_sources():
     rel = capped["baseline"]
     allowance = Z * rel / math.sqrt(16) + RADIAL_SHARE * rel
     assert math.isclose(capped["radial_high"], max(0.0, K * capped["radial_baseline"]) + allowance)
+
+
+def test_an_l2_error_beyond_twice_the_reference_s_fails():
+    """A kernel less precise than PyTorch fails: 2.5 times the reference's error, not 1.5."""
+    base = _stack(1.0, 1)
+    close, far = _stack(1.0, 2, rel=1.5e-2), _stack(1.0, 2, rel=2.5e-2)
+    truth = pair_sums(base, TRUTH)
+    assert judge_group("g", truth, pair_sums(close, TRUTH))["passed"]
+    entry = judge_group("g", truth, pair_sums(far, TRUTH))
+    assert not entry["passed"] and entry["ratio"] > 2.4
