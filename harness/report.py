@@ -38,7 +38,7 @@ timing) and every reader here copes with its absence.
       "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
       "communication": {...},               # per rank and kind: calls, bytes, predicted
                                             # (schema: harness.compare_communication)
-      "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, ...},
+      "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, "grad_rel": float | None},
       "git_commit": str,
       "machine": str
     }

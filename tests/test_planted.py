@@ -116,3 +116,32 @@ def test_an_activation_rounded_toward_zero_fails_on_its_radial_error():
     correct = reports[None]["noise_floor"]["steps"][0]
     right = next(g for g in correct["groups"] if g["group"] == DOWN)
     assert right["radial_low"] <= right["radial_candidate"] <= right["radial_high"]
+
+
+@pytest.mark.multiprocess
+def test_a_scaled_cross_entropy_gradient_fails_in_float32():
+    """float32 judges each gradient's relative L2 error as well as its direction: a
+    gradient scaled as a whole keeps 1 - cos at rounding level."""
+    model = preset("tiny-qwen3-moe")
+    parallel = dataclasses.replace(PARALLEL, dtype="float32")
+    plans = [
+        RankPlan(
+            model,
+            parallel,
+            SeededWeights(model),
+            "reference",
+            "optimized",
+            1,
+            OptimizerConfig(),
+            track_memory=False,
+            progress=False,
+            plant=plant,
+        )  # fmt: skip
+        for plant in (None, "cross-entropy-grad-1.01")
+    ]
+    per_rank = launch(_worker, parallel.world_size, (plans,))
+    right, planted = (build_report(p, [r[i] for r in per_rank]) for i, p in enumerate(plans))
+    assert right["passed"], right["problems"]
+    assert not planted["passed"]
+    assert max(planted["grads"]["max_one_minus_cos"]) <= planted["tolerance"]["grad_one_minus_cos"]
+    assert any("relative error" in problem for problem in planted["problems"])
