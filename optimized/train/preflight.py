@@ -127,7 +127,8 @@ def _layout(cfg: TrainConfig, model: ModelConfig) -> None:
         text = re.sub(
             r"ParallelConfig\.(\w+)=", lambda m: f"{_PARALLEL_KEYS.get(m[1], m[1])} = ", str(error)
         )
-        raise BadInput(f"{text} (model {cfg.model.name})") from None
+        named = cfg.model.name or cfg.model.init_from or DEFAULT_MODEL
+        raise BadInput(f"{text} (model {named})") from None
 
 
 def _same_model(found: ModelConfig, model: ModelConfig) -> bool:
