@@ -7,7 +7,8 @@ on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``)
 - ``write``: a ``mid-*`` preset built by transformers at random weights in bf16 and saved
   with transformers' ``save_pretrained``; ``--mxfp4`` then re-writes GPT-OSS's experts as
   published (`models.checkpoint_write.write_mxfp4`).
-- ``load``: `models.from_pretrained` in a fresh process; its peak resident memory over the
+- ``load``: `models.from_pretrained` in a fresh process; its peak resident memory (``VmHWM``,
+  which counts the checkpoint's mapped pages, and the anonymous memory it allocated) over the
   process's own baseline, against the target 1.10 x the model's bytes + its largest tensor.
 - ``export-check``: `twinpipe export` of a training checkpoint in a fresh process (its
   peak), then transformers loads the export and its logits are held against ours.
@@ -25,11 +26,12 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
-_STATUS = re.compile(r"(VmRSS|VmHWM):\s+(\d+) kB")
+_STATUS = re.compile(r"(VmRSS|VmHWM|RssAnon|RssFile):\s+(\d+) kB")
 
 
 def _memory() -> dict[str, int]:
@@ -40,6 +42,27 @@ def _memory() -> dict[str, int]:
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+class _AnonymousPeak:
+    """The highest anonymous resident memory (``RssAnon``) while the block runs, sampled
+    every 2 ms. ``VmHWM`` also counts the checkpoint's memory-mapped pages, which the
+    kernel may drop at any time; this is the memory the load allocated."""
+
+    def __enter__(self) -> _AnonymousPeak:
+        self.peak, self._stop = _memory()["RssAnon"], threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _memory()["RssAnon"])
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _memory()["RssAnon"])
 
 
 # ---------------------------------------------------------------------- write
@@ -68,9 +91,11 @@ def write(args: argparse.Namespace) -> None:
 def _load_child(path: str, dtype: str) -> dict:
     from models import from_pretrained
 
-    baseline = _memory()["VmRSS"]
+    before = _memory()
+    baseline = before["VmRSS"]
     _reset_peak()
-    model = from_pretrained(path, dtype=getattr(torch, dtype))
+    with _AnonymousPeak() as anonymous:
+        model = from_pretrained(path, dtype=getattr(torch, dtype))
     peak = _memory()["VmHWM"]
     params = list(model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -82,6 +107,8 @@ def _load_child(path: str, dtype: str) -> dict:
         "peak_rss_bytes": peak, "peak_over_baseline_bytes": peak - baseline,
         "target_bytes": int(target), "ratio_to_target": (peak - baseline) / target,
         "peak_over_model": (peak - baseline) / model_bytes,
+        "anonymous_peak_over_baseline_bytes": anonymous.peak - before["RssAnon"],
+        "anonymous_ratio_to_target": (anonymous.peak - before["RssAnon"]) / target,
     }  # fmt: skip
 
 
