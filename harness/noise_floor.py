@@ -27,15 +27,14 @@ an allowance:
   one place and rounds in another) would fail by chance on small groups.
 - L2 allowance ``SLACK_REL = 1e-3``: a tenth of the typical bf16 gradient error, so a group
   whose reference error happens to be small is not failed on a few elements.
-- the radial part is signed: the candidate's may lie between zero and ``K`` times the
-  reference's (a scale error in the reference's direction, at most twice as large), widened
-  on both sides by an allowance. A coherent scale error against the reference's direction
-  is not what rounding the same arithmetic differently produces: values rounded toward
-  zero bias every down-projection gradient by about -2e-3 where the reference's bf16
-  cross-entropy biases it by +1.5e-3 (tiny presets, 1024 tokens), and the symmetric rule
-  ``|radial| <= K |reference's|`` let that through. Measured on tiny-gpt-oss and
-  tiny-qwen3-moe at 1024 tokens, seeds 0 to 3: the correct stack's worst group used at
-  most 0.77 of its signed bounds, the rounded-toward-zero activation at least 1.55.
+- the radial part is judged by its size, as the L2 error is: at most ``K`` times the
+  reference's, plus an allowance. A signed rule (between zero and ``K`` times the
+  reference's, so that a scale error against the reference's direction fails) was tried
+  and dropped: at mid-qwen3-moe width (PP2, 1024 tokens, two steps) the reference's
+  gradients are 0.1% small and the optimized stack's 0.15% large, coherently over every
+  group (its fused cross-entropy), so the signed rule failed the correct stack. The cost:
+  an activation rounded toward zero (radial -2e-3 to -3e-3 on the down projection) stays
+  within twice the reference's own scale error and is not failed (README, issue #22).
 - radial allowance: ``Z = 4`` standard deviations of the radial part of random noise,
   ``rel_reference / sqrt(n)`` (the reference's own radial error can be near zero by
   chance), where ``n`` is the number of independent error sources: the group's elements,
@@ -105,15 +104,14 @@ def judge_group(name: str, base: Sums, cand: Sums, tokens: int | None = None) ->
     entry = _entry(base.rel, cand.rel, K * base.rel + SLACK_REL, group=name)
     sources = base.count if tokens is None else min(base.count, tokens)
     noise = base.rel / math.sqrt(max(sources, 1))
-    allowance = Z * noise + RADIAL_SHARE * base.rel
-    low = min(0.0, K * base.radial) - allowance
-    high = max(0.0, K * base.radial) + allowance
+    high = K * abs(base.radial) + Z * noise + RADIAL_SHARE * base.rel
+    low = -high
     entry.update(
         radial_baseline=base.radial,
         radial_candidate=cand.radial,
         radial_low=low,
         radial_high=high,
-        radial_limit=high if cand.radial >= 0 else -low,  # the bound on the candidate's side
+        radial_limit=high,
         elements=base.count,
     )
     entry["passed"] = entry["passed"] and low <= cand.radial <= high
