@@ -4,11 +4,11 @@ The checkpoint is layout-free (chunks of whole-model tensors, `optimized.train.c
 so export runs in one process whatever layout trained it, and never builds the model:
 tensor by tensor, in the order of the on-disk layout (`models.hf_layout`: DeepSeek-V2 and
 Qwen3-MoE experts one tensor per expert, GPT-OSS fused), each output tensor is read from
-the DCP chunks that hold it straight into the current shard's buffer, and each shard
-(``model-0000k-of-0000n.safetensors``, planned up front from the shapes, with
-``model.safetensors.index.json``) is written as soon as it is full. The peak is one
-shard's buffer plus the one stored chunk DCP reads at a time (at most the largest
-tensor), never the model. Weights are written in the trained dtype (or ``--dtype``);
+the DCP chunks that hold it and written to its shard file at once (the shards,
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, are planned up
+front from the shapes, so each header is known before its tensors arrive). The peak is
+the one output tensor plus the stored chunk DCP reads it from, never a shard and never
+the model. Weights are written in the trained dtype (or ``--dtype``);
 a GPT-OSS model imported from MXFP4 is exported unquantised, and the command says so.
 """
 
@@ -27,7 +27,7 @@ from models.distributed import DTYPES
 from models.inputs import respect_umask
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-"""Shard size of the export (transformers reads any; 2 GiB keeps each buffer modest)."""
+"""Shard size of the export (transformers reads any; the export holds none in memory)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +69,8 @@ class ExportReport(NamedTuple):
     tensors: int
     shards: int
     total_bytes: int
-    peak_buffer_bytes: int
-    """The largest shard buffer held: with one stored chunk, the export's memory."""
+    largest_tensor_bytes: int
+    """The largest tensor written: with the stored chunk it came from, the export's memory."""
 
 
 def export(
@@ -93,7 +93,7 @@ def export_checkpoint(
     """Write the newest complete checkpoint under ``checkpoint`` to ``out``, one tensor at a
     time (see the module docstring); ``progress`` (default: on a terminal) prints tensors
     and GB written."""
-    from models.checkpoint_write import ShardWriter, plan_shards, write_config  # noqa: PLC0415
+    from models.checkpoint_write import Planned, ShardWriter, plan_shards, write_config  # noqa: PLC0415
     from models.hf_layout import expected_state_shapes, to_hf_state_dict  # noqa: PLC0415
     from models.progress import ProgressLine  # noqa: PLC0415
     from optimized.train import chunks  # noqa: PLC0415
@@ -118,18 +118,17 @@ def export_checkpoint(
             continue
         plan += [(name, *piece) for piece in _pieces(name, shape, config)]
     meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-    planned = {disk for _, disk, _, _ in plan}
+    on_disk = {disk for _, disk, _, _ in plan}
     for disk, tensor in to_hf_state_dict(meta, config).items():
-        if disk not in planned:  # DeepSeek-V2's zero-width shared experts, as transformers
+        if disk not in on_disk:  # DeepSeek-V2's zero-width shared experts, as transformers
             plan.append((None, disk, tensor.shape, ()))
-    item = torch.empty((), dtype=target).element_size()
-    sizes = [(disk, shape.numel() * item) for _, disk, shape, _ in plan]
-    writer = ShardWriter(out, plan_shards(sizes, max_shard_bytes), single=False)
+    planned = [Planned(disk, tuple(shape), target) for _, disk, shape, _ in plan]
+    writer = ShardWriter(out, plan_shards(planned, max_shard_bytes), single=False)
     hf_config = config.to_hf()
     hf_config["dtype"] = str(target).removeprefix("torch.")
     write_config(str(out), hf_config)
     line = ProgressLine(
-        f"exporting {folder}", len(plan), sum(n for _, n in sizes), enabled=progress
+        f"exporting {folder}", len(plan), sum(p.nbytes for p in planned), enabled=progress
     )
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
@@ -150,7 +149,7 @@ def export_checkpoint(
     respect_umask(p for p in Path(out).iterdir() if p.name.endswith((".safetensors", ".json")))
     return ExportReport(
         folder, target, len(plan), len(writer.shards), writer.total_bytes,
-        writer.peak_buffer_bytes,
+        writer.largest_tensor_bytes,
     )  # fmt: skip
 
 
@@ -206,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"exported {report.folder} to {args.out}: {report.tensors} tensors in {report.shards} "
         f"shard(s), {report.total_bytes / 1e9:.2f} GB, every weight in {dtype} (unquantised: "
-        f"GPT-OSS experts read from MXFP4 are written in {dtype}); largest shard buffer "
-        f"{report.peak_buffer_bytes / 1e9:.2f} GB"
+        f"GPT-OSS experts read from MXFP4 are written in {dtype}); largest tensor "
+        f"{report.largest_tensor_bytes / 1e9:.2f} GB"
     )
     return 0
