@@ -214,13 +214,17 @@ def _memory_worker(model, parallel, state):
 
 
 @pytest.mark.slow
-def test_activation_peak_at_most_0_6x_reference():
-    """Issue 5's memory target. Measured 0.455-0.552x per rank: fused attention drops the
-    S x S probabilities, selective recomputation the attention block's projections, the
-    chunked linear cross-entropy the logits, early frees the stage-boundary buffers."""
-    model = preset("tiny-deepseek-v2")
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2", "tiny-gpt-oss"])
+def test_activation_peak_at_most_0_6x_reference(name):
+    """Issue 5's memory target, and #20's for GPT-OSS (sinks through flash attention, no
+    S x S saved; it was 0.60-0.73x with eager attention). Measured 0.455-0.552x per rank on
+    tiny-deepseek-v2: fused attention drops the S x S probabilities, selective recomputation
+    the attention block's projections, the chunked linear cross-entropy the logits, early
+    frees the stage-boundary buffers."""
+    model = preset(name)
     parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=2, micro_batches=4, seq_len=128)
     figures = launch(_memory_worker, 4, (model, parallel, SeededWeights(model)))
-    for rank, rank_figures in enumerate(figures):
-        ratio = rank_figures["optimized"]["activations"] / rank_figures["reference"]["activations"]
+    ratios = [f["optimized"]["activations"] / f["reference"]["activations"] for f in figures]
+    print(name, "optimized / reference activation peak per rank:", [f"{r:.3f}" for r in ratios])
+    for rank, ratio in enumerate(ratios):
         assert ratio <= 0.6, (rank, ratio)
