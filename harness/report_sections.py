@@ -78,9 +78,10 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
         "noise floor: each bfloat16 stack's error against a float32 run of the same step; the "
         f"candidate may be k={settings.get('k')} times the reference's (+ slack "
         f"{settings.get('slack_rel')} on gradients, {settings.get('slack_loss')} on the loss, "
-        f"{settings.get('slack_router')} on router scores; radial part: between zero and k "
-        f"times the reference's, widened by {settings.get('z')} standard deviations of "
-        "rounding noise + "
+        f"{settings.get('slack_router')} on router scores; radial (scale) part: of all "
+        "gradients, at most k times the reference's; of each group, its distance from its "
+        "own stack's scale at most k times the reference's; each widened by "
+        f"{settings.get('z')} standard deviations of rounding noise + "
         f"{settings.get('radial_share', 0):.3g} of the reference's error)"
     ]
     steps = floor.get("steps") or []

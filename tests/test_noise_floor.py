@@ -1,5 +1,6 @@
 """The bfloat16 verdict's arithmetic (`harness.noise_floor`), on made-up errors: the L2
-bound, the radial bounds and the number of independent error sources."""
+bound, the radial bounds (all gradients by size, each group relative to its stack's scale)
+and the number of independent error sources."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import torch
 
 from harness.inplace import pair_sums
-from harness.noise_floor import RADIAL_SHARE, K, Z, judge_group
+from harness.noise_floor import ALL, RADIAL_SHARE, K, Z, _why, judge_grads, judge_group
 
 N = 4096
 
@@ -61,3 +62,42 @@ def test_an_l2_error_beyond_twice_the_reference_s_fails():
     assert judge_group("g", truth, pair_sums(close, TRUTH))["passed"]
     entry = judge_group("g", truth, pair_sums(far, TRUTH))
     assert not entry["passed"] and entry["ratio"] > 2.4
+
+
+def _grads(scales: dict[str, float], seed: int) -> dict[str, object]:
+    """Each named gradient the truth times its scale, plus noise: one stack's error sums."""
+    return {
+        name: pair_sums(_stack(scale, seed + i), TRUTH)
+        for i, (name, scale) in enumerate(scales.items())
+    }
+
+
+NAMES = ("model.layers.0.mlp.experts.down_proj", "model.layers.0.self_attn.q_proj.weight",
+         "lm_head.weight")  # fmt: skip
+
+
+def test_a_scale_every_group_shares_is_judged_once_on_all_gradients():
+    """A stack's bf16 loss scales every gradient alike (mid-qwen3-moe: the reference's
+    -0.1%, the fused cross-entropy's +0.15%): each group keeps its stack's scale and
+    passes; all gradients together are judged by size."""
+    base = _grads({n: 1 - 1e-3 for n in NAMES}, 10)
+    rows = judge_grads(base, _grads({n: 1 + 1.5e-3 for n in NAMES}, 20), tokens=N)
+    assert all(r["passed"] for r in rows), [_why(r) for r in rows]
+    assert all(r["radial_candidate"] > r["radial_baseline"] + 2e-3 for r in rows)
+    too_far = judge_grads(base, _grads({n: 1 + 5e-3 for n in NAMES}, 20), tokens=N)
+    assert [r["group"] for r in too_far if not r["passed"]] == [ALL]
+
+
+def test_one_group_off_its_stack_s_scale_fails_within_twice_the_reference_s_size():
+    """An activation rounded toward zero: the down projection's gradient 0.25% small while
+    the others keep the stack's scale. By size it is within twice the reference's scale
+    error (0.15%, its loss); relative to its own stack it stands out."""
+    base = _grads({n: 1 + 1.5e-3 for n in NAMES}, 10)
+    cand = _grads({NAMES[0]: 1 - 2.5e-3, NAMES[1]: 1.0, NAMES[2]: 1.0}, 20)
+    rows = {r["group"]: r for r in judge_grads(base, cand, tokens=N)}
+    down = rows["model.layers.*.mlp.experts.down_proj"]
+    assert abs(down["radial_candidate"]) < K * abs(down["radial_baseline"])  # size: hidden
+    assert not down["passed"], down
+    assert "where its stack's scale is" in _why(down)
+    assert rows["model.layers.*.self_attn.q_proj.weight"]["passed"]
+    assert rows[ALL]["passed"]  # the bias is diluted in all gradients together
