@@ -8,9 +8,11 @@ header says (truncated), a quantisation we do not read. CLIs call it in the pare
 before any process group starts.
 
 `CheckpointWeights` is the weight source (`models.weights`) of a checkpoint folder: a
-rank fills each of its parameters with only the rows it holds, from memory-mapped
-safetensors slices (``safe_open(...).get_slice``), one tensor -- for routed experts one
-expert -- at a time, each file mapped only while that slice is read. On-disk layouts are
+rank fills each of its parameters with only the rows it holds, read from the file straight
+into the parameter (`read_rows`: a row range of a safetensors tensor is one byte range),
+one tensor -- for routed experts one expert -- at a time, so nothing is mapped or copied
+whole (GPT-OSS's packed experts are read as ``safe_open(...).get_slice`` slices, one
+expert at a time). On-disk layouts are
 those of `models.hf_layout`; GPT-OSS's MXFP4 experts are dequantised per expert into the
 parameter's dtype, bit for bit as transformers does (`models.mxfp4`).
 """
@@ -18,13 +20,14 @@ parameter's dtype, bit for bit as transformers does (`models.mxfp4`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
-from models.checkpoint_write import save_pretrained
+from models.checkpoint_write import SAFETENSORS_DTYPES, save_pretrained
 from models.config import ModelConfig
 from models.config_json import read_config_json
 from models.decoder import SINGLE, ExpertParallel
@@ -131,6 +134,58 @@ def quantization_of(raw_config: dict) -> str | None:
     return str(quantization.get("quant_method")) if isinstance(quantization, dict) else "?"
 
 
+TORCH_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+"""safetensors dtype code -> torch dtype."""
+READ_BUFFER_BYTES = 64 << 20
+"""The most a read holds beside its destination, when it must convert the dtype."""
+
+
+def read_rows(stored: StoredTensor, out: torch.Tensor, start: int = 0) -> None:
+    """Rows ``[start, start + len(out))`` of ``stored`` (all of it for a 0-d tensor) read
+    from its file straight into ``out``: with the same dtype into ``out``'s own memory,
+    else through a buffer of at most `READ_BUFFER_BYTES`, converted a block at a time. The
+    file is neither mapped nor copied whole, so loading holds the model and nothing else
+    (the pages read stay in the page cache, which is not the process's memory)."""
+    dtype = TORCH_DTYPES[stored.dtype]
+    item = dtype.itemsize
+    row = math.prod(stored.shape[1:])
+    count = out.numel()
+    rows = out.shape[0] if out.dim() and stored.shape else 1
+    if math.prod(stored.shape[1:] if out.dim() else stored.shape) * rows != count:
+        raise ValueError(
+            f"{stored.file}: rows of {list(stored.shape)} do not fill {list(out.shape)}"
+        )
+    begin = stored.end - math.prod(stored.shape) * item + start * row * item
+    direct = dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu"
+    with open(stored.file, "rb", buffering=0) as f:
+        f.seek(begin)
+        if direct:
+            _read_exactly(f, out.reshape(-1), stored.file)
+            return
+        flat = out.view(-1) if out.is_contiguous() else None
+        per = max(1, READ_BUFFER_BYTES // item)
+        if flat is None:  # a strided destination: one buffer of its size
+            per = count
+        for first in range(0, count, per):
+            buffer = torch.empty(min(per, count - first), dtype=dtype)
+            _read_exactly(f, buffer, stored.file)
+            if flat is None:
+                out.copy_(buffer.view(out.shape))
+            else:
+                flat[first : first + buffer.numel()].copy_(buffer)
+
+
+def _read_exactly(f, tensor: torch.Tensor, file: str) -> None:
+    """Fill a contiguous 1-d CPU ``tensor`` with the next bytes of ``f``."""
+    view = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointError(f"{file} ended while reading a tensor: is it truncated?")
+        done += got
+
+
 class CheckpointLayout(NamedTuple):
     """What a checked checkpoint folder holds."""
 
@@ -218,6 +273,10 @@ class CheckpointWeights:
     def __repr__(self) -> str:
         return f"CheckpointWeights({self.layout.path!r})"
 
+    def _into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out``."""
+        read_rows(self.layout.tensors[name], out, start)
+
     def _read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of a tensor on disk, its file mapped only meanwhile."""
         with safe_open(self.layout.tensors[name].file, framework="pt") as handle:
@@ -236,20 +295,18 @@ class CheckpointWeights:
             for i in range(out.shape[0]):
                 expert = f"{prefix}.{start + i}"
                 if kind == "down_proj":
-                    out[i].copy_(self._read(f"{expert}.down_proj.weight"))
+                    self._into(f"{expert}.down_proj.weight", out[i])
                 else:
-                    out[i, :inner].copy_(self._read(f"{expert}.gate_proj.weight"))
-                    out[i, inner:].copy_(self._read(f"{expert}.up_proj.weight"))
+                    self._into(f"{expert}.gate_proj.weight", out[i, :inner])
+                    self._into(f"{expert}.up_proj.weight", out[i, inner:])
         elif fused and self.layout.quantization == MXFP4:
             for i in range(out.shape[0]):  # one expert at a time: [N, K / 32, 16] -> [K, N]
                 e = start + i
                 blocks = self._read(f"{name}_blocks", e, e + 1)
                 scales = self._read(f"{name}_scales", e, e + 1)
                 out[i].copy_(dequantize(blocks, scales, out.dtype)[0].transpose(0, 1))
-        elif start == 0 and out.shape[0] == self.layout.tensors[name].shape[0]:
-            out.copy_(self._read(name))
         else:
-            out.copy_(self._read(name, start, start + out.shape[0]))
+            self._into(name, out, start)
 
 
 def from_pretrained(
