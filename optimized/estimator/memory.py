@@ -114,6 +114,13 @@ def grad_divisor(config: EstimateConfig, experts: bool = False) -> int:
     return fsdp_divisor(config, experts)
 
 
+def embedding_backward_bytes(config: EstimateConfig) -> int:
+    """What the embedding's backward returns: the whole table's gradient
+    (`embedding_dense_backward`), which a later micro-batch's autograd then adds into the
+    gradient already there (a DeepSeek-V2-Lite-width table is 131 MB in bf16)."""
+    return grad_bytes(config, embedding_params(config.model))
+
+
 def embedding_grad_bytes(config: EstimateConfig) -> int:
     """The embedding's gradient: FSDP-sharded unless it is tied to the output layer."""
     whole = grad_bytes(config, embedding_params(config.model))

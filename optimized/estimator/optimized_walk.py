@@ -15,6 +15,7 @@ from optimized.estimator.memory import (
     action_label,
     batch_bytes,
     buffer_bytes,
+    embedding_backward_bytes,
     embedding_grad_bytes,
     grad_divisor,
     head_weight_numel,
@@ -188,6 +189,8 @@ def estimate_rank_optimized(
         if not (chunk == 1 and last):  # there the input is chunk 0's output, kept until B0
             state.activations -= th  # the chunk's input (received or embedded), its root
         if chunk == 0 and first:
+            if (chunk, "embedding") in state.created:  # the table's gradient, added in
+                state.moment(embedding_backward_bytes(config))
             state.grad((chunk, "embedding"), embedding_grad_bytes(config))
             state.activations -= th
         elif chunk == 1 and last:

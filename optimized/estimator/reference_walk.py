@@ -15,6 +15,7 @@ from optimized.estimator.memory import (
     batch_bytes,
     buffer_bytes,
     chunk_profile,
+    embedding_backward_bytes,
     head_weight_numel,
     rank_params,
     static_bytes,
@@ -131,6 +132,8 @@ def estimate_rank_reference(
         elif not (chunk == 0 and first):
             state.activations -= leaf
         if c.embedding_grad:
+            if (chunk, "embedding") in state.created:  # the table's gradient, added in
+                state.moment(embedding_backward_bytes(config))
             state.grad((chunk, "embedding"), c.embedding_grad)
         else:
             state.activations += boundary  # the gradient sent (or handed to B0) stays
