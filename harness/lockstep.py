@@ -18,7 +18,8 @@ measured per quantity (`harness.noise_floor` judges them).
 
 Each step on a rank, shared state (reference and optimized):
 
-1. the truth's forward and backward (bfloat16 only); its gradients are held aside;
+1. the truth's forward and backward (bfloat16 only); its gradients are spilled to a file
+   (`harness.spill`);
 2. the baseline's forward and backward; its gradients are moved aside;
 3. the candidate's forward and backward on the same parameters;
 4. gradients compared in place (`harness.inplace`), each against the other and the
@@ -28,8 +29,9 @@ Each step on a rank, shared state (reference and optimized):
 
 So the harness holds, beyond one stack's training state, one gradient-sized set of
 tensors in the model dtype (the baseline's gradients during the candidate's backward,
-the candidate's updated parameters during the baseline's update), plus the float32
-truth's parameters and gradients in bfloat16 (`held` in the report).
+the candidate's updated parameters during the baseline's update): `held` in the report.
+The float32 truth's gradients wait in a file (`spilled` in the report) and are read back
+one tensor at a time to be compared.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from harness.inplace import Comparer, RankPlace, pieces
 from harness.meter import Meter
+from harness.spill import LoadedPieces, SpilledGradients
 from harness.stacks import (
     copy_state,
     is_sharded,
@@ -196,6 +199,11 @@ class _Rank:
             return pieces(side.part, self._place(side), lambda name, p: p.grad)
         return pieces(side.part, self._place(side), lambda name, p: held.get(name))
 
+    def spilled_grads(self, side: Any, spilled: SpilledGradients) -> LoadedPieces:
+        """A side's spilled gradients as pieces, each read back when compared."""
+        shapes = pieces(side.part, self._place(side), lambda name, p: spilled.placeholder(name))
+        return LoadedPieces(shapes, spilled)
+
     def params(self, side: Any, values: dict | None = None) -> dict:
         if values is None:
             return pieces(side.part, self._place(side), lambda name, p: p)
@@ -258,10 +266,10 @@ def _batches(plan: RankPlan, step: int) -> dict[str, tuple[torch.Tensor, torch.T
     return {side: (ids.clone(), labels.clone()) for side in sides}
 
 
-def _truth_step(rank: _Rank, batches: dict, record: dict) -> dict:
+def _truth_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | None:
     truth = rank.truth
     if truth is None:
-        return {}
+        return None
     load_parameters(truth, rank.baseline)
     # The bf16 parameters are exact in float32: free them while the truth runs.
     plain = rank.baseline if not is_sharded(rank.baseline) else None
@@ -270,38 +278,44 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> dict:
     start = time.perf_counter()
     record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
     record["time"]["truth"] = time.perf_counter() - start
-    grads = take_gradients(truth.part)
+    # Spilled to a file while the bfloat16 stacks run (`harness.spill`): held, they would
+    # be two more copies of the rank's bfloat16 parameters beside the stacks.
+    spilled = SpilledGradients(take_gradients(truth.part))
+    record["spilled"] = spilled.nbytes
     if plain is not None:
         load_parameters(plain, truth)
     release_parameters(truth.part)
-    return grads
+    return spilled
 
 
-def _compare_truth(rank: _Rank, record: dict, held32: dict, grads: dict) -> None:
-    if not held32:
+def _compare_truth(
+    rank: _Rank, record: dict, spilled: SpilledGradients | None, grads: dict
+) -> None:
+    if spilled is None:
         return
-    truth = rank.grads(rank.truth, held32)
+    truth = rank.spilled_grads(rank.truth, spilled)
     record["grads_truth"] = {
         key: rank.comparer.compare(grads[key], truth) for key in ("baseline", "candidate")
     }
+    spilled.close()
 
 
-def _baseline_step(rank: _Rank, batches: dict, record: dict) -> dict:
+def _baseline_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | None:
     """The float32 truth's step (bfloat16 with the noise floor), then the baseline's forward
-    and backward; the truth's gradients, held until both sides are compared with them."""
-    held32 = _truth_step(rank, batches, record)
+    and backward; the truth's gradients, spilled until both sides are compared with them."""
+    spilled = _truth_step(rank, batches, record)
     start = time.perf_counter()
-    with rank.region("baseline", "forward-backward", storage_bytes(held32)):
+    with rank.region("baseline", "forward-backward"):
         record["loss"]["baseline"] = rank.baseline.forward_backward(*batches.pop("baseline"))
     record["time"]["baseline"] = time.perf_counter() - start
-    return held32
+    return spilled
 
 
 def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
     base, cand = rank.baseline, rank.candidate
-    held32 = _baseline_step(rank, batches, record)
+    spilled = _baseline_step(rank, batches, record)
     grads_base = take_gradients(base.part)
-    held = storage_bytes(grads_base) + storage_bytes(held32) + rank.truth_held()
+    held = storage_bytes(grads_base) + rank.truth_held()
     start = time.perf_counter()
     with rank.region("candidate", "forward-backward", held):
         record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
@@ -310,8 +324,8 @@ def _lockstep_shared(rank: _Rank, batches: dict, record: dict) -> None:
     grads_cand = take_gradients(cand.part)
     grads = {"baseline": rank.grads(base, grads_base), "candidate": rank.grads(cand, grads_cand)}
     record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
-    _compare_truth(rank, record, held32, grads)
-    del held32, grads
+    _compare_truth(rank, record, spilled, grads)
+    del spilled, grads
     after = shadow_update(base.optimizer, base.part, grads_cand)
     put_gradients(base.part, grads_base)
     del grads_base
@@ -332,17 +346,17 @@ def _lockstep_copied(rank: _Rank, batches: dict, record: dict) -> None:
     """One side is FSDP2-sharded: the candidate copies the baseline's state, then both
     run their own update."""
     base, cand = rank.baseline, rank.candidate
-    held32 = _baseline_step(rank, batches, record)
+    spilled = _baseline_step(rank, batches, record)
     copy_state(base, cand)
-    held = rank.footprint(base) + storage_bytes(held32) + rank.truth_held()
+    held = rank.footprint(base) + rank.truth_held()
     start = time.perf_counter()
     with rank.region("candidate", "forward-backward", held):
         record["loss"]["candidate"] = cand.forward_backward(*batches.pop("candidate"))
     record["held"] = held
     grads = {"baseline": rank.grads(base), "candidate": rank.grads(cand)}
     record["grads"] = rank.comparer.compare(grads["candidate"], grads["baseline"])
-    _compare_truth(rank, record, held32, grads)
-    del held32, grads
+    _compare_truth(rank, record, spilled, grads)
+    del spilled, grads
     with rank.region("candidate", "update", rank.footprint(base)):
         cand.optimizer_step()
     record["time"]["candidate"] = time.perf_counter() - start

@@ -96,8 +96,12 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
 
 def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per rank: what the harness held beside the running stack, against one copy of the
-    rank's parameters, and the rank's peak resident memory."""
-    header = ["rank", "held by the harness", "parameters (1 copy)", "held / copy", "peak RSS"]
+    rank's parameters, what it spilled to a file (the float32 truth's gradients), and the
+    rank's peak resident memory."""
+    header = [
+        "rank", "held by the harness", "parameters (1 copy)", "held / copy",
+        "spilled to a file", "peak RSS",
+    ]  # fmt: skip
     rows = []
     for entry in (report.get("memory") or {}).get("ranks") or []:
         harness = entry.get("harness") or {}
@@ -107,6 +111,7 @@ def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 format_bytes(harness.get("held_bytes")),
                 format_bytes(harness.get("parameter_bytes")),
                 _ratio(harness.get("held_per_parameter_copy")),
+                format_bytes(harness.get("spilled_bytes") or 0),
                 format_bytes(harness.get("rss_peak_bytes")),
             ]
         )

@@ -92,6 +92,7 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
             "held_bytes": held,
             "parameter_bytes": params,
             "held_per_parameter_copy": held / params if params else None,
+            "spilled_bytes": max(s.get("spilled", 0) for s in result["steps"]),
             "rss_peak_bytes": result["rss_bytes"],
         }
         ranks.append(entry)

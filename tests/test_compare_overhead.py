@@ -7,7 +7,8 @@ comparisons, the candidate's update on the side, the baseline's update) under on
 tracker. The difference is what the harness holds: one gradient-sized set of tensors in the
 model dtype (the baseline's gradients while the candidate runs, the candidate's updated
 parameters while the baseline updates), plus what the other stack keeps of its own (its
-rotary tables, its last batch: 16 KiB here, its loss: 4 bytes).
+rotary tables, its last batch: 16 KiB here, its loss: 4 bytes), and in bfloat16 with the
+noise floor what the float32 truth keeps of its own (the same: its buffers and last batch).
 The float32 truth of a bfloat16 run adds the truth's own step on top (reported here, not
 bounded: it is a float32 training step).
 """
@@ -64,6 +65,9 @@ def _overhead_worker(model, parallel, state, noise_floor):
         "during_candidate": max(during),
         "parameters": sum(p.untyped_storage().nbytes() for p in rank.baseline.part.parameters()),
         "buffers": _buffer_bytes(rank.baseline.part),
+        # The float32 truth (bfloat16 with the noise floor) is a third stack: like the
+        # baseline it keeps its buffers and its last micro-batches, not its parameters.
+        "truth_buffers": _buffer_bytes(rank.truth.part) if rank.truth is not None else 0,
         # The baseline's schedule keeps its step's micro-batches until its next step.
         "batch": sum(t.untyped_storage().nbytes() for t in synthetic_batch(model, parallel, 1)),
     }
@@ -92,6 +96,8 @@ def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor)
         )
         assert r["during_candidate"] <= r["harness"]
         others = r["buffers"] + r["batch"] + 64  # what the baseline keeps (and its loss scalar)
+        if noise_floor:
+            others += r["truth_buffers"] + r["batch"] + 64  # what the truth keeps, likewise
         if not noise_floor:
             assert added <= r["parameters"] + others, (rank, added, r)
             assert r["parameters"] <= beside <= r["parameters"] + others, (rank, beside, r)

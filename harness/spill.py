@@ -1,0 +1,101 @@
+"""The float32 truth's gradients, spilled to a file while the bfloat16 stacks run.
+
+The noise floor (`harness.noise_floor`) compares each bfloat16 stack's gradients with the
+float32 truth's of the same step, so the truth's gradients must outlive both stacks'
+backward passes. Held in memory they are two copies of the rank's bfloat16 parameters:
+with the baseline's gradients held aside, the harness would add three copies to the rank's
+training footprint instead of one. Written to a file (one sequential write per step), they
+cost nothing resident: the pages are the kernel's to drop once written back. The comparison
+reads them back one tensor at a time (`LoadedPieces`), so at most one tensor is
+resident on top of the stacks.
+
+The file lives in the system's temporary folder (``TMPDIR``), is unlinked when the step's
+comparison is done (`close`), and when the process ends in any way Python can see.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from harness.inplace import Piece
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SpilledGradients(Mapping[str, torch.Tensor]):
+    """A name -> gradient mapping whose tensors live in a file; reading one loads it."""
+
+    def __init__(self, grads: dict[str, torch.Tensor]) -> None:
+        """Writes ``grads`` (emptied as it goes, so each tensor is freed once written)."""
+        fd, self.path = tempfile.mkstemp(prefix="twinpipe-truth-", suffix=".grad")
+        self._finalizer = weakref.finalize(self, _remove, self.path)
+        self._where: dict[str, tuple[int, torch.Size, torch.dtype, torch.device]] = {}
+        offset = 0
+        with os.fdopen(fd, "wb") as file:
+            for name in list(grads):
+                tensor = grads.pop(name).detach()
+                device = tensor.device
+                flat = tensor.reshape(-1).contiguous().cpu()
+                file.write(memoryview(flat.view(torch.uint8).numpy()))
+                self._where[name] = (offset, tensor.shape, tensor.dtype, device)
+                offset += flat.numel() * flat.element_size()
+                del tensor, flat
+        self.nbytes = offset
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        offset, shape, dtype, device = self._where[name]
+        out = torch.empty(shape, dtype=dtype)
+        view = out.reshape(-1).view(torch.uint8).numpy()
+        with open(self.path, "rb", buffering=0) as file:
+            file.seek(offset)
+            done = 0
+            while done < view.nbytes:
+                read = file.readinto(view[done:])
+                if not read:
+                    raise RuntimeError(f"{self.path}: ended early reading {name}")
+                done += read
+        return out.to(device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def placeholder(self, name: str) -> torch.Tensor | None:
+        """A meta tensor shaped like ``name``'s gradient (None when there is none)."""
+        if name not in self._where:
+            return None
+        _, shape, dtype, _ = self._where[name]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class LoadedPieces(Mapping[str, Piece]):
+    """Pieces whose tensors are read from a `SpilledGradients` one at a time, when asked."""
+
+    def __init__(self, shapes: dict[str, Piece], source: SpilledGradients) -> None:
+        self._shapes = shapes
+        self._source = source
+
+    def __getitem__(self, name: str) -> Piece:
+        piece = self._shapes[name]
+        return Piece(self._source[name], piece.start, piece.counts)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
