@@ -144,6 +144,22 @@ class CachedReader(dcp.FileSystemReader):
             self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
 
+    def read_stored(self, key: str, stored: ChunkStorageMetadata) -> torch.Tensor:
+        """The stored chunk ``stored`` of ``key``, whole, as the rank that saved it wrote it:
+        its bytes read once, straight into the tensor returned. (`load` reads a stored
+        chunk the same way, then copies out the region asked for, so a caller that needs
+        several regions of one chunk reads it once here and cuts them itself.)"""
+        info = self.read_metadata().storage_data[MetadataIndex(key, stored.offsets)]
+        if info.transform_descriptors:
+            raise ValueError(
+                f"{self.path}: {key} at {list(stored.offsets)} is stored through "
+                f"{list(info.transform_descriptors)}; twinpipe saves plain chunks only"
+            )
+        path = self.fs.concat_path(self.path, info.relative_path)
+        with self.fs.create_stream(path, "rb") as stream:
+            piece = self._slice_file(stream, info)
+            return torch.load(piece, map_location="cpu", weights_only=True)
+
 
 def load(
     state: dict[str, Any],
