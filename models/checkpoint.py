@@ -11,10 +11,10 @@ before any process group starts.
 rank fills each of its parameters with only the rows it holds, read from the file straight
 into the parameter (`read_rows`: a row range of a safetensors tensor is one byte range),
 one tensor -- for routed experts one expert -- at a time, so nothing is mapped or copied
-whole (GPT-OSS's packed experts are read as ``safe_open(...).get_slice`` slices, one
-expert at a time). On-disk layouts are
-those of `models.hf_layout`; GPT-OSS's MXFP4 experts are dequantised per expert into the
-parameter's dtype, bit for bit as transformers does (`models.mxfp4`).
+whole. On-disk layouts are those of `models.hf_layout`; GPT-OSS's MXFP4 experts are read
+the same way, one expert's ``*_blocks`` and ``*_scales`` rows into small uint8 buffers,
+and dequantised into the parameter's dtype, bit for bit as transformers does
+(`models.mxfp4`).
 """
 
 from __future__ import annotations
@@ -277,12 +277,13 @@ class CheckpointWeights:
         """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out``."""
         read_rows(self.layout.tensors[name], out, start)
 
-    def _read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a tensor on disk, its file mapped only meanwhile."""
-        with safe_open(self.layout.tensors[name].file, framework="pt") as handle:
-            if start is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[start:stop]
+    def _packed(self, name: str, expert: int) -> torch.Tensor:
+        """One expert's rows of an MXFP4 ``*_blocks`` or ``*_scales`` tensor (uint8), read
+        by byte range into a buffer of their size."""
+        stored = self.layout.tensors[name]
+        out = torch.empty((1, *stored.shape[1:]), dtype=TORCH_DTYPES[stored.dtype])
+        read_rows(stored, out, expert)
+        return out
 
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         config = self.config
@@ -301,9 +302,8 @@ class CheckpointWeights:
                     self._into(f"{expert}.up_proj.weight", out[i, inner:])
         elif fused and self.layout.quantization == MXFP4:
             for i in range(out.shape[0]):  # one expert at a time: [N, K / 32, 16] -> [K, N]
-                e = start + i
-                blocks = self._read(f"{name}_blocks", e, e + 1)
-                scales = self._read(f"{name}_scales", e, e + 1)
+                blocks = self._packed(f"{name}_blocks", start + i)
+                scales = self._packed(f"{name}_scales", start + i)
                 out[i].copy_(dequantize(blocks, scales, out.dtype)[0].transpose(0, 1))
         else:
             self._into(name, out, start)

@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from models import ExpertParallel, build_model, from_pretrained, preset, save_pretrained
+from models import ExpertParallel, build_model, checkpoint, from_pretrained, preset, save_pretrained
 from models.checkpoint import CheckpointError, validate_checkpoint
 from models.checkpoint_write import write_mxfp4
 from models.mxfp4 import dequantize, quantize
@@ -55,7 +55,11 @@ def _published_style(tmp_path, seed=1):
     return tmp_path / "mxfp4"
 
 
-def test_mxfp4_checkpoint_loads_as_transformers_loads_it(tmp_path):
+def _never_mapped(*args, **kwargs):
+    raise AssertionError(f"safe_open{args}: a checkpoint file mapped while loading")
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_loads_it(tmp_path, monkeypatch):
     """Ours and transformers' from_pretrained hold the same bits for every parameter; an
     expert-parallel rank dequantises only its experts, to the same bits."""
     path = _published_style(tmp_path)
@@ -63,6 +67,9 @@ def test_mxfp4_checkpoint_loads_as_transformers_loads_it(tmp_path):
     assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in index["weight_map"]
     assert "model.layers.0.mlp.experts.gate_up_proj" not in index["weight_map"]
     assert validate_checkpoint(path).quantization == "mxfp4"
+    # Blocks and scales are read by byte range (`read_rows`), never through safetensors'
+    # memory map: its pages would count in the load's resident peak.
+    monkeypatch.setattr(checkpoint, "safe_open", _never_mapped)
     ours = from_pretrained(path, dtype=torch.bfloat16).state_dict()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     theirs = hf.state_dict()
