@@ -15,7 +15,7 @@ on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``)
 - ``dry-run``: a published-size layout (default PP=4 DP=8 EP=8) built on the meta device:
   every rank's tensors and bytes to read from the checkpoint (its stages, EP experts and
   FSDP2 rows; `optimized.pipeline.sharding.held_rows`), and the totals against the
-  checkpoint's size.
+  checkpoint's size; ``--tensors`` lists each rank's reads.
 """
 
 from __future__ import annotations
@@ -196,7 +196,15 @@ def _disk_bytes(name: str, count: int, shape: torch.Size, quantized: bool) -> in
     return count * per_row * 2
 
 
-def dry_run(args: argparse.Namespace) -> None:
+def dry_run_report(
+    model: str, pp: int = 4, dp: int = 8, ep: int = 8, seq_len: int = 4096,
+    bf16: bool = False, partition: str = "estimated", per_rank: bool = False,
+    tensors: bool = False,
+) -> dict:  # fmt: skip
+    """What every rank of a ``model`` preset at PP ``pp`` DP ``dp`` EP ``ep`` reads from the
+    published checkpoint, from parts built on the meta device: totals against the
+    checkpoint's size; ``per_rank`` adds each rank's count and bytes, ``tensors`` its reads
+    (our tensor name, first row, rows -- experts, for routed experts -- and bytes on disk)."""
     from models import preset
     from models.decoder import ExpertParallel
     from models.distributed import ParallelConfig
@@ -206,14 +214,13 @@ def dry_run(args: argparse.Namespace) -> None:
     from optimized.pipeline.runner import default_partition
     from optimized.pipeline.sharding import held_rows
 
-    config = preset(args.model)
-    quantized = config.model_type == "gpt_oss" and not args.bf16
+    config = preset(model)
+    quantized = config.model_type == "gpt_oss" and not bf16
     parallel = ParallelConfig(
-        pp=args.pp, dp=args.dp, ep=args.ep, micro_batches=2 * args.pp, seq_len=args.seq_len,
-        dtype="bfloat16",
-    )  # fmt: skip
-    if args.partition == "even":
-        stages = even_partition(config.num_hidden_layers, 2 * args.pp)
+        pp=pp, dp=dp, ep=ep, micro_batches=2 * pp, seq_len=seq_len, dtype="bfloat16"
+    )
+    if partition == "even":
+        stages = even_partition(config.num_hidden_layers, 2 * pp)
     else:  # what twinpipe train uses: the memory estimator's choice
         stages = default_partition(config, parallel)
     shapes = expected_hf_shapes(config, MXFP4 if quantized else None)
@@ -221,34 +228,58 @@ def dry_run(args: argparse.Namespace) -> None:
     checkpoint = sum(
         s.numel() * (1 if n.endswith(("_blocks", "_scales")) else 2) for n, s in shapes.items()
     )
-    ranks, total, tensors = [], 0, 0
-    for pp_rank in range(args.pp):
+    ranks, total, count = [], 0, 0
+    for pp_rank in range(pp):
         chunks = rank_chunks(stages, pp_rank)
-        for dp_rank in range(args.dp):
-            ep = ExpertParallel(None, dp_rank % args.ep, args.ep)
+        for dp_rank in range(dp):
+            expert_parallel = ExpertParallel(None, dp_rank % ep, ep)
             with torch.device("meta"):
-                part = CausalLM(config, None, ep, chunks[0] + chunks[1], pp_rank == 0,
-                                pp_rank == 0)  # fmt: skip
-            rows = held_rows(part, args.dp, args.ep, dp_rank)
-            held = {n: r for n, r in rows.items() if r[1]}
-            nbytes = sum(_disk_bytes(n, r[1], whole[n], quantized) for n, r in held.items())
-            ranks.append({"pp_rank": pp_rank, "dp_rank": dp_rank, "ep_rank": ep.rank,
-                          "layers": len(chunks[0] + chunks[1]), "tensors": len(held),
-                          "bytes": nbytes})  # fmt: skip
+                part = CausalLM(config, None, expert_parallel, chunks[0] + chunks[1],
+                                pp_rank == 0, pp_rank == 0)  # fmt: skip
+            rows = held_rows(part, dp, ep, dp_rank)
+            reads = [
+                {"tensor": n, "first_row": first, "rows": held,
+                 "bytes": _disk_bytes(n, held, whole[n], quantized)}
+                for n, (first, held) in rows.items() if held
+            ]  # fmt: skip
+            nbytes = sum(r["bytes"] for r in reads)
+            rank = {"pp_rank": pp_rank, "dp_rank": dp_rank, "ep_rank": expert_parallel.rank,
+                    "layers": len(chunks[0] + chunks[1]), "tensors": len(reads),
+                    "bytes": nbytes}  # fmt: skip
+            ranks.append({**rank, "reads": reads} if tensors else rank)
             total += nbytes
-            tensors += len(held)
+            count += len(reads)
     report = {
-        "model": args.model, "pp": args.pp, "dp": args.dp, "ep": args.ep,
+        "model": model, "pp": pp, "dp": dp, "ep": ep,
         "format": "bf16 + MXFP4 experts" if quantized else "bf16",
         "stages": " ".join(f"{s[0]}-{s[-1]}" if s else "-" for s in stages),
         "checkpoint_bytes": checkpoint, "bytes_read_by_all_ranks": total,
-        "equal": total == checkpoint, "tensor_slices": tensors,
+        "equal": total == checkpoint, "tensor_slices": count,
         "largest_rank_bytes": max(r["bytes"] for r in ranks),
         "smallest_rank_bytes": min(r["bytes"] for r in ranks),
     }  # fmt: skip
-    if args.per_rank:
+    if per_rank or tensors:
         report["ranks"] = ranks
-    print(json.dumps(report, indent=1))
+    return report
+
+
+def _json_one_read_a_line(report: dict) -> str:
+    """``report`` as indented JSON with each rank's read on one line (thousands of them)."""
+    reads: list[str] = []
+    for rank in report.get("ranks", ()):
+        for i, read in enumerate(rank.get("reads", ())):
+            reads.append(json.dumps(read))
+            rank["reads"][i] = f"@read:{len(reads) - 1}"
+    text = json.dumps(report, indent=1)
+    return re.sub(r'"@read:(\d+)"', lambda m: reads[int(m[1])], text)
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    report = dry_run_report(
+        args.model, args.pp, args.dp, args.ep, args.seq_len, args.bf16, args.partition,
+        args.per_rank, args.tensors,
+    )  # fmt: skip
+    print(_json_one_read_a_line(report))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         help="stage layers: the estimator's choice (as twinpipe train) or even",
     )  # fmt: skip
     p.add_argument("--per-rank", action="store_true", help="list every rank")
+    p.add_argument(
+        "--tensors", action="store_true",
+        help="list every rank's reads: tensor, first row, rows (experts), bytes on disk",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     {"write": write, "load": load, "export-check": export_check, "dry-run": dry_run}[args.command](
         args

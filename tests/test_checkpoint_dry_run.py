@@ -1,0 +1,76 @@
+"""The published-size dry run (`benchmarks.checkpoints dry-run`): at PP4 DP8 EP8, built on
+the meta device, the ranks of each published model read every byte of its checkpoint
+exactly once, and ``--tensors`` lists each rank's reads."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from benchmarks.checkpoints import dry_run_report, main
+from models import preset
+from models.hf_layout import expected_state_shapes
+
+PUBLISHED_BYTES = {
+    "deepseek-v2-lite": 31_412_968_448,
+    "qwen3-30b-a3b": 61_064_245_248,
+    "gpt-oss-20b": 13_761_264_768,  # MXFP4 experts, as published
+}
+"""``metadata.total_size`` of each published ``model.safetensors.index.json``."""
+
+
+def _rows_read(report: dict) -> dict[str, list[tuple[int, int]]]:
+    """Tensor -> the ``(first row, rows)`` every rank reads of it."""
+    rows = defaultdict(list)
+    for rank in report["ranks"]:
+        assert sum(read["bytes"] for read in rank["reads"]) == rank["bytes"], rank["dp_rank"]
+        assert len(rank["reads"]) == rank["tensors"]
+        for read in rank["reads"]:
+            rows[read["tensor"]].append((read["first_row"], read["rows"]))
+    return rows
+
+
+@pytest.mark.parametrize("model", PUBLISHED_BYTES)
+def test_the_ranks_read_the_published_checkpoint_once(model):
+    """Every tensor's rows are read by exactly one rank (PP stages, EP experts, FSDP2
+    rows tile it), and the bytes all ranks read are the published checkpoint's size."""
+    report = dry_run_report(model, pp=4, dp=8, ep=8, tensors=True)
+    assert report["checkpoint_bytes"] == PUBLISHED_BYTES[model]
+    assert report["bytes_read_by_all_ranks"] == PUBLISHED_BYTES[model] and report["equal"]
+    assert len(report["ranks"]) == 32
+    config = preset(model)
+    whole = {
+        name: shape[0] if shape else 1
+        for name, shape in expected_state_shapes(config).items()
+        if not (name == "lm_head.weight" and config.tie_word_embeddings)
+    }
+    rows = _rows_read(report)
+    assert rows.keys() == whole.keys()
+    for name, pieces in rows.items():
+        end = 0
+        for first, count in sorted(pieces):
+            assert first == end and count > 0, (name, sorted(pieces))
+            end = first + count
+        assert end == whole[name], name
+
+
+def test_dry_run_command_lists_each_ranks_tensors(capsys):
+    argv = ["dry-run", "--model", "qwen3-30b-a3b", "--pp", "2", "--dp", "2", "--ep", "2"]
+    assert main([*argv, "--tensors"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed)
+    assert report["equal"] and len(report["ranks"]) == 4
+    rank = report["ranks"][0]
+    assert rank["reads"][0] == {
+        "tensor": "model.embed_tokens.weight", "first_row": 0, "rows": 151936 // 2,
+        "bytes": 151936 // 2 * 2048 * 2,
+    }  # fmt: skip
+    experts = next(r for r in rank["reads"] if r["tensor"].endswith(".experts.gate_up_proj"))
+    assert experts["rows"] == 64 and experts["bytes"] == 64 * 2 * 768 * 2048 * 2  # EP2: 64 of 128
+    assert sum(len(r["reads"]) for r in report["ranks"]) == report["tensor_slices"]
+    read_lines = [line for line in printed.splitlines() if '"tensor": ' in line]
+    assert len(read_lines) == report["tensor_slices"]  # one line a read
+    assert main(argv) == 0
+    assert "reads" not in capsys.readouterr().out
