@@ -1,20 +1,25 @@
 """`twinpipe export` from a training checkpoint: each stored DCP chunk read once (the bytes
 read, counted at the checkpoint's files, stay near the bytes written), every tensor equal
-to the checkpoint's."""
+to the checkpoint's, the command's message true to what it wrote, and progress lines."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from harness.cli import main
+from models import build_model, from_pretrained, preset, save_pretrained
+from models.checkpoint_write import write_mxfp4
 from models.config import ModelConfig
 from models.hf_layout import INDEX_NAME, to_hf_state_dict
+from models.progress import ProgressLine
 from optimized.train.checkpointing import load_model_state
 from optimized.train.chunks import CachedReader
 from optimized.train.export import export_checkpoint
@@ -146,3 +151,93 @@ def test_export_of_a_sharded_checkpoint_reads_each_chunk_once(tmp_path, monkeypa
     report, read, once = _export_counting(ck, tmp_path / "hf", monkeypatch, dtype="bfloat16")
     assert 2 * report.total_bytes <= read <= once, (read, once)  # float32 read, bf16 written
     _assert_equal_to_checkpoint(report, tmp_path / "hf", torch.bfloat16)
+
+
+PROGRESS = re.compile(
+    r"\r\033\[K(?P<label>[^\r\n]*): (?P<tensors>\d+)(?:/(?P<total>\d+))? tensors, "
+    r"(?P<gb>\d+\.\d\d)(?:/(?P<total_gb>\d+\.\d\d))? GB, \d+\.\d\d GB/s, \d+ s\n$"
+)
+"""The last line a `ProgressLine` draws: label, tensors and GB done (of the total)."""
+
+
+def test_progress_line_counts_tensors_and_gigabytes():
+    stream = io.StringIO()  # no terminal: drawn only when enabled
+    line = ProgressLine("reading x", total_tensors=3, total_bytes=4_500_000_000, stream=stream,
+                        enabled=True)  # fmt: skip
+    line("a", 1_000_000_000)
+    line("b", 500_000_000)
+    line.close()
+    drawn = stream.getvalue()
+    assert drawn.startswith("\r\033[Kreading x: 1/3 tensors, 1.00/4.50 GB, ")
+    last = PROGRESS.search(drawn)
+    assert last is not None and drawn.count("\n") == 1, drawn
+    assert (last["tensors"], last["total"]) == ("2", "3")
+    assert (last["gb"], last["total_gb"]) == ("1.50", "4.50")
+    quiet = io.StringIO()
+    line = ProgressLine("reading x", stream=quiet)  # not a terminal: nothing
+    line("a", 1)
+    line.close()
+    assert quiet.getvalue() == ""
+
+
+def test_export_prints_its_progress_when_asked(qwen_checkpoint, tmp_path, capsys):
+    report = export_checkpoint(qwen_checkpoint, tmp_path / "hf", progress=True)
+    captured = capsys.readouterr()
+    last = PROGRESS.search(captured.err)
+    assert captured.out == "" and last is not None, captured.err
+    assert last["label"] == f"exporting {report.folder}"
+    assert last["tensors"] == last["total"] == str(report.tensors)
+    export_checkpoint(qwen_checkpoint, tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_load_prints_its_progress_when_asked(tmp_path, capsys):
+    model = build_model(preset("tiny-qwen3-moe"))
+    save_pretrained(model, tmp_path / "hf")
+    from_pretrained(tmp_path / "hf", progress=True)
+    last = PROGRESS.search(capsys.readouterr().err)
+    assert last is not None and last["label"] == f"loading {tmp_path / 'hf'}"
+    assert last["total"] is None and int(last["tensors"]) == len(dict(model.named_parameters()))
+    from_pretrained(tmp_path / "hf")  # stderr is no terminal here: nothing drawn
+    assert capsys.readouterr().err == ""
+
+
+def _export_command(checkpoint, out, capsys) -> tuple[str, dict[str, torch.Tensor]]:
+    argv = ["export", "--checkpoint", str(checkpoint), "--out", str(out), "--dtype", "bfloat16"]
+    assert main([*argv, "--max-shard-bytes", "400000"]) == 0
+    return capsys.readouterr().out, _exported(out)
+
+
+def test_export_command_says_what_it_wrote(qwen_checkpoint, tmp_path, capsys):
+    """The message names the tensors, shards and dtype that the files hold."""
+    out = tmp_path / "hf"
+    message, exported = _export_command(qwen_checkpoint, out, capsys)
+    said = re.fullmatch(
+        rf"exported \S+step-00000001 to {re.escape(str(out))}: (\d+) tensors in (\d+) shard\(s\), "
+        r"\d+\.\d\d GB, every weight in bfloat16 \(unquantised: GPT-OSS experts read from "
+        r"MXFP4 are written in bfloat16\); largest tensor \d+\.\d\d GB\n",
+        message,
+    )
+    assert said is not None, message
+    assert int(said[1]) == len(exported) and int(said[2]) == len(list(out.glob("model-*")))
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_gpt_oss_trained_from_mxfp4_is_exported_unquantised(tmp_path, capsys):
+    """A GPT-OSS run started from MXFP4 experts: the export says it writes them unquantised
+    in the dtype asked for, and that is what its files and config.json hold."""
+    name = "tiny-gpt-oss"
+    save_pretrained(build_model(preset(name), dtype=torch.bfloat16, seed=3), tmp_path / "bf16")
+    write_mxfp4(tmp_path / "bf16", tmp_path / "mxfp4", max_shard_bytes=60_000)
+    steps = ("steps=1", "optim.warmup_steps=0")
+    train(config(f"model.name={name}", *steps, f"model.init_from={tmp_path / 'mxfp4'}",
+                 f"checkpoint.dir={tmp_path / 'ck'}"))  # fmt: skip
+    message, exported = _export_command(tmp_path / "ck", tmp_path / "hf", capsys)
+    assert "every weight in bfloat16 (unquantised: GPT-OSS experts read from MXFP4" in message
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in exported
+    assert not [n for n in exported if n.endswith(("_blocks", "_scales"))]
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["dtype"] == "bfloat16" and "quantization_config" not in written
