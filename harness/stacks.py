@@ -20,8 +20,9 @@ baseline's parameters before each step (`load_parameters`).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,11 +35,22 @@ STACKS = {
     "optimized-fsdp": "optimized.pipeline:ShardedOptimizedPipeline",
 }
 SIDES = ("oracle",) + tuple(STACKS)
+STACK_ARGUMENTS = {"optimized-fsdp": {"optimizer_class": "optimized.train:ShardedAdamW"}}
+"""What a stack's constructor takes beyond the runner's arguments (``module:name`` each):
+`optimized.pipeline` never imports `optimized.train`, so the FSDP2 stack is handed the
+trainer's optimizer here."""
 
 
-def stack_class(name: str) -> type:
-    module, cls = STACKS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+def _resolve(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def stack_class(name: str) -> Callable[..., Any]:
+    """The constructor of stack ``name``, called as ``(model, parallel, layout, source,
+    optimizer, stages=None)`` whatever the stack (its `STACK_ARGUMENTS` bound)."""
+    arguments = {key: _resolve(path) for key, path in STACK_ARGUMENTS.get(name, {}).items()}
+    return functools.partial(_resolve(STACKS[name]), **arguments)
 
 
 def is_sharded(pipeline: Any) -> bool:

@@ -16,6 +16,7 @@ from optimized.estimator.schedule import rank_actions
 from optimized.estimator.sync_marks import SyncMarks, sync_marks
 from optimized.pipeline.gradient_sync import GradientSync
 from optimized.pipeline.sharding import ShardedOptimizedPipeline
+from optimized.train import ShardedAdamW
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
@@ -79,7 +80,9 @@ def _one_step(model, parallel, state) -> dict:
     }
     for name, (cls, marks) in plans.items():
         torch.manual_seed(0)
-        runner = ShardedOptimizedPipeline(model, parallel, layout, state, OptimizerConfig())
+        runner = ShardedOptimizedPipeline(
+            model, parallel, layout, state, OptimizerConfig(), optimizer_class=ShardedAdamW
+        )
         sync = runner.schedule.gradient_sync
         runner.schedule.gradient_sync = cls(sync.units, marks, "step", True)
         ids, labels = synthetic_batch(model, parallel, 0)

@@ -245,15 +245,20 @@ class ShardedOptimizedPipeline(PipelineRunner):
     drives, so that ``twinpipe compare --baseline optimized --candidate optimized-fsdp``
     shows that sharding changes nothing beyond rounding.
 
+    ``optimizer_class`` is that optimizer, `optimized.train.ShardedAdamW`, given by the
+    caller (`harness.stacks`): the engine never imports the training product. It is called
+    as ``optimizer_class(part, layout, lr, betas, eps, weight_decay, fsdp, sharded)``.
+
     The harness reads ``.grad`` after the optimizer step (torch's AdamW leaves it);
     `ShardedAdamW.step` clears it, so the step puts the reduced gradients back.
     """
 
     name = "optimized-fsdp"
 
-    def __init__(self, model, parallel, layout, source, optimizer, stages=None) -> None:
+    def __init__(
+        self, model, parallel, layout, source, optimizer, stages=None, *, optimizer_class: type
+    ) -> None:
         from optimized.pipeline.runner import OptimizedPipeline  # noqa: PLC0415
-        from optimized.train.optimizer import ShardedAdamW  # noqa: PLC0415
 
         self.sharded: set[str] = set()
         device = torch.device("cpu")
@@ -266,7 +271,7 @@ class ShardedOptimizedPipeline(PipelineRunner):
         self.part, self.layout, self.parallel = self.runner.part, layout, parallel
         self.schedule = self.runner.schedule
         self.gradient_sync = install_gradient_sync(self.runner)
-        self.optimizer = ShardedAdamW(
+        self.optimizer = optimizer_class(
             self.part, layout, optimizer.lr, optimizer.betas, optimizer.eps,
             optimizer.weight_decay, True, self.sharded,
         )  # fmt: skip
