@@ -12,7 +12,7 @@ import torch
 
 from benchmarks._common import DEVICE, bench, pick
 from models.layers import causal_mask, eager_attention
-from optimized.ops.attention import flash_attention
+from optimized.ops import flash_attention
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = pick(gpu=(1, 64, 8, 4096, 64), cpu=(1, 4, 2, 256, 16))
 WINDOW = pick(gpu=128, cpu=16)

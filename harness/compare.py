@@ -52,7 +52,7 @@ def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
     pipelines = [s for s in sides if s != "oracle"]
     if not any(s.startswith("optimized") for s in pipelines) or len(pipelines) < 2:
         return None
-    from optimized.pipeline.runner import default_partition  # noqa: PLC0415
+    from optimized.pipeline import default_partition  # noqa: PLC0415
 
     chosen = default_partition(model, parallel)
     even = even_partition(model.num_hidden_layers, 2 * parallel.pp)

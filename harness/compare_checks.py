@@ -55,8 +55,7 @@ def _add_estimates(
     routing that step saw (`optimized.estimator.routing`), the balanced one beside it.
     ``stages``: the layers per stage both stacks ran (None: each stack's own choice)."""
     try:
-        from optimized.estimator import estimate_for_compare  # noqa: PLC0415
-        from optimized.estimator.routing import received_loads  # noqa: PLC0415
+        from optimized.estimator import estimate_for_compare, received_loads  # noqa: PLC0415
     except ImportError:
         return
     layout = dict(

@@ -84,7 +84,7 @@ def _side(measured: list[Counts], predicted: Counts | None) -> dict[str, Any]:
 
 
 def _estimate_config(model, parallel, stack: str):
-    from optimized.estimator.config import EstimateConfig  # noqa: PLC0415
+    from optimized.estimator import EstimateConfig  # noqa: PLC0415
 
     return EstimateConfig(
         model, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
@@ -98,7 +98,7 @@ def _estimate_config(model, parallel, stack: str):
 
 def _predictions(model, parallel, stack: str) -> list[Counts] | None:
     try:
-        from optimized.estimator.communication import predict_ranks  # noqa: PLC0415
+        from optimized.estimator import predict_ranks  # noqa: PLC0415
 
         return list(predict_ranks(_estimate_config(model, parallel, stack)))
     except (ValueError, TypeError) as error:

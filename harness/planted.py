@@ -122,7 +122,7 @@ def planted(name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    from optimized.ops.optimized_ops import OptimizedOps  # noqa: PLC0415
+    from optimized.ops import OptimizedOps  # noqa: PLC0415
 
     patches: dict[str, Callable[[], Iterator[tuple[Any, str, Any]]]] = {
         "activation-round-to-zero": lambda: _activation_round_to_zero(OptimizedOps),

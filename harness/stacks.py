@@ -215,7 +215,7 @@ def _adam_state(pipeline: Any, name: str, param: torch.Tensor) -> tuple[dict, in
     """Whole ``exp_avg`` / ``exp_avg_sq`` of one parameter and its step count."""
     shards = _shard_of(pipeline)
     if name in shards:
-        from optimized.train.optimizer import gather_slices  # noqa: PLC0415
+        from optimized.train import gather_slices  # noqa: PLC0415
 
         shard = shards[name]
         step = pipeline.optimizer.step_count

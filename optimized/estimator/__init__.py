@@ -30,23 +30,29 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
+from optimized.estimator.communication import predict_ranks, predict_traffic
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.megatron import megatron_figures
 from optimized.estimator.memory import RankEstimate, layer_profile, rank_params, static_bytes
 from optimized.estimator.params import BUCKETS, active_params, model_params
 from optimized.estimator.ranks import estimate_rank, estimate_ranks, largest_peak
+from optimized.estimator.routing import ObservedRouting, received_loads
 from optimized.estimator.schedule import send_completions, walk
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 __all__ = [
     "EstimateConfig",
+    "ObservedRouting",
     "RankEstimate",
     "estimate_rank",
     "estimate_ranks",
     "largest_peak",
     "layer_profile",
+    "predict_ranks",
+    "predict_traffic",
     "rank_params",
+    "received_loads",
     "send_completions",
     "static_bytes",
     "walk",
@@ -201,8 +207,6 @@ def estimate_for_compare(
     config = EstimateConfig(model_config, stack=stack, **fields)
     report = estimate(config)
     if routing is not None:
-        from optimized.estimator.routing import ObservedRouting
-
         partition = _partition(config)
         report["observed_ranks"] = {
             rank: estimate_rank(

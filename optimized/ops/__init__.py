@@ -9,6 +9,7 @@ May import `models` only: never another `optimized` subpackage, `reference` or `
 from models.distributed import all_to_all
 from optimized.ops import _triton  # noqa: F401  (must precede every kernel import)
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
+from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
 from optimized.ops.expert_order import (
     GROUPED_GEMM_ROW_ALIGNMENT,
@@ -28,6 +29,7 @@ __all__ = [
     "all_to_all",
     "clamped_swiglu",
     "cross_entropy",
+    "flash_attention",
     "gather_from_grouped",
     "grouped_linear",
     "linear_cross_entropy",

@@ -30,7 +30,7 @@ from optimized.pipeline.partition import (
 )
 from optimized.pipeline.profile import STAGES, LayerProfile, StageProfile, profile_part
 from optimized.pipeline.runner import OptimizedPipeline, default_partition
-from optimized.pipeline.sharding import ShardedOptimizedPipeline, apply_fsdp
+from optimized.pipeline.sharding import ShardedOptimizedPipeline, apply_fsdp, held_rows
 
 __all__ = [
     "STAGES",
@@ -48,6 +48,7 @@ __all__ = [
     "even_partition",
     "free_storage",
     "heuristic_partition",
+    "held_rows",
     "partition_report",
     "profile_part",
     "stage_layers",

@@ -31,7 +31,7 @@ from optimized.train.config_io import (
     load_config,
     print_config,
 )
-from optimized.train.export import export
+from optimized.train.export import export, export_checkpoint
 from optimized.train.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 from optimized.train.preparation import (
@@ -69,6 +69,7 @@ __all__ = [
     "config_to_toml",
     "default_dataset",
     "export",
+    "export_checkpoint",
     "gather_slices",
     "list_checkpoints",
     "load_checkpoint",
