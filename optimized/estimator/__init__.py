@@ -7,12 +7,23 @@ stack keeps per layer and micro-batch, times the micro-batches each chunk
 holds at each action of the DualPipeV walk, with the phase where each rank
 peaks. Beside it, what Megatron's published formulas would say.
 
-Modules: `config` (`EstimateConfig`), `params` (parameter counts), `activations` (what a
-layer saves), `steps` (the optimized stage functions' transients), `schedule` (the
-DualPipeV walk), `memory` (what both walks share), `reference_walk` and `optimized_walk`,
-`ranks` (per-rank estimates), `megatron` (the published formulas), `cli`
-(``twinpipe estimate``). May import `models` only (and `optimized.pipeline.partition`
-lazily, to pick the partition it estimates); never `reference` or `harness`.
+Modules:
+
+- memory: `config` (`EstimateConfig`), `params` (parameter counts), `activations` (what a
+  layer saves), `reference_layer` (what the reference's layer holds beyond that), `steps`
+  (the optimized stage functions' transients), `recompute` (the optimized attention's
+  recomputed backward), `sink_attention` (GPT-OSS's sinks as the fused kernel holds them),
+  `schedule` (the DualPipeV walk), `memory` (what both walks share), `reference_walk` and
+  `optimized_walk`, `ranks` (per-rank estimates), `routing` (the routing a run saw, in
+  place of balanced routing), `megatron` (the published formulas);
+- beside memory: `communication` (every collective and point-to-point call of a step),
+  `sync_marks` (where each chunk's gradients are complete in the walk), `bubble` (the
+  pipeline bubble, timed from the walk), `plan` (which layouts fit which GPUs);
+- commands: `cli` (``twinpipe estimate``) and `plan_cli` (``twinpipe plan``).
+
+May import `models` only, and `optimized.pipeline.partition` inside functions (never at
+module level), to ask which partition the stack would run: the one edge against the
+order, a cycle at call time that `optimized` states; never `reference` or `harness`.
 
 The API keeps the names and the meaning of Megatron's ``theoretical_memory_utils``, with
 twinpipe's exact counts behind them (``config`` is an `EstimateConfig`):

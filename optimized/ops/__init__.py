@@ -1,9 +1,19 @@
 """Optimized ops: each a unit of kernel, autograd Function and public function.
 
+- `activations`: SiLU-and-multiply and GPT-OSS's clamped SwiGLU, fused (Triton);
+- `attention`: fused causal attention keeping O(S) statistics, GPT-OSS's sinks as a
+  virtual key, sliding windows banded (`flash_attention`);
+- `cross_entropy`: one kernel pass, the gradient written over the logits;
+- `linear_cross_entropy`: the output layer and the cross-entropy fused over token chunks;
+- `gather`: row gather and scatter-add that save only the index;
+- `expert_order`: token rows grouped by expert, each group padded for the grouped GEMM;
+- `grouped_linear`: the grouped expert linear, its weight gradient deferrable to a W step;
+- `optimized_ops`: `OptimizedOps`, the stack's `models.ops.Ops`.
+
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.
 
-May import `models` only: never another `optimized` subpackage, `reference` or `harness`.
+May import `models` only; never another `optimized` subpackage, `reference` or `harness`.
 """
 
 from models.distributed import all_to_all

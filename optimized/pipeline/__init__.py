@@ -6,7 +6,11 @@
 - `execution`: the per-step context that owns deferred work, exchanges and early frees;
 - `profile`: what each stage of a layer saves, measured on a real part;
 - `partition`: the layer ranges the memory estimator predicts the lowest peak for;
-- `sharding`: FSDP2 over the DP group (experts over their expert-DP group);
+- `sharding`: FSDP2 over the DP group (experts over their expert-DP group), and
+  `ShardedOptimizedPipeline`, whose optimizer (`optimized.train.ShardedAdamW`) the caller
+  passes in;
+- `gradient_sync`: when FSDP2 reduces gradients and reshards parameters within a step
+  (once per unit, at the last backward or W step the schedule gives its chunk);
 - `runner`: `OptimizedPipeline`, the stack's runner as the harness and trainer drive it.
 
 May import `models`, `optimized.ops` and `optimized.estimator`; never `optimized.train`,

@@ -4,9 +4,14 @@
 - `tokenizers`, `preparation` (the memory-mapped token format, the default data set)
   and `loader` (windows and the resumable DP-sharded sampler);
 - `optimizer`: AdamW over sharded parameters with float32 state;
-- `checkpointing`: DCP checkpoints, atomic, layout-free; `export`: Hugging Face out;
+- `checkpointing`: DCP checkpoints, atomic, layout-free, each rank's own piece written
+  as an explicit DCP chunk (`chunks`, which `export` reads too); `export`: Hugging Face out;
+- `preflight`: everything ``twinpipe train`` checks before a process group starts, and
+  the run it plans;
 - `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
-  (the optimized runner only) and the z-loss for the log;
+  (the optimized runner only) and the z-loss for the log; `metrics`: a step's figures,
+  its log line, the JSON-lines and TensorBoard sink; `phases`: the peak memory of each
+  phase (load, train, save);
 - `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
   (``twinpipe export``).
 
