@@ -14,7 +14,7 @@ on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``)
   peak), then transformers loads the export and its logits are held against ours.
 - ``dry-run``: a published-size layout (default PP=4 DP=8 EP=8) built on the meta device:
   every rank's tensors and bytes to read from the checkpoint (its stages, EP experts and
-  FSDP2 rows; `optimized.pipeline.sharding.held_rows`), and the totals against the
+  FSDP2 rows; `optimized.pipeline.held_rows`), and the totals against the
   checkpoint's size; ``--tensors`` lists each rank's reads.
 """
 
@@ -133,7 +133,7 @@ def _in_child(function: str, *arguments: str) -> dict:
 
 # --------------------------------------------------------------- export-check
 def _export_child(checkpoint: str, out: str, max_shard_bytes: str) -> dict:
-    from optimized.train.export import export_checkpoint
+    from optimized.train import export_checkpoint
 
     baseline = _memory()["VmRSS"]
     _reset_peak()
@@ -211,8 +211,7 @@ def dry_run_report(
     from models.hf_layout import MXFP4, expected_hf_shapes, expected_state_shapes
     from models.model import CausalLM
     from models.training import even_partition, rank_chunks
-    from optimized.pipeline.runner import default_partition
-    from optimized.pipeline.sharding import held_rows
+    from optimized.pipeline import default_partition, held_rows
 
     config = preset(model)
     quantized = config.model_type == "gpt_oss" and not bf16

@@ -173,10 +173,6 @@ DEEP_IMPORTS_ALLOWED = {
     ("harness/planted.py", "optimized.pipeline.dualpipev"): (
         "a planted bug patches the module's own `linear_cross_entropy` name"
     ),
-    ("benchmarks/checkpoints.py", None): (
-        "being edited in another change; its names are re-exported (optimized.train's "
-        "export_checkpoint, optimized.pipeline's default_partition and held_rows)"
-    ),
 }
 """(file, module; None: any) -> why it may import a file inside an `optimized` subpackage."""
 
