@@ -1,56 +1,58 @@
-"""#19, runs as a user runs them (`python -m harness.cli train` in a subprocess): a
-checkpoint folder belongs to one run, a rerun with nothing to do says so, metrics never
-hold a step twice, SIGTERM to the launcher saves and exits 143, a rank killed by a
-signal is named with it, a checkpoint that cannot be written where asked goes to a
-rescue folder, and exported files follow the umask.
+"""#19, runs as a user runs them (`python -m harness.cli train` or `compare` in a
+subprocess): a checkpoint folder belongs to one run, a rerun with nothing to do says so,
+metrics never hold a step twice, SIGTERM or SIGINT to the launcher stops every rank (train
+saves first) and exits 128 + the signal, a rank killed by a signal is named with it, a
+checkpoint or report that cannot be written where asked goes to a rescue folder, and
+exported files follow the umask.
 
-The ranks run the reference stack's runner (``TWINPIPE_RUNNER``), as in test_train:
+Train's ranks run the reference stack's runner (``TWINPIPE_RUNNER``), as in test_train:
 the trainer around it is the same code, and the Triton interpreter would only be slower.
+Compare runs the oracle against the reference stack, the cheapest pair.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from harness.cli import main
+from harness.cli import SUBCOMMANDS, main
 from models.launch import describe_failure
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.checkpointing import RUN_FILE, checkpoint_run, read_run, verify
 from optimized.train.config import lr_at, warmup_of
-from optimized.train.preparation import prepare_data
-from optimized.train.tokenizers import ByteTokenizer
+from tests._cli import (
+    HANG_GUARD_S,
+    REFERENCE_RUNNER,
+    alive,
+    rank_pids,
+    read_until,
+    small_data,
+    started,
+    twinpipe,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-HANG_GUARD_S = 600
-"""Subprocess timeouts catch a hang only; no test asserts how fast anything runs."""
 TINY = ["--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
         "--warmup-steps", "1"]  # fmt: skip
+COMPARE = ["compare", "--pp", "1", "--ep", "1", "--micro-batches", "2", "--micro-batch-size",
+           "1", "--seq-len", "16", "--no-memory", "--baseline", "oracle", "--candidate",
+           "reference"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    (root / "text.txt").write_text("a few words of text to train on, again and again. " * 300)
-    prepare_data([root / "text.txt"], ByteTokenizer(), root / "data", progress=False)
-    return str(root / "data")
+    return small_data(tmp_path_factory.mktemp("data"))
 
 
-def train(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness.cli", "train", *TINY, *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S,
-        env={**os.environ, "TWINPIPE_RUNNER": "reference.pipeline:ReferencePipeline",
-             "TWINPIPE_FAULT": "", **env},
-    )  # fmt: skip
+def train(*args: str, **env: str):
+    return twinpipe("train", *TINY, *args, TWINPIPE_RUNNER=REFERENCE_RUNNER, **env)
 
 
 def steps_recorded(metrics: Path) -> list[int]:
@@ -159,23 +161,24 @@ def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_pa
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_the_launcher_stops_every_rank_saves_and_exits_143(tmp_path, data):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_rank_saves_and_exits_128_plus_it(
+    tmp_path, data, signum
+):
+    """SIGTERM: ``kill PID``, docker stop, systemd; SIGINT: ``kill -INT PID`` (a real
+    signal, not a KeyboardInterrupt raised in-process). Both reach the launcher only."""
     ckpt = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "harness.cli", "train", *TINY, "--data", data, "--dp", "2",
-               "--steps", "400", "--checkpoint-dir", str(ckpt)]  # fmt: skip
-    env = {**os.environ, "TWINPIPE_RUNNER": "reference.pipeline:ReferencePipeline"}
-    launcher = subprocess.Popen(command, cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    seen = []
-    for line in launcher.stdout:  # the launcher only: `kill PID`, docker stop, systemd
-        seen.append(line)
-        if line.startswith("step 00000002/"):
-            launcher.send_signal(signal.SIGTERM)
-            break
-    out, err = launcher.communicate(timeout=HANG_GUARD_S)
+    command = ["train", *TINY, "--data", data, "--dp", "2", "--steps", "400",
+               "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    with started(*command, TWINPIPE_RUNNER=REFERENCE_RUNNER) as launcher:
+        seen = read_until(launcher.stdout, "step 00000002/")
+        ranks = rank_pids(launcher)
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=HANG_GUARD_S)
     out = "".join(seen) + out
-    assert launcher.returncode == 143, (out, err)
-    stopped = int(re.search(r"stopped by SIGTERM after step (\d+) of 400", err)[1])
+    assert launcher.returncode == 128 + signum, (out, err)
+    assert len(ranks) == 2 and not any(alive(pid) for pid in ranks)
+    stopped = int(re.search(rf"stopped by {signum.name} after step (\d+) of 400", err)[1])
     assert 2 <= stopped < 400
     assert [p.name for p in ckpt.glob("step-*")] == [f"step-{stopped:08d}"]
     assert verify(ckpt / f"step-{stopped:08d}") is None
@@ -191,13 +194,63 @@ def test_a_rank_killed_by_a_signal_is_named_first(data):
 
 @pytest.mark.multiprocess
 def test_a_checkpoint_that_cannot_be_saved_where_asked_is_rescued(tmp_path, data):
-    ckpt = tmp_path / "ckpt"
+    ckpt, temporary = tmp_path / "ckpt", tmp_path / "tmp"
+    temporary.mkdir()  # the rescue folder's parent (TMPDIR), so nothing is left in /tmp
     done = train("--data", data, "--steps", "2", "--checkpoint-dir", str(ckpt),
-                 TWINPIPE_FAULT="ckpt-dir-gone@1:0")  # fmt: skip
+                 TWINPIPE_FAULT="ckpt-dir-gone@1:0", TMPDIR=str(temporary))  # fmt: skip
     assert done.returncode == 3, done.stderr
     rescued = Path(re.search(r"the checkpoints are in (\S+)", done.stderr)[1])
+    assert rescued.is_relative_to(temporary)
     assert verify(rescued / "step-00000002") is None
     assert ckpt.is_file()  # what the fault left where the folder was
+
+
+@pytest.mark.multiprocess
+def test_compare_names_a_rank_killed_by_a_signal():
+    with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
+        read_until(launcher.stderr, "step 1/400")
+        ranks = rank_pids(launcher)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=HANG_GUARD_S)
+    assert launcher.returncode == 3, (out, err)
+    assert "rank 1 was killed by SIGKILL (signal 9)" in err
+    assert "rank 0 failed first" not in err and "stopped by" not in err
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_compare_launcher_stops_every_rank_and_exits_143():
+    with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
+        read_until(launcher.stderr, "step 1/400")
+        ranks = rank_pids(launcher)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=HANG_GUARD_S)
+    assert launcher.returncode == 143, (out, err)
+    assert "stopped by SIGTERM" in err and "PASSED" not in out
+    assert len(ranks) == 2 and not any(alive(pid) for pid in ranks)
+
+
+@pytest.mark.multiprocess
+def test_a_compare_report_that_cannot_be_written_where_asked_is_rescued(tmp_path):
+    """Both outputs' folder is checked before the ranks start, then replaced by a file while
+    they run (a disk that went away): the report goes to a rescue folder, named."""
+    folder, temporary = tmp_path / "reports", tmp_path / "tmp"
+    temporary.mkdir()  # the rescue folder's parent (TMPDIR), so nothing is left in /tmp
+    outputs = ["--json", str(folder / "r.json"), "--out", str(folder / "out")]
+    with started(*COMPARE, "--dp", "1", "--steps", "1", *outputs,
+                 TMPDIR=str(temporary)) as launcher:  # fmt: skip
+        read_until(launcher.stderr, "launching")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.write_text("where the folder was")
+        out, err = launcher.communicate(timeout=HANG_GUARD_S)
+    assert launcher.returncode == 3, (out, err)
+    said = r"could not write (the report(?: JSON)?) to .*; it is at '(.+)' instead"
+    found = dict(re.findall(said, err))
+    assert set(found) == {"the report", "the report JSON"}, err
+    rescued_json, rescued_out = Path(found["the report JSON"]), Path(found["the report"])
+    assert rescued_json.name == "r.json" and json.loads(rescued_json.read_text())["passed"]
+    assert {"report.json", "report.md"} <= {p.name for p in rescued_out.iterdir()}
+    assert rescued_json.is_relative_to(temporary) and rescued_out.is_relative_to(temporary)
 
 
 def test_describe_failure_names_the_root_cause():
@@ -221,20 +274,21 @@ def test_warmup_clamps_to_a_short_run(capsys):
 
 
 def _options(command: str) -> list:
-    import argparse
     import importlib
-
-    from harness.cli import SUBCOMMANDS
 
     parser = argparse.ArgumentParser()
     importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
     return [a for a in parser._actions if a.option_strings and a.dest != "help"]
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "estimate", "plan", "export"])
-def test_help_documents_every_option_and_shows_every_default(capsys, command):
-    import argparse
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    listed = re.findall(r"^    (\S+)", capsys.readouterr().out.split("COMMAND\n", 1)[1], re.M)
+    assert listed == list(SUBCOMMANDS)
 
+
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_help_documents_every_option_and_shows_every_default(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     out = capsys.readouterr().out
@@ -246,13 +300,12 @@ def test_help_documents_every_option_and_shows_every_default(capsys, command):
         flag = action.option_strings[0]
         entry = entries[flag]
         assert action.help and len(entry.split()) > 2, f"{command} {flag} has no help"
-        if action.dest.startswith("config__") or action.default not in (
-            None,
-            False,
-            [],
-            argparse.SUPPRESS,
-        ):
+        if action.dest.startswith("config__"):
             assert "default" in entry, f"{command} {flag}: {entry}"
+        elif action.default not in (None, False, [], argparse.SUPPRESS):
+            # the default's value, after the word: "(default: 0.01)", "(default 0.1)"
+            said = entry.partition("default")[2]
+            assert str(action.default) in said, f"{command} {flag}: {entry}"
     if command == "train":
         assert "default: 0.0003" in entries["--lr"] and "default: 100" in entries["--steps"]
         assert "default: unset" in entries["--warmup-steps"]

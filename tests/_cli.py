@@ -1,0 +1,119 @@
+"""Running `twinpipe` as a user runs it, for the tests that need a real process: the
+command in a subprocess (``python -m harness.cli``), the ranks it launched found by pid,
+and a small data folder.
+
+Subprocess timeouts catch a hang only; no test asserts how fast anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG_GUARD_S = 600
+REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
+"""``TWINPIPE_RUNNER`` for train runs on the reference stack: the trainer around it is the
+same code, and the Triton interpreter would only be slower."""
+
+
+def environment(**env: str | None) -> dict[str, str]:
+    """This process's environment with ``env`` set (``None``: removed), and no fault."""
+    merged = {**os.environ, "TWINPIPE_FAULT": "", **env}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
+def twinpipe(*args: str, **env: str | None) -> subprocess.CompletedProcess:
+    """``twinpipe ARGS`` to completion, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True,
+        text=True, timeout=HANG_GUARD_S, env=environment(**env),
+    )  # fmt: skip
+
+
+@contextmanager
+def started(*args: str, **env: str | None):
+    """``twinpipe ARGS`` running, its output piped. On the way out, whatever it left alive
+    (the launcher, or a rank it left behind) is killed, so a failing test orphans nothing."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=environment(**env),
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as launcher:  # fmt: skip
+        launcher.ranks = {}  # pid -> start time, filled by rank_pids()
+        try:
+            yield launcher
+        finally:
+            for pid, start in launcher.ranks.items():
+                if alive(pid) and _start_time(pid) == start:  # that rank, not a reused pid
+                    with suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+def read_until(stream, prefix: str) -> list[str]:
+    """Lines of ``stream`` up to and including the first that starts with ``prefix``
+    (leading spaces ignored); fails if the stream ends first."""
+    seen = []
+    for line in stream:
+        seen.append(line)
+        if line.lstrip().startswith(prefix):
+            return seen
+    raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(seen)}")
+
+
+def rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """The pids of the ranks ``launcher`` (from `started`) spawned, rank 0 first:
+    `models.launch` starts them in rank order, and its one other child is
+    multiprocessing's resource tracker."""
+    children = []
+    for task in os.listdir(f"/proc/{launcher.pid}/task"):
+        with suppress(FileNotFoundError):
+            children += Path(f"/proc/{launcher.pid}/task/{task}/children").read_text().split()
+    started_at = {int(pid): _start_time(int(pid)) for pid in children}
+    ranks = sorted(
+        (pid for pid in started_at if "spawn_main" in _command_line(pid)),
+        key=lambda pid: (int(started_at[pid] or 0), pid),
+    )
+    launcher.ranks.update({pid: started_at[pid] for pid in ranks})
+    return ranks
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` from the state on (the command name may hold spaces)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
+def small_data(root: Path) -> str:
+    """A prepared byte-token folder of a few thousand tokens under ``root``."""
+    from optimized.train.preparation import prepare_data  # noqa: PLC0415
+    from optimized.train.tokenizers import ByteTokenizer  # noqa: PLC0415
+
+    (root / "text.txt").write_text("a few words of text to train on, again and again. " * 300)
+    prepare_data([root / "text.txt"], ByteTokenizer(), root / "data", progress=False)
+    return str(root / "data")
