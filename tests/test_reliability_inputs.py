@@ -208,6 +208,13 @@ def test_compare_refuses_bad_input_before_any_rank(capsys, args, needle):
     refused([*COMPARE, *args], capsys, needle)
 
 
+def test_compare_and_estimate_refuse_more_stages_than_layers(capsys):
+    """`--pp 3` on the 4-layer default model, as train refuses it (``pp-vs-layers``)."""
+    needle = "pp=3 is invalid: 4 layers cannot fill 2 * pp = 6 stages"
+    refused([*COMPARE, "--pp", "3", "--micro-batches", "6"], capsys, needle)
+    refused(["estimate", "--model", "tiny-deepseek-v2", "--pp", "3"], capsys, needle)
+
+
 def test_estimate_and_plan_refuse_a_sequence_beyond_the_positions(capsys):
     err = refused(["estimate", "--model", "tiny-deepseek-v2", "--seq-len", "1000000000"], capsys)
     assert "--seq-len=1000000000 is invalid" in err and "max_position_embeddings=256" in err
