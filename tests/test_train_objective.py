@@ -2,13 +2,14 @@
 
 The trainer's first step with both options on is held against the same objective
 computed in float64 on a single-process model from the same weights and batch; the log
-line and the metrics record carry the z-loss; the reference stack, which computes plain
-cross-entropy only, refuses the options by name.
+line and the metrics record carry the z-loss, through the CLI at two ranks too; the
+reference stack, which computes plain cross-entropy only, refuses the options by name.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from optimized.train.preflight import plan_run
 from optimized.train.preparation import default_dataset
 from optimized.train.trainer import runner_class
 from reference.ops import ReferenceOps
+from tests._cli import twinpipe
 
 Z_LOSS, LABEL_SMOOTHING = 1e-2, 0.1
 
@@ -74,6 +76,31 @@ def test_first_step_objective_matches_float64(tmp_path, monkeypatch):
     assert abs(record["z_loss"] - expected_z_loss) <= 1e-5 * expected_z_loss
     plain = float64_objective(config("loss.z_loss=0", "loss.label_smoothing=0"))[0]
     assert abs(losses[0] - plain) > 1e-3 * plain  # the options changed the objective
+
+
+@pytest.mark.multiprocess
+def test_the_options_through_the_cli_at_two_ranks(tmp_path):
+    """`twinpipe train --z-loss --label-smoothing` at PP=2 logs and records the objective of
+    the same batch on one process in float64: every layout prints the same figures."""
+    metrics = tmp_path / "metrics.jsonl"
+    done = twinpipe(
+        "train", "--pp", "2", "--seq-len", "16", "--micro-batch-size", "1",
+        "--micro-batches", "4", "--steps", "1", "--warmup-steps", "1",
+        "--z-loss", str(Z_LOSS), "--label-smoothing", str(LABEL_SMOOTHING),
+        "--metrics-file", str(metrics), TWINPIPE_RUNNER=None,  # the optimized stack
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected_loss, expected_z_loss = float64_objective(config("data.micro_batches=4"))
+    (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert abs(record["loss"] - expected_loss) <= 1e-5 * expected_loss
+    assert abs(record["z_loss"] - expected_z_loss) <= 1e-5 * expected_z_loss
+    # The log line: the cross-entropy part (4 decimals) and the z-loss (5 digits), as printed.
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("step 00000001/")]
+    printed = re.search(r"cross-entropy-loss (\S+) \| z-loss (\S+) \|", line)
+    assert printed, line
+    cross_entropy, z_loss = float(printed[1]), float(printed[2])
+    assert abs(cross_entropy - (expected_loss - expected_z_loss)) <= 5e-5 + 1e-5 * expected_loss
+    assert abs(z_loss - expected_z_loss) <= 6e-5 * expected_z_loss
 
 
 def test_log_line_shows_the_z_loss_only_when_on():
