@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from harness.compare_checks import compare_tensors
 from harness.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
 from harness.stacks import shadow_update
-from models import SeededWeights, preset
+from models import SeededWeights, build_model, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.model import is_expert_parameter
 from models.training import OptimizerConfig, synthetic_batch
@@ -138,6 +138,30 @@ def test_nonfinite_is_infinite_error():
     a = torch.tensor([1.0, float("nan"), 3.0])
     sums = pair_sums(a, torch.ones(3))
     assert not sums.finite and math.isinf(sums.rel) and math.isinf(sums.one_minus_cos)
+
+
+@pytest.mark.parametrize(
+    ("dp_rank", "ep", "whole", "experts_count", "others_count"),
+    [
+        (0, 1, False, True, True),
+        (1, 1, False, False, False),  # DP = 2, EP = 1: rank 1 holds replicas of everything
+        (1, 2, False, True, False),  # EP = 2: its expert shard is its own, the rest a copy
+        (2, 2, False, False, False),  # DP = 4, EP = 2: the second block of EP ranks
+        (3, 1, True, True, True),  # the oracle (whole) defers to the other side's rule
+    ],
+)
+def test_pieces_count_each_row_once(dp_rank, ep, whole, experts_count, others_count):
+    """Data-parallel copies count once (as `models.training.reduce_gradients` reduces
+    them): a non-expert tensor on dp-rank 0, an expert shard on the first EP block. A copy
+    counted twice leaves 1 - cos and the relative error of that tensor unchanged, so
+    only this rule, and the element counts, can see it."""
+    part = build_model(preset("tiny-qwen3-moe"))
+    got = pieces(part, RankPlace(dp_rank, ep, whole), lambda name, p: p)
+    experts = {n: piece.counts for n, piece in got.items() if is_expert_parameter(n)}
+    others = {n: piece.counts for n, piece in got.items() if not is_expert_parameter(n)}
+    assert experts and others
+    assert set(experts.values()) == {experts_count}
+    assert set(others.values()) == {others_count}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

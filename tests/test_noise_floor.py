@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from harness.inplace import pair_sums
-from harness.noise_floor import ALL, RADIAL_SHARE, K, Z, _why, judge_grads, judge_group
+from harness.noise_floor import (
+    ALL,
+    RADIAL_SHARE,
+    SLACK_LOSS,
+    K,
+    Z,
+    _why,
+    judge_grads,
+    judge_group,
+    judge_loss,
+)
 
 N = 4096
 
@@ -101,3 +112,15 @@ def test_one_group_off_its_stack_s_scale_fails_within_twice_the_reference_s_size
     assert "where its stack's scale is" in _why(down)
     assert rows["model.layers.*.self_attn.q_proj.weight"]["passed"]
     assert rows[ALL]["passed"]  # the bias is diluted in all gradients together
+
+
+def test_the_loss_is_judged_against_the_reference_s_distance_from_the_truth():
+    """The loss bound is K times the *reference's* relative distance from the float32 truth
+    (plus a slack): a candidate five times as far fails, one within K times passes. A bound
+    computed from the candidate's own distance would pass anything."""
+    truth, baseline = 2.0, 2.0 * (1 + 1e-3)  # the reference: 1e-3 from the truth
+    close = judge_loss({"truth": truth, "baseline": baseline, "candidate": 2.0 * (1 - 1.5e-3)})
+    far = judge_loss({"truth": truth, "baseline": baseline, "candidate": 2.0 * (1 + 5e-3)})
+    assert close["limit"] == far["limit"] == pytest.approx(K * 1e-3 + SLACK_LOSS)
+    assert close["passed"]
+    assert not far["passed"] and far["candidate"] == pytest.approx(5e-3)

@@ -27,3 +27,15 @@ def test_two_steps_equal_adamw_by_hand():
         m_hat, v_hat = m / (1 - b1**step), v / (1 - b2**step)
         expected = expected - config.lr * m_hat / (v_hat.sqrt() + config.eps)
         torch.testing.assert_close(param.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_defaults_are_the_trainer_s_adamw():
+    """`twinpipe compare` builds ``OptimizerConfig(lr=...)``: its other settings are these
+    defaults, which must be the trainer's AdamW (`optimized.train.config.OptimSection`).
+    Every comparison shares them, so no stack-against-stack test sees a change."""
+    from optimized.train.config import OptimSection
+
+    config, trainer = OptimizerConfig(), OptimSection()
+    assert config.betas == trainer.betas == (0.9, 0.95)
+    assert config.weight_decay == trainer.weight_decay == 0.1
+    assert config.eps == 1e-8  # the trainer passes eps=1e-8 (optimized.train.trainer)

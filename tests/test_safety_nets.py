@@ -36,6 +36,10 @@ def test_backward_reading_a_freed_saved_tensor_raises():
     assert context.is_saved(out) and not context.is_saved(hidden)
     assert not context.can_free(out), "a storage autograd saved must never be freed"
     out.untyped_storage().resize_(0)  # what a wrong free rule would do
+    # The unpack hook itself first: with the guard broken, backward would read freed
+    # memory (a segfault that ends the whole pytest run, naming no test).
+    with pytest.raises(FreedStorageRead):
+        ExecutionContext._unpack(out)
     with pytest.raises(FreedStorageRead, match=r"\(8, 4\)"):
         out.backward(torch.ones(8, 4))
 
