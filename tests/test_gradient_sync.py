@@ -4,6 +4,8 @@ the counts, or leaves a gradient unreduced and the step refuses to finish)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -11,7 +13,10 @@ from torch.distributed.tensor import DTensor
 from models import build_model, resolve_model
 from models.communication import counted_step
 from models.distributed import ParallelConfig, launch, make_layout
+from models.routing import BalancedRouting, attach_routing_tape
 from models.training import OptimizerConfig, synthetic_batch
+from optimized.estimator.communication import _rank_part, fsdp_units, runner_partition
+from optimized.estimator.config import EstimateConfig
 from optimized.estimator.schedule import rank_actions
 from optimized.estimator.sync_marks import SyncMarks, sync_marks
 from optimized.pipeline.gradient_sync import GradientSync
@@ -135,3 +140,60 @@ def test_planted_wrong_marks_change_gradients_or_counts():
             if not torch.allclose(lost["grads"][n], g, rtol=1e-3, atol=1e-6)
         ]
         assert len(changed) >= right["chunk0_dense"], changed
+
+
+PARALLEL_M8 = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=8, seq_len=8)
+
+
+def _reduce_scatters_at_m8(model, state, modes) -> dict:
+    """PP=2 DP=2 EP=2 M=8, tiny-deepseek-v2 with balanced routing: one counted step of the
+    FSDP runner per ``--grad-sync`` mode; its reduce-scatter calls (every group) and FSDP
+    units, as the runner holds them and as the estimator counts them (`fsdp_units`)."""
+    out = {}
+    for mode in modes:
+        parallel = replace(PARALLEL_M8, grad_sync=mode)
+        layout = make_layout(parallel)
+        torch.manual_seed(0)
+        runner = ShardedOptimizedPipeline(
+            model, parallel, layout, state, OptimizerConfig(), optimizer_class=ShardedAdamW
+        )
+        attach_routing_tape(runner.part, BalancedRouting())
+        ids, labels = synthetic_batch(model, parallel, 0)
+        steps: list = []
+        with counted_step(layout, steps):
+            runner.forward_backward(ids, labels)
+        config = EstimateConfig(
+            model, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+            micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
+            num_microbatches=parallel.micro_batches, fsdp=True, shard_optimizer=True,
+        )  # fmt: skip
+        partition = runner_partition(config)
+        pp_rank, ep_rank = layout.pp_rank, layout.ep_rank
+        chunks = (partition[pp_rank], partition[parallel.pp * 2 - 1 - pp_rank])
+        part = _rank_part(config, pp_rank, ep_rank, chunks)
+        out[mode] = {
+            "reduce_scatters": sum(
+                t.calls for (kind, _), t in steps[0].items() if kind == "reduce_scatter"
+            ),
+            "units": len(runner.schedule.gradient_sync.all_units()),
+            "estimated_units": len(fsdp_units(config, part, chunks, pp_rank)),
+        }
+        del runner
+    return out
+
+
+@pytest.mark.multiprocess
+def test_one_reduce_scatter_per_unit_per_step_at_m8():
+    """The issue's target layout, PP=2 DP=2 EP=2 M=8: with ``--grad-sync step`` (the
+    default) each rank reduce-scatters once per FSDP unit per step; ``micro-batch`` once per
+    unit and micro-batch, 8x. The units are both the runner's and the estimator's count."""
+    model = resolve_model("tiny-deepseek-v2")
+    state = build_model(model, seed=0).state_dict()
+    ranks = launch(_reduce_scatters_at_m8, 4, (model, state, ("step", "micro-batch")))
+    for rank, figures in enumerate(ranks):
+        step, micro = figures["step"], figures["micro-batch"]
+        assert step["units"] == step["estimated_units"] == micro["units"] > 0, (rank, figures)
+        assert step["reduce_scatters"] == step["units"], (rank, figures)
+        assert micro["reduce_scatters"] == 8 * micro["units"], (rank, figures)
+    # the two stages hold different units (embedding, norm and head on the first)
+    assert ranks[0]["step"]["units"] != ranks[2]["step"]["units"]
