@@ -6,6 +6,8 @@ exact once the routing the run saw is given (what is left is the routing's skew)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,23 @@ from optimized.estimator.communication import balanced_rows, predict_traffic
 from optimized.estimator.config import EstimateConfig
 
 RUNNERS = ("reference", "optimized", "optimized-fsdp")
+FSDP_MODES = (
+    "optimized-fsdp:micro-batch",
+    "optimized-fsdp:step:reshard",
+    "optimized-fsdp:micro-batch:reshard",
+)
+"""The FSDP runner's other ``--grad-sync`` and ``--reshard-after-forward`` settings, as
+``stack:grad_sync[:reshard]`` (plain ``optimized-fsdp``: step, reshard off, the default)."""
+
+
+def _runner(parallel, runner: str):
+    """``runner``'s stack name and its `ParallelConfig` (with its FSDP settings)."""
+    stack, *mode = runner.split(":")
+    if mode:
+        parallel = replace(
+            parallel, grad_sync=mode[0], reshard_after_forward=mode[1:] == ["reshard"]
+        )
+    return stack, parallel
 
 
 def _count_one_step(model, parallel, state, runners, balanced: bool) -> dict:
@@ -28,8 +47,9 @@ def _count_one_step(model, parallel, state, runners, balanced: bool) -> dict:
     layout = make_layout(parallel)
     out = {"coords": (layout.pp_rank, layout.dp_rank, layout.ep_rank)}
     for runner in runners:
+        stack, mine = _runner(parallel, runner)
         torch.manual_seed(parallel.seed)
-        pipeline = _stack_class(runner)(model, parallel, layout, state, OptimizerConfig())
+        pipeline = _stack_class(stack)(model, mine, layout, state, OptimizerConfig())
         tape = BalancedRouting() if balanced else RoutingTape()
         attach_routing_tape(pipeline.part, tape)
         steps: list = []
@@ -50,12 +70,14 @@ def _count_one_step(model, parallel, state, runners, balanced: bool) -> dict:
 
 
 def _estimate(model, parallel, runner: str) -> EstimateConfig:
+    stack, parallel = _runner(parallel, runner)
     return EstimateConfig(
         model, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches,
-        stack="reference" if runner == "reference" else "optimized",
-        fsdp=runner == "optimized-fsdp", shard_optimizer=runner == "optimized-fsdp",
+        stack="reference" if stack == "reference" else "optimized",
+        fsdp=stack == "optimized-fsdp", shard_optimizer=stack == "optimized-fsdp",
+        grad_sync=parallel.grad_sync, reshard_after_forward=parallel.reshard_after_forward,
     )  # fmt: skip
 
 
@@ -65,24 +87,38 @@ def _figures(counts) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "pp, dp, ep, seq_len",
-    [(2, 1, 1, 16), (1, 2, 2, 16), (2, 2, 2, 13)],
-    ids=["pp2-dp1-ep1", "pp1-dp2-ep2", "pp2-dp2-ep2-uneven"],
+    "preset, pp, dp, ep, seq_len, runners",
+    [
+        ("tiny-deepseek-v2", 2, 1, 1, 16, RUNNERS),
+        ("tiny-deepseek-v2", 1, 2, 2, 16, RUNNERS),
+        ("tiny-deepseek-v2", 2, 2, 2, 13, RUNNERS + FSDP_MODES),
+        ("tiny-qwen3-moe", 2, 2, 2, 13, RUNNERS),
+        ("tiny-gpt-oss", 2, 2, 2, 13, RUNNERS),
+    ],
+    ids=[
+        "deepseek-pp2-dp1-ep1",
+        "deepseek-pp1-dp2-ep2",
+        "deepseek-pp2-dp2-ep2-uneven-fsdp-modes",
+        "qwen3-pp2-dp2-ep2-uneven",
+        "gpt-oss-pp2-dp2-ep2-uneven",
+    ],
 )
-def test_predicted_exactly_with_balanced_routing(pp, dp, ep, seq_len):
-    """Tiny DeepSeek-V2 (a dense first layer, shared experts), one step of each runner.
-    ``seq_len=13``: 26 routed copies over 8 experts, so the EP ranks receive 14 and 12 rows
-    and each rank's sent and received all-to-all bytes differ."""
-    model = resolve_model("tiny-deepseek-v2")
+def test_predicted_exactly_with_balanced_routing(preset, pp, dp, ep, seq_len, runners):
+    """The three tiny presets (DeepSeek-V2: a dense first layer, shared experts; Qwen3-MoE;
+    GPT-OSS: expert and router biases), one step of each runner; at (2,2,2) on DeepSeek-V2
+    also the FSDP runner's other ``--grad-sync`` and ``--reshard-after-forward`` settings.
+    ``seq_len=13``: 26 routed copies over 8 experts (DeepSeek-V2), so the EP ranks receive
+    14 and 12 rows and each rank's sent and received all-to-all bytes differ."""
+    model = resolve_model(preset)
     parallel = ParallelConfig(
         pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp, seq_len=seq_len
     )
     state = build_model(model, seed=0).state_dict()
-    ranks = launch(_count_one_step, parallel.world_size, (model, parallel, state, RUNNERS, True))
-    if seq_len == 13:
+    ranks = launch(_count_one_step, parallel.world_size, (model, parallel, state, runners, True))
+    if seq_len == 13 and preset == "tiny-deepseek-v2":
         config = _estimate(model, parallel, "optimized")
         assert balanced_rows(config) == [14, 12]
-    for runner in RUNNERS:
+    for runner in runners:
         config = _estimate(model, parallel, runner)
         for rank, measured in enumerate(ranks):
             assert _figures(measured[runner]) == _figures(predict_traffic(config, rank)), (
@@ -90,13 +126,20 @@ def test_predicted_exactly_with_balanced_routing(pp, dp, ep, seq_len):
                 rank,
             )
     # The runners differ where they should: FSDP2 gathers and reduce-scatters (at DP > 1),
-    # the plain runners all-reduce every gradient.
-    kinds = {runner: {k for k, _ in ranks[0][runner]} for runner in RUNNERS}
+    # the plain runners all-reduce every gradient; micro-batch sync reduces more often.
+    kinds = {runner: {k for k, _ in ranks[0][runner]} for runner in runners}
     if dp > 1:
         assert {"all_gather", "reduce_scatter"} <= kinds["optimized-fsdp"]
         assert "reduce_scatter" not in kinds["optimized"]
     if ep > 1:
         assert "all_to_all" in kinds["reference"] and "all_to_all" in kinds["optimized"]
+    if "optimized-fsdp:micro-batch" in runners:
+        rs = ("reduce_scatter", "dp")
+        for measured in ranks:
+            step = measured["optimized-fsdp"][rs].calls
+            assert measured["optimized-fsdp:micro-batch"][rs].calls == 2 * pp * step
+            gathers = {r: measured[r][("all_gather", "dp")].calls for r in runners[2:]}
+            assert gathers["optimized-fsdp:step:reshard"] > gathers["optimized-fsdp"]
 
 
 @pytest.mark.multiprocess
