@@ -96,8 +96,11 @@ def headline(report: dict[str, Any]) -> str:
             parts.append(text)
     routing = section.get("routing", "?")
     verdict = "every kind as predicted" if section.get("exact") else "not all as predicted"
-    if routing != "balanced" and not section.get("exact"):
+    observed = section.get("estimate_routing") == "observed"
+    if routing != "balanced" and not section.get("exact") and not observed:
         verdict += " (real routing: the all-to-all rows move with the routing's skew)"
+    if observed:
+        routing += ", predicted from the routing it saw"
     return f"bytes per step, all ranks: {'; '.join(parts)}; routing {routing}: {verdict}"
 
 

@@ -3,6 +3,11 @@ from counts shaped like a run's, beside the estimator's prediction for the same 
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from harness.cli import main
 from harness.compare_communication import communication_section
 from harness.report import format_table, render_markdown
 from models.communication import Traffic
@@ -88,3 +93,68 @@ def test_no_section_without_counts():
     assert (
         communication_section(per_rank, MODEL, PARALLEL, ("reference", "optimized"), "free") is None
     )
+
+
+def _compare(tmp_path, *argv) -> dict:
+    """`twinpipe compare` in this process (its ranks are processes), one step, no memory
+    tracking; its report.json."""
+    out = tmp_path / "report"
+    common = ["--micro-batch-size", "1", "--steps", "1", "--no-memory", "--out", str(out)]
+    assert main(["compare", *argv, *common]) == 0
+    assert "## Communication per rank" in (out / "report.md").read_text()
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.multiprocess
+def test_compare_reports_every_ranks_communication_exactly_with_balanced_routing(tmp_path):
+    """PP=2 DP=2 EP=2 (p2p, all-to-all, FSDP and plain reductions), reference against the
+    FSDP stack, balanced routing: report.json's section has every rank, both stacks, each
+    kind's calls, bytes and prediction, all exact."""
+    report = _compare(
+        tmp_path, "--model", "tiny-deepseek-v2", "--pp", "2", "--dp", "2", "--ep", "2",
+        "--micro-batches", "4", "--seq-len", "13", "--routing", "balanced",
+        "--baseline", "reference", "--candidate", "optimized-fsdp",
+    )  # fmt: skip
+    section = report["communication"]
+    assert section["routing"] == "balanced" and section["estimate_routing"] == "balanced"
+    assert section["steps"] == 1 and [r["rank"] for r in section["ranks"]] == [0, 1, 2, 3]
+    for rank in section["ranks"]:
+        for side in ("baseline", "candidate"):
+            kinds = rank[side]
+            assert {"send", "recv", "all_to_all", "all_reduce"} <= set(kinds), (rank, side)
+            for kind, figures in kinds.items():
+                assert figures["calls"] == figures["predicted_calls"] > 0, (rank, side, kind)
+                assert figures["bytes"] == figures["predicted_bytes"] > 0, (rank, side, kind)
+        assert {"all_gather", "reduce_scatter"} <= set(rank["candidate"])
+        assert "reduce_scatter" not in rank["baseline"]
+    totals = section["total_bytes"]
+    assert totals["baseline"] == totals["baseline_predicted"]
+    assert totals["candidate"] == totals["candidate_predicted"]
+    assert section["exact"] is True
+
+
+@pytest.mark.multiprocess
+def test_observed_routing_predicts_real_routing_to_the_byte(tmp_path):
+    """Real routing (the candidate replays the baseline's choices), PP=1 DP=2 EP=2, with
+    ``--estimate-routing observed``: each rank's all-to-all is predicted to the byte from
+    the rows its routing counts say it sent and received; the balanced prediction beside it
+    misses by the routing's skew on some rank."""
+    report = _compare(
+        tmp_path, "--model", "tiny-qwen3-moe", "--pp", "1", "--dp", "2", "--ep", "2",
+        "--micro-batches", "2", "--seq-len", "16", "--estimate-routing", "observed",
+        "--baseline", "optimized", "--candidate", "reference",
+    )  # fmt: skip
+    section = report["communication"]
+    assert section["routing"] == "pinned" and section["estimate_routing"] == "observed"
+    skews = []
+    for rank in section["ranks"]:
+        for side in ("baseline", "candidate"):
+            a2a = rank[side]["all_to_all"]
+            assert a2a["calls"] == a2a["predicted_calls"] > 0
+            assert a2a["bytes"] == a2a["predicted_bytes"] and a2a["error"] == 0, (rank, side)
+            skews.append(a2a["bytes"] - a2a["balanced_predicted_bytes"])
+            others = {k: f for k, f in rank[side].items() if k != "all_to_all"}
+            for kind, figures in others.items():
+                assert figures["bytes"] == figures["balanced_predicted_bytes"], (rank, kind)
+    assert any(skews), "the routers' own choices were perfectly balanced: no skew exercised"
+    assert section["exact"] is True

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
-from optimized.estimator.communication import predict_ranks, predict_traffic
+from optimized.estimator.communication import predict_ranks, predict_traffic, runner_partition
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.megatron import megatron_figures
 from optimized.estimator.memory import RankEstimate, layer_profile, rank_params, static_bytes
@@ -64,6 +64,7 @@ __all__ = [
     "predict_traffic",
     "rank_params",
     "received_loads",
+    "runner_partition",
     "send_completions",
     "static_bytes",
     "walk",
