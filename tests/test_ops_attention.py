@@ -5,13 +5,11 @@ float32 and 1e-2 in bfloat16, and must save nothing ``S x S`` for backward: not
 the probabilities, and for a sliding window not even a mask.
 
 The sinks' gradient is one number per head summed over every row of the batch, and
-the rows' terms partly cancel: in bfloat16 each term carries one rounding, and where
-the sum is small against its terms its relative error grows. The eager bfloat16 path
-(the reference stack's own) shows the same: at 2 x 40 tokens, window 8, seed 40, both
-are 1.1e-2 from float64. So in bfloat16 the sinks' gradient is held to 1e-2 or, where
-the eager bfloat16 path is itself further than that, to 1.25 times the eager path's
-error (DESIGN.md's "at most k times as far as the reference" rule); every other
-tensor is held to the fixed bound.
+the rows' terms partly cancel (at 2 x 40 tokens, window 8, seed 40, two heads' terms add
+to 1/33 and 1/48 of their magnitudes), so each row's bfloat16 rounding counts many times
+over: the eager bfloat16 path is 1.07e-2 from float64 there. The fused path sums it in
+float32 from a float32 rerun of the kernel (`flash_attention`) and is held to the plain
+bound like every other tensor.
 """
 
 from __future__ import annotations
@@ -83,14 +81,8 @@ def test_matches_eager_attention_in_float64(
     if not sinks:
         assert leaves[3].grad is None
         return
-    sink_bound = TOLERANCE[dtype]
-    if dtype == torch.bfloat16:
-        eager = [t.clone().requires_grad_() for t in (q, k, v, sink_logits)]
-        eager_out = eager_attention(*eager[:3], mask.to(dtype), 0.3, eager[3])
-        eager_out.backward(grad)
-        sink_bound = max(sink_bound, 1.25 * rel_error(eager[3].grad, references[3].grad))
     assert leaves[3].grad.dtype == dtype
-    assert rel_error(leaves[3].grad, references[3].grad) <= sink_bound
+    assert rel_error(leaves[3].grad, references[3].grad) <= TOLERANCE[dtype]
 
 
 def saved_tensors(run) -> list[torch.Tensor]:
