@@ -136,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from a unit's first forward to its last backward (off, as `twinpipe train`)",
     )
     parser.add_argument(
+        "--recompute",
+        choices=("on", "off"),
+        default="on",
+        help="optimized stacks: recompute each attention block in backward (on, the default) "
+        "or keep its activations as the reference does (off: more memory, less work)",
+    )
+    parser.add_argument(
         "--estimate-routing",
         choices=("balanced", "observed"),
         default="balanced",
@@ -213,6 +220,7 @@ def _plan(args: argparse.Namespace) -> RankPlan | int:
         pp=args.pp, dp=args.dp, ep=args.ep, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, dtype=args.dtype, seed=args.seed,
         grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward == "on",
+        recompute=args.recompute == "on",
     )  # fmt: skip
     try:
         model = resolve_model(args.checkpoint or args.model)

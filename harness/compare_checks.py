@@ -63,6 +63,7 @@ def _add_estimates(
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
         layers_per_stage=[len(stage) for stage in stages] if stages else None,
+        recompute=parallel.recompute,
     )  # fmt: skip
 
     def run(stack: str, first: bool, routing=None):

@@ -64,6 +64,10 @@ class ParallelConfig:
     them again for the backward (on: 2 M all-gathers per unit and step); off (default): gather
     at a unit's first forward of the step and keep them until its last backward (one
     all-gather per step, the rank's part held unsharded meanwhile; README: the measurement)."""
+    recompute: bool = True
+    """Optimized runners: recompute each attention block in backward (selective
+    recomputation, the default) or keep its activations (more memory, one attention forward
+    less per backward). The reference stack always keeps them."""
 
     @property
     def world_size(self) -> int:
@@ -94,6 +98,8 @@ class ParallelConfig:
             raise bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
         if not isinstance(self.reshard_after_forward, bool):
             raise bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
+        if not isinstance(self.recompute, bool):
+            raise bad("recompute", self.recompute, "expected True or False")
         if self.micro_batches < 2 * self.pp:
             raise bad(
                 "micro_batches",

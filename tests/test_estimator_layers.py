@@ -98,13 +98,13 @@ def test_reference_layer_moments_match_tracker(name, index, dtype):
     assert abs(backward - (profile.backward_transient - profile.aggregate)) <= 2048
 
 
-def _optimized_rises(model, layer, dtype: str, defer: bool):
+def _optimized_rises(model, layer, dtype: str, defer: bool, recompute: bool = True):
     from optimized.pipeline.execution import ExecutionContext
     from optimized.pipeline.overlap import BACKWARD_STEPS, FORWARD_STEPS, LayerRun
 
     dt = getattr(torch, dtype)
     for _ in range(2):
-        ctx = ExecutionContext()
+        ctx = ExecutionContext(recompute_attention=recompute)
         rises = {}
         gc.collect()
         gc.disable()
@@ -149,6 +149,31 @@ def test_optimized_layer_steps_match_tracker(name, dtype, defer):
         if abs(rises[step] - want) > 4096
     }  # fmt: skip
     assert not misses, misses
+
+
+# Without recompute: the MoE layers, DeepSeek-V2's dense first layer and GPT-OSS's banded
+# sliding first layer (the block's kept tensors differ by layer kind).
+KEPT_LAYERS = LAYERS + [("tiny-gpt-oss", 0)]
+
+
+@pytest.mark.parametrize(("name", "index"), KEPT_LAYERS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_optimized_layer_steps_without_recompute_match_tracker(name, index, dtype):
+    model, layer, loads = _layer(name, index, dtype)
+    rises = _optimized_rises(model, layer, dtype, defer=False, recompute=False)
+    config = _config(model, dtype, "optimized", loads).replace(recompute=False)
+    profile = step_profile(config, index)
+    expected = {name: step.transient for name, step in profile.forward.items()}
+    expected.update({name: step.transient for name, step in profile.backward.items()})
+    misses = {
+        step: (rises[step], want) for step, want in expected.items()
+        if abs(rises[step] - want) > 4096
+    }  # fmt: skip
+    assert not misses, misses
+    # The kept block is what recompute saves: the forward holds exactly that much more.
+    with_recompute = step_profile(_config(model, dtype, "optimized", loads), index)
+    kept = profile.forward["attention_forward"].delta
+    assert kept > with_recompute.forward["attention_forward"].delta
 
 
 # Measured by the harness's tracker (`harness.compare._rank_main`, step 1, seed 0) at the

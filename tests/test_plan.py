@@ -197,3 +197,30 @@ def test_top_layouts_run_and_fit():
             assert abs(seen / measured - 1) <= 0.01, (c, rank, seen, measured)
             balanced = planned.peaks[result["coords"][0]]
             assert abs(balanced / measured - 1) <= 0.035, (c, rank, balanced, measured)
+
+
+def test_recompute_is_a_dimension_of_the_plan():
+    both = layouts(request(fsdp="off"))
+    assert {c.recompute for c in both} == {False, True}
+    assert len(both) == 2 * len(layouts(request(fsdp="off", recompute="on")))
+    assert {c.recompute for c in layouts(request(stack="reference"))} == {False}
+    with pytest.raises(ValueError, match=r"--recompute='on' is invalid: the reference"):
+        request(stack="reference", recompute="on").validate()
+    with pytest.raises(ValueError, match=r"--recompute='sometimes' is invalid.*'auto'"):
+        request(recompute="sometimes").validate()
+    planned = plan(request(fsdp="off", gpu_memory=64 * MIB))
+    fitting = [p for p in planned if p.fits]
+    # Without recompute the same layout holds more; ties sort recompute off first.
+    peaks = {}
+    for p in fitting:
+        c = p.config
+        peaks.setdefault((c.pp, c.ep, c.micro_batch_size), {})[c.recompute] = p.largest_peak
+    assert all(pair[False] > pair[True] for pair in peaks.values() if len(pair) == 2)
+    keys = [(p.bubble["idle_fraction"], p.traffic_total, p.config.recompute) for p in fitting]
+    assert keys == sorted(keys)
+    assert {p.as_dict()["recompute_attention"] for p in fitting} == {False, True}
+
+
+def test_adamw_plans_fsdp_off_under_auto():
+    found = layouts(request(optimizer="adamw"))
+    assert found and not any(c.fsdp or c.shard_optimizer for c in found)

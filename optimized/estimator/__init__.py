@@ -205,7 +205,7 @@ def estimate_for_compare(
     fields = {}
     names = (
         "pp", "dp", "ep", "tp", "etp", "micro_batch_size", "seq_len", "num_microbatches",
-        "dtype", "layers_per_stage",
+        "dtype", "layers_per_stage", "recompute",
     )  # fmt: skip
     for name in names:
         if isinstance(parallel_layout, dict):

@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from the first forward to the last backward (as `twinpipe train`)",
     )
     parser.add_argument(
+        "--recompute",
+        choices=("on", "off"),
+        default="on",
+        help="optimized stack: recompute each attention block in backward (on, as `twinpipe "
+        "train` runs by default) or keep its activations (off)",
+    )
+    parser.add_argument(
         "--layers-per-stage",
         type=lambda text: [int(part) for part in text.split(",")],
         default=None,
@@ -149,6 +156,7 @@ def _config(args: argparse.Namespace) -> EstimateConfig:
         moe_latent_size=args.moe_latent_size,
         grad_sync=args.grad_sync,
         reshard_after_forward=args.reshard_after_forward,
+        recompute=args.recompute == "on",
     )
 
 

@@ -93,6 +93,10 @@ class EstimateConfig:
     first forward to its last backward (off: the rank's whole part unsharded meanwhile)."""
     stack: str = "optimized"
     """Which stack's activations: ``reference`` or ``optimized``."""
+    recompute: bool = True
+    """The optimized stack recomputes each attention block in backward (its default,
+    `OptimizedOps.recompute_attention`); False: it keeps the block's activations (more
+    memory, one attention forward less per backward). The reference never recomputes."""
     expert_load: tuple[int, ...] | None = None
     """Rows each of this rank's local experts receives in the layer and micro-batch being
     estimated, as a run saw them (`optimized.estimator.routing.ObservedRouting` builds one
@@ -222,6 +226,8 @@ class EstimateConfig:
             raise _bad("grad_sync", self.grad_sync, f"expected one of {GRAD_SYNC}")
         if not isinstance(self.reshard_after_forward, bool):
             raise _bad("reshard_after_forward", self.reshard_after_forward, "expected a boolean")
+        if not isinstance(self.recompute, bool):
+            raise _bad("recompute", self.recompute, "expected True or False")
         if self.stack not in STACKS:
             raise _bad("stack", self.stack, f"expected one of {STACKS}")
         if self.num_microbatches < 2 * self.pp:

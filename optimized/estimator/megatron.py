@@ -432,7 +432,9 @@ def megatron_args(config: EstimateConfig) -> MegatronArgs:
         seq_length=config.seq_len,
         micro_batch_size=config.micro_batch_size,
         sequence_parallel=config.tp > 1,
-        recompute_granularity="selective" if config.stack == "optimized" else None,
+        recompute_granularity=(
+            "selective" if config.stack == "optimized" and config.recompute else None
+        ),
     )
 
 

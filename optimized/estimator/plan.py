@@ -8,8 +8,10 @@ every layout the code can run on ``gpus`` ranks for a global batch:
   PP``, ``EP`` dividing ``DP`` and the expert count;
 - a micro-batch size dividing the sequences of one DP rank, ``M`` the micro-batches that
   make up the global batch (DualPipeV needs ``M >= 2 * PP``);
-- FSDP2 on or off (on only where ``DP > 1``); attention recomputation as the stack runs
-  it (the optimized stack recomputes the attention block, the reference keeps it).
+- FSDP2 on or off (on only where ``DP > 1``; off with torch's AdamW, which runs
+  unsharded);
+- attention recomputation on or off for the optimized stack (`EstimateConfig.recompute`;
+  the reference never recomputes).
 
 Each is estimated on the partition the stack will run: the optimized runner's, chosen by
 the estimator (`choose_partition`, with the runner's settings: `default_partition`), the
@@ -18,9 +20,12 @@ fits the GPU memory less a margin, DualPipeV's bubble from the simulated schedul
 (`optimized.estimator.bubble`) and the bytes each rank sends per step, by the
 communication model (`optimized.estimator.communication`: all-to-all, point-to-point and
 DP/FSDP collectives, exact for balanced routing). Layouts that fit sort by bubble, then
-by communication.
+by communication, then recompute off before on (the same layout does less work without
+it). The bubble stays in schedule units (F, B, W, `optimized.estimator.bubble`): with
+recompute each B also reruns the layers' attention-block forward, a cost the F/B/W model
+has no figure for, so it is noted (``recompute_attention``), not timed.
 When none fits, `smallest_change` names the nearest change that would: more GPUs, a
-shorter sequence, or FSDP.
+shorter sequence, FSDP, or recomputing attention.
 
 A layout whose static bytes alone (weights, gradients, optimizer state: a lower bound on
 its largest peak under any partition) exceed the budget is not searched for a partition.
@@ -46,6 +51,7 @@ from optimized.estimator.ranks import estimate_ranks
 
 OPTIMIZERS = ("train", "adamw")
 FSDP_CHOICES = ("auto", "on", "off")
+RECOMPUTE_CHOICES = ("auto", "on", "off")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}  # fmt: skip
@@ -87,7 +93,11 @@ class PlanRequest:
     DP); ``adamw``: torch's AdamW, unsharded, moments in the parameter dtype (what `twinpipe
     compare` runs for the plain stacks), FSDP off."""
     fsdp: str = "auto"
-    """``auto`` tries FSDP2 on and off, ``on`` / ``off`` only that."""
+    """``auto`` tries FSDP2 on and off (off only with ``optimizer="adamw"``, which runs
+    unsharded), ``on`` / ``off`` only that."""
+    recompute: str = "auto"
+    """Attention recomputation in the optimized stack: ``auto`` tries on and off, ``on`` /
+    ``off`` only that. The reference stack never recomputes (``auto`` or ``off``)."""
 
     def validate(self) -> None:
         def bad(name: str, value: Any, valid: str) -> ValueError:
@@ -105,6 +115,11 @@ class PlanRequest:
             raise bad("fsdp", self.fsdp, f"expected one of {FSDP_CHOICES}")
         if self.optimizer == "adamw" and self.fsdp == "on":
             raise bad("fsdp", self.fsdp, "torch's AdamW runs unsharded; use --optimizer train")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise bad("recompute", self.recompute, f"expected one of {RECOMPUTE_CHOICES}")
+        if self.stack == "reference" and self.recompute == "on":
+            raise bad("recompute", self.recompute, "the reference stack never recomputes; "
+                      "expected 'auto' or 'off', or --stack optimized")  # fmt: skip
         # The stack and dtype are checked by EstimateConfig on the first layout.
         EstimateConfig(self.model, stack=self.stack, dtype=self.dtype, num_microbatches=2,
                        seq_len=self.seq_len, pp=1)  # fmt: skip
@@ -117,6 +132,21 @@ class PlanRequest:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fsdp_options(request: PlanRequest) -> tuple[bool, ...]:
+    """FSDP2 settings to try: ``auto`` is both with the trainer's optimizer and off with
+    torch's AdamW (unsharded: `validate` refuses ``on``)."""
+    if request.fsdp == "auto":
+        return (False, True) if request.optimizer == "train" else (False,)
+    return (request.fsdp == "on",)
+
+
+def recompute_options(request: PlanRequest) -> tuple[bool, ...]:
+    """Recompute settings to try (off first: it does less work). The reference: off."""
+    if request.stack == "reference":
+        return (False,)
+    return {"auto": (False, True), "on": (True,), "off": (False,)}[request.recompute]
 
 
 def layouts(request: PlanRequest) -> list[EstimateConfig]:
@@ -139,28 +169,29 @@ def layouts(request: PlanRequest) -> list[EstimateConfig]:
                 micro_batches = per_rank // mbs
                 if micro_batches < 2 * pp:
                     continue
-                fsdp_options = {"auto": (False, True), "on": (True,), "off": (False,)}
-                for fsdp in fsdp_options[request.fsdp]:
+                for fsdp in fsdp_options(request):
                     if fsdp and dp == 1:
                         continue
                     train = request.optimizer == "train"
-                    out.append(
-                        EstimateConfig(
-                            m,
-                            pp=pp,
-                            dp=dp,
-                            ep=ep,
-                            micro_batch_size=mbs,
-                            seq_len=request.seq_len,
-                            num_microbatches=micro_batches,
-                            dtype=request.dtype,
-                            stack=request.stack,
-                            fsdp=fsdp,
-                            shard_optimizer=train and dp > 1,
-                            optimizer_state_dtype="float32" if train else "param",
-                            master_weights=train,
-                        )  # fmt: skip
-                    )
+                    for recompute in recompute_options(request):
+                        out.append(
+                            EstimateConfig(
+                                m,
+                                pp=pp,
+                                dp=dp,
+                                ep=ep,
+                                micro_batch_size=mbs,
+                                seq_len=request.seq_len,
+                                num_microbatches=micro_batches,
+                                dtype=request.dtype,
+                                stack=request.stack,
+                                fsdp=fsdp,
+                                shard_optimizer=train and dp > 1,
+                                optimizer_state_dtype="float32" if train else "param",
+                                master_weights=train,
+                                recompute=recompute,
+                            )  # fmt: skip
+                        )
     return out
 
 
@@ -194,7 +225,7 @@ class PlannedLayout:
         return {
             "pp": c.pp, "dp": c.dp, "ep": c.ep, "micro_batch_size": c.micro_batch_size,
             "num_microbatches": c.num_microbatches, "fsdp": c.fsdp,
-            "recompute_attention": c.stack == "optimized",
+            "recompute_attention": c.stack == "optimized" and c.recompute,
             "layers_per_stage": list(self.partition), "largest_peak_bytes": self.largest_peak,
             "peak_bytes_per_rank": list(self.peaks), "static_lower_bound_bytes": self.lower_bound,
             "fits": self.fits, "bubble": dict(self.bubble),
@@ -212,6 +243,7 @@ def run_partition(config: EstimateConfig) -> list[range]:
         config.model, pp=config.pp, dp=config.dp, ep=config.ep,
         micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
         num_microbatches=config.num_microbatches, dtype=config.dtype, stack=config.stack,
+        recompute=config.recompute,
     )  # fmt: skip
     return stage_layers(runner)
 
@@ -219,11 +251,12 @@ def run_partition(config: EstimateConfig) -> list[range]:
 def evaluate(config: EstimateConfig, budget: int, partitions: dict | None = None) -> PlannedLayout:
     """Estimate one layout on the partition it runs with (skipped when static bytes alone
     exceed ``budget``); bubble and traffic for layouts that fit. ``partitions`` caches the
-    runner's partitions (FSDP on and off share one)."""
+    runner's partitions (FSDP on and off share one; recompute on and off do not)."""
     bound = static_lower_bound(config)
     if bound > budget:
         return PlannedLayout(config, None, bound, False)
-    key = (config.pp, config.dp, config.ep, config.micro_batch_size, config.num_microbatches)
+    key = (config.pp, config.dp, config.ep, config.micro_batch_size, config.num_microbatches,
+           config.recompute)  # fmt: skip
     partitions = {} if partitions is None else partitions
     if key not in partitions:
         partitions[key] = run_partition(config)
@@ -244,14 +277,20 @@ def evaluate(config: EstimateConfig, budget: int, partitions: dict | None = None
 
 
 def plan(request: PlanRequest) -> list[PlannedLayout]:
-    """Every layout, evaluated: those that fit first (by bubble, then bytes sent), then the
-    rest by largest peak (or its lower bound)."""
+    """Every layout, evaluated: those that fit first (by bubble, then bytes sent, then
+    recompute off before on: less work for the same schedule), then the rest by largest
+    peak (or its lower bound)."""
     request.validate()
     partitions: dict = {}
     planned = [evaluate(config, request.budget, partitions) for config in layouts(request)]
     fitting = sorted(
         (p for p in planned if p.fits),
-        key=lambda p: (p.bubble["idle_fraction"], p.traffic_total, p.largest_peak),
+        key=lambda p: (
+            p.bubble["idle_fraction"],
+            p.traffic_total,
+            p.config.recompute,
+            p.largest_peak,
+        ),
     )
     rest = sorted(
         (p for p in planned if not p.fits),
@@ -267,6 +306,10 @@ def smallest_change(request: PlanRequest, max_factor: int = 64) -> list[str]:
         on = _replace(request, fsdp="auto")
         if _first_fit(on):
             changes.append("turn FSDP on (--fsdp auto)")
+    if request.recompute == "off" and request.stack == "optimized":
+        found = _first_fit(_replace(request, recompute="on"))
+        if found is not None:
+            changes.append(f"recompute attention (--recompute on: {_describe(found)})")
     gpus = request.gpus * 2
     while gpus <= request.gpus * max_factor:
         found = _first_fit(_replace(request, gpus=gpus))
@@ -303,14 +346,16 @@ def _first_fit(request: PlanRequest) -> PlannedLayout | None:
 
 def _describe(planned: PlannedLayout) -> str:
     c = planned.config
+    recompute = c.recompute and c.stack == "optimized"
     return (
         f"PP{c.pp} DP{c.dp} EP{c.ep} mbs{c.micro_batch_size} M{c.num_microbatches}"
-        f"{' FSDP' if c.fsdp else ''}"
+        f"{' FSDP' if c.fsdp else ''}{' recompute' if recompute else ''}"
     )
 
 
 __all__ = [
     "PlanRequest",
+    "RECOMPUTE_CHOICES",
     "PlannedLayout",
     "evaluate",
     "layouts",

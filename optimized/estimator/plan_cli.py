@@ -10,6 +10,7 @@ from optimized.estimator.cli import add_dtype_and_stack
 from optimized.estimator.plan import (
     FSDP_CHOICES,
     OPTIMIZERS,
+    RECOMPUTE_CHOICES,
     PlannedLayout,
     PlanRequest,
     parse_size,
@@ -42,7 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "adamw: torch's AdamW, unsharded (what compare's plain stacks run)",
     )
     parser.add_argument(
-        "--fsdp", choices=FSDP_CHOICES, default="auto", help="auto: try FSDP2 on and off"
+        "--fsdp",
+        choices=FSDP_CHOICES,
+        default="auto",
+        help="auto: try FSDP2 on and off (off only with --optimizer adamw)",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_CHOICES,
+        default="auto",
+        help="optimized stack's attention recomputation: auto tries on and off (the "
+        "reference never recomputes)",
     )
     parser.add_argument("--top", type=int, default=10, help="fitting layouts to print")
     parser.add_argument("--json", action="store_true", help="print every layout as JSON")
@@ -63,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             model, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory),
             seq_len=args.seq_len, global_batch=args.global_batch, stack=args.stack,
             margin=args.margin, dtype=args.dtype, optimizer=args.optimizer, fsdp=args.fsdp,
+            recompute=args.recompute,
         )  # fmt: skip
         planned = plan(request)
     except (ValueError, OSError, TypeError) as error:
@@ -82,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             "stack": request.stack,
             "dtype": request.dtype,
             "optimizer": request.optimizer,
+            "recompute": request.recompute,
             "layouts": [p.as_dict() for p in planned],
             "fitting": len(fitting),
             "smallest_changes": changes,
@@ -102,7 +115,9 @@ def _row(index: int, p: PlannedLayout, scale: int) -> str:
     sent = {kind: f"{value / scale:8.2f}" for kind, value in p.traffic.items()}
     return (
         f"{index:>3}  PP{c.pp:<2} DP{c.dp:<3} EP{c.ep:<3} mbs{c.micro_batch_size:<3} "
-        f"M{c.num_microbatches:<4} {'on ' if c.fsdp else 'off'}  {p.largest_peak / scale:8.2f}  "
+        f"M{c.num_microbatches:<4} {'on ' if c.fsdp else 'off'}  "
+        f"{'on ' if c.recompute and c.stack == 'optimized' else 'off'}     "
+        f"{p.largest_peak / scale:8.2f}  "
         f"{p.bubble['idle_fraction']:6.1%} {p.bubble['bubble']:<16} "
         f"{sent['all_to_all']} {sent['p2p']} {sent['data_parallel']}  {p.partition}"
     )
@@ -122,7 +137,8 @@ def format_plan(
     ]
     if fitting:
         lines.append(
-            f"  #  layout                           peak {unit}  bubble (F=B=W=1)        "
+            f"  #  layout                        fsdp recompute  peak {unit}  "
+            f"bubble (F=B=W=1)        "
             f"sent {unit}/step: a2a      p2p       DP  layers per stage"
         )
         lines += [_row(i + 1, p, scale) for i, p in enumerate(fitting[:top])]
@@ -138,10 +154,10 @@ def format_plan(
         lines.append(
             f"nothing fits; the smallest peak is {peak / scale:.2f} {unit} (PP{c.pp} DP{c.dp} "
             f"EP{c.ep} mbs{c.micro_batch_size} M{c.num_microbatches}"
-            f"{' FSDP' if c.fsdp else ''})"
+            f"{' FSDP' if c.fsdp else ''}{' recompute' if c.recompute else ''})"
         )
     if changes:
         lines.append("it would fit with: " + "; or ".join(changes))
     else:
-        lines.append("no change tried (more GPUs, shorter sequence, FSDP) makes it fit")
+        lines.append("no change tried (more GPUs, shorter sequence, FSDP, recompute) makes it fit")
     return "\n".join(lines)

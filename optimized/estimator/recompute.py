@@ -25,6 +25,21 @@ against a storage tracker on real layers), relative to the level when the step s
 - GPT-OSS (sinks as a virtual key of the fused kernel, sliding layers banded): the
   kernels' saved tensors and gradients, or the recompute's own forward high point
   (`sink_backward`, `optimized.estimator.sink_attention`).
+
+With recompute off (`EstimateConfig.recompute`, `OptimizedOps.recompute_attention`) the
+forward keeps the block's saved tensors (`kept_block`: those the recompute would make,
+and the output projection's input, a copy of the attention's output in ``[T, h * v]``)
+from the forward to the backward, and the step's high point is the highest of
+(`kept_attention_backward`):
+
+- each moment above less the block's kept tensors (they exist from the step's start);
+- the post-attention norm's backward, before any of the block's: five float32 ``[T, H]``
+  temporaries of the RMSNorm's backward (the gradient through the normalised value,
+  through the rsqrt, the mean's expand, pow's two factors), its float input and the
+  normalised value's ``rsqrt`` gone with the router's, shared experts' and dispatch's
+  saved tensors and the norm's output;
+- the SwiGLU backward of the shared experts (or a dense layer's MLP), which runs first
+  (`mlp_backward_moments`).
 """
 
 from __future__ import annotations
@@ -128,6 +143,73 @@ def sink_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
     return around + max(forward_peak(config, layer), saved + backward_grads(config, layer))
 
 
+def _output_projection_input(config: EstimateConfig) -> int:
+    m = config.model
+    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    return config.tokens * (m.num_attention_heads // config.tp) * v_dim * config.param_bytes
+
+
+def kept_block(config: EstimateConfig, layer: int) -> int:
+    """Bytes the attention block keeps from forward to backward without recompute: what the
+    recompute would save (GPT-OSS: the input norm, the rotary tables and the sink kernels'
+    tensors) and the output projection's input."""
+    m, b = config.model, config.param_bytes
+    if m.model_type == "gpt_oss":
+        items = attention_saved(config.replace(stack="reference"), layer)
+        kept = _sum(items, "input_layernorm.", "rotary.")
+        if b == F32:  # the block's input itself
+            kept -= _sum(items, "input_layernorm.float_input")
+        kept += _sum(sink_tensors(config, layer)["saved"])
+    else:
+        norms, fused = recomputed_block(config, layer)
+        kept = _sum(norms) + _sum(fused)
+    return kept + _output_projection_input(config)
+
+
+def mlp_backward_moments(config: EstimateConfig, width: int) -> list[tuple[int, int]]:
+    """A SwiGLU MLP's backward (`models.layers.DenseMLP`: ``down(silu(gate(x)) * up(x))``),
+    above the level it starts from, as (rise, weight-gradient bytes made before it):
+    the down projection's input gradient beside its weight gradient; the product's two
+    input gradients once its saved input is gone; the gate projection's, with the input
+    gradients of both projections and their sum, the gradients' and saved tensors of the
+    product and the activation freed."""
+    m, b = config.model, config.param_bytes
+    rows, hidden = config.tokens, m.hidden_size
+    ti, th = rows * width * b, rows * hidden * b
+    weight = width * hidden * b
+    grads = width * hidden * config.grad_bytes
+    return [(ti + weight, 0), (2 * ti, grads), (3 * th + weight - 4 * ti, 2 * grads)]
+
+
+def kept_attention_backward(
+    config: EstimateConfig, layer: int, is_moe: bool
+) -> list[tuple[int, str]]:
+    """The ``attention_backward`` step's moments without recompute (see the module
+    docstring), as (rise above the step's start, which dense gradients are made before it:
+    ``mlp:<bytes>``, ``post_norm`` or ``block``)."""
+    m = config.model
+    kept = kept_block(config, layer)
+    freed = freed_before(config, layer, is_moe)
+    residual_is_h = is_moe and config.param_bytes == F32 and not config.shared_expert_width
+    float_input = 0
+    if not residual_is_h:
+        items = layer_saved(config.replace(stack="reference"), layer)
+        float_input = _sum(items, "post_attention_layernorm.float_input")
+    rows = config.tokens
+    moments = [(5 * rows * m.hidden_size * F32 - freed + float_input, "post_norm")]
+    if m.model_type == "gpt_oss":
+        block = rows * m.hidden_size * config.param_bytes + backward_grads(config, layer)
+        block -= freed + _output_projection_input(config)
+        moments.append((block, "block"))
+    else:
+        moments.append((attention_backward_rise(config, layer, is_moe) - kept, "block"))
+    width = config.shared_expert_width if is_moe else m.intermediate_size
+    width //= config.tp
+    if width:
+        moments += [(rise, f"mlp:{made}") for rise, made in mlp_backward_moments(config, width)]
+    return moments
+
+
 def sink_forward(config: EstimateConfig, layer: int) -> int:
     """GPT-OSS's attention block in the forward (nothing saved: it runs under checkpoint):
     its high point, the input norm's output, the rotary tables, the rotated ``q``, ``k``
@@ -141,6 +223,6 @@ def sink_forward(config: EstimateConfig, layer: int) -> int:
 
 
 __all__ = [
-    "attention_backward_rise", "freed_before", "recomputed_block", "sink_backward",
-    "sink_forward",
+    "attention_backward_rise", "freed_before", "kept_attention_backward", "kept_block",
+    "mlp_backward_moments", "recomputed_block", "sink_backward", "sink_forward",
 ]  # fmt: skip

@@ -23,7 +23,9 @@ the tracker by ``tests/test_estimator_activations.py``:
   gathered output and the positions.
 
 Every transient is derived from the code; the attention block's recompute in backward
-(and GPT-OSS's eager attention with sinks) is `optimized.estimator.recompute`, and a W
+(and GPT-OSS's eager attention with sinks) is `optimized.estimator.recompute`, as is the
+block kept without recompute (``EstimateConfig.recompute`` off: its saved tensors join
+stage 1's kept bytes and its backward reruns nothing), and a W
 step's weight gradients `weight_step_transients`. Everything is as measured with the
 Triton interpreter's launch cycles collected (on CPU each interpreted launch keeps its
 arguments alive until Python's GC runs; see tests/test_estimator_vs_measured.py): that
@@ -44,7 +46,12 @@ from optimized.estimator.activations import (
     routed,
 )
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.recompute import attention_backward_rise, sink_forward
+from optimized.estimator.recompute import (
+    attention_backward_rise,
+    kept_attention_backward,
+    kept_block,
+    sink_forward,
+)
 from optimized.estimator.sink_attention import sliding
 
 
@@ -153,10 +160,13 @@ def experts_backward_rise(
     return max(down, activation, gate_up, scatter)
 
 
-def dense_grads_before_attention(config: EstimateConfig, layer: int) -> int:
+def dense_grads_before_attention(
+    config: EstimateConfig, layer: int, output_made: bool = True
+) -> int:
     """Dense weight-gradient bytes a layer's first backward has made when its recomputed
     attention's fused backward runs: all but those of the input norm and the q / kv
-    projections and their norms (the output projection's is made before)."""
+    projections and their norms (the output projection's is made before; not yet, with
+    ``output_made`` False: the post-attention norm's backward)."""
     from optimized.estimator.memory import layer_profile  # noqa: PLC0415 (memory imports us)
     from optimized.estimator.params import attention_params, shard  # noqa: PLC0415
 
@@ -165,9 +175,32 @@ def dense_grads_before_attention(config: EstimateConfig, layer: int) -> int:
     v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
     output = m.num_attention_heads * v_dim * m.hidden_size // config.tp
     output += m.hidden_size if m.attention_bias and m.model_type != "deepseek_v2" else 0
-    unmade = (sum(late.values()) - output + m.hidden_size) * config.grad_bytes
+    unmade = sum(late.values()) - (output if output_made else 0) + m.hidden_size
     dense = layer_profile(config, layer).dense_grad
-    return max(dense - unmade, 0)
+    return max(dense - unmade * config.grad_bytes, 0)
+
+
+def attention_backward_step(config: EstimateConfig, layer: int, is_moe: bool, delta: int) -> Step:
+    """The ``attention_backward`` step: the recomputed block's backward (`recompute`), or
+    without recompute the highest of the moments of `kept_attention_backward`, with the
+    dense gradients a layer's first backward has made before each."""
+    if config.recompute:
+        return Step(
+            "attention_backward", delta, attention_backward_rise(config, layer, is_moe),
+            "dense", dense_grads_before_attention(config, layer),
+        )  # fmt: skip
+    moments = []
+    for rise, made in kept_attention_backward(config, layer, is_moe):
+        if made == "block":
+            before = dense_grads_before_attention(config, layer)
+        elif made == "post_norm":
+            before = dense_grads_before_attention(config, layer, output_made=False)
+        else:
+            before = int(made.removeprefix("mlp:"))
+        moments.append((rise, before))
+    steady = max(rise for rise, _ in moments)
+    first = max(rise + before for rise, before in moments)
+    return Step("attention_backward", delta, steady, "dense", first - steady)
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
@@ -214,16 +247,20 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     kept = _names(items, ("post_attention_layernorm.",))
     # GPT-OSS's sinks ride the fused kernel as a virtual key: its forward high point.
     eager = sink_forward(config, layer) if m.model_type == "gpt_oss" else 0
+    # Without recompute the attention block's saved tensors stay from here to the backward.
+    block = 0 if config.recompute else kept_block(config, layer)
     if not is_moe:
         kept += _names(items, ("mlp.",))
+        # The residual add ``h + mlp(x)``: its output beside the MLP's and the block's, and
+        # in 16-bit ``h`` (the norm saved a float32 copy of it: `reference_layer`).
+        adds = (2 if b == F32 else 3) * th
         fwd["attention_forward"] = Step(
-            "attention_forward", kept + th, max(kept + th + 2 * th, eager)
+            "attention_forward", kept + th + block, max(kept + th + adds + block, eager)
         )
         # The MLP's and the recomputed attention block's backward (`recompute`).
-        bwd["attention_backward"] = Step(
-            "attention_backward", -(kept + th), attention_backward_rise(config, layer, False),
-            "dense", dense_grads_before_attention(config, layer),
-        )  # fmt: skip
+        bwd["attention_backward"] = attention_backward_step(
+            config, layer, False, -(kept + th + block)
+        )
         return profile
     profile.weight_transients = weight_step_transients(config)
     rows = routed(config)
@@ -245,10 +282,11 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     # and, when neither kept float input nor residual, ``h`` itself (16-bit with shared
     # experts), and the float32 top-k weights.
     shared = bool(config.shared_expert_width)
-    block = th + (th if shared else 0) + (th if shared and b != F32 else 0)
+    outputs = th + (th if shared else 0) + (th if shared and b != F32 else 0)
     top_k_weights = tokens * m.num_experts_per_tok * F32
+    attention += block
     fwd["attention_forward"] = Step(
-        "attention_forward", attention, max(attention + block + top_k_weights, eager)
+        "attention_forward", attention, max(attention + outputs + top_k_weights, eager)
     )
     rows_in = received * hidden * b
     if ep:
@@ -311,10 +349,7 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     profile.held_to_action_end = late
     # What is left of the layer goes; the recomputed attention block's backward (`recompute`).
     left = sum(s.delta for s in fwd.values()) + sum(s.delta for s in bwd.values())
-    bwd["attention_backward"] = Step(
-        "attention_backward", -left, attention_backward_rise(config, layer, True), "dense",
-        dense_grads_before_attention(config, layer),
-    )  # fmt: skip
+    bwd["attention_backward"] = attention_backward_step(config, layer, True, -left)
     return profile
 
 

@@ -19,17 +19,28 @@ class OptimizedOps:
     """Fused, padded and deferrable versions of every op in `models.ops.Ops`.
 
     ``weight_grad_store``, when given, receives the expert weight gradients of
-    `grouped_linear` while it is enabled (see `WeightGradStore`).
+    `grouped_linear` while it is enabled (see `WeightGradStore`). ``recompute_attention``
+    (default on) is the stack's one memory-for-time switch: off, decoder layers keep the
+    attention block's activations as the reference does and its backward reruns nothing.
     """
 
     name = "optimized"
-    recompute_attention = True
+    recompute_attention: bool
     """Decoder layers keep only the attention block's input and recompute the block in
     backward (selective recomputation): its projections, rotary copies and q/k/v are the
-    largest activations once the fused attention has dropped the ``S x S`` probabilities."""
+    largest activations once the fused attention has dropped the ``S x S`` probabilities.
+    Costs one more forward of the block per backward."""
 
-    def __init__(self, weight_grad_store: WeightGradStore | None = None) -> None:
+    def __init__(
+        self, weight_grad_store: WeightGradStore | None = None, recompute_attention: bool = True
+    ) -> None:
+        if not isinstance(recompute_attention, bool):
+            raise ValueError(
+                f"OptimizedOps.recompute_attention={recompute_attention!r} is invalid: "
+                f"expected True or False"
+            )
         self.weight_grad_store = weight_grad_store
+        self.recompute_attention = recompute_attention
 
     def cross_entropy(
         self,

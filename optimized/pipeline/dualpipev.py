@@ -109,8 +109,11 @@ class OptimizedDualPipeV:
         chunks: tuple[list[int], list[int]],
         layout: Layout,
         loss: SummedLinearCrossEntropy | None = None,
+        recompute_attention: bool = True,
     ) -> None:
         self.part = part
+        self.recompute_attention = recompute_attention
+        """Each step's ops recompute the attention block in backward (`OptimizedOps`)."""
         self.loss_fn = loss or SummedLinearCrossEntropy()
         """The loss stage's objective (plain cross-entropy unless the trainer sets options)."""
         self.chunks = chunks
@@ -355,7 +358,7 @@ class OptimizedDualPipeV:
 
     # ------------------------------------------------------------ bookkeeping
     def _begin(self, micro_batches, token_count: int, forward_only: bool = False) -> None:
-        self.context = ExecutionContext(record_frees=self.record_frees)
+        self.context = ExecutionContext(self.record_frees, self.recompute_attention)
         self.micro_batches = micro_batches
         self.num_micro_batches = len(micro_batches)
         self.token_count = token_count

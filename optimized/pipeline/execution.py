@@ -98,9 +98,9 @@ class FreedStorageRead(RuntimeError):
 class ExecutionContext:
     """State of one optimized DualPipeV step: weight-gradient store, ops, early frees."""
 
-    def __init__(self, record_frees: bool = False) -> None:
+    def __init__(self, record_frees: bool = False, recompute_attention: bool = True) -> None:
         self.weight_grads = WeightGradStore()
-        self.ops = OptimizedOps(weight_grad_store=self.weight_grads)
+        self.ops = OptimizedOps(self.weight_grads, recompute_attention)
         # Storages autograd saved, held weakly: a storage dies with its graph.
         self._saved: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.record_frees = record_frees

@@ -31,6 +31,7 @@ def default_partition(model: ModelConfig, parallel: ParallelConfig) -> list[list
         model=model, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype, stack="optimized",
+        recompute=parallel.recompute,
     )  # fmt: skip
     return [list(stage) for stage in choose_partition(estimate)]
 
@@ -65,10 +66,14 @@ class OptimizedPipeline(PipelineRunner):
         # step's ops, wired to that step's weight-gradient store.
         self.part = build_part(
             model, source, chunks[0] + chunks[1], embedding=first_rank, head=first_rank,
-            ops=OptimizedOps(), ep=layout.expert_parallel, dtype=parallel.torch_dtype,
-            device=device, shard=shard,
+            ops=OptimizedOps(recompute_attention=parallel.recompute),
+            ep=layout.expert_parallel, dtype=parallel.torch_dtype, device=device, shard=shard,
         )  # fmt: skip
         self.schedule = OptimizedDualPipeV(
-            self.part, chunks, layout, SummedLinearCrossEntropy(label_smoothing, z_loss)
+            self.part,
+            chunks,
+            layout,
+            SummedLinearCrossEntropy(label_smoothing, z_loss),
+            recompute_attention=parallel.recompute,
         )
         self.optimizer = optimizer.build(self.part.parameters())

@@ -81,6 +81,10 @@ class ParallelSection:
     """With FSDP: free gathered parameters after each forward and gather them again for the
     backward (2 M all-gathers per step, less memory); off (default): gather once per step and
     hold the part's parameters unsharded until each unit's last backward."""
+    recompute: bool = True
+    """Recompute each attention block in backward (selective recomputation); off keeps its
+    activations: more memory (`twinpipe estimate --recompute off`), one attention forward
+    less per backward."""
     nproc: int | None = None
     """Processes launched on this machine; unset: the whole world (``pp * dp``)."""
 

@@ -82,6 +82,7 @@ def parallel_config(cfg: TrainConfig, model: ModelConfig) -> ParallelConfig:
         micro_batch_size=cfg.data.micro_batch_size, micro_batches=cfg.data.micro_batches,
         seq_len=cfg.data.seq_len, dtype=cfg.dtype, seed=cfg.seed,
         grad_sync=cfg.parallel.grad_sync, reshard_after_forward=cfg.parallel.reshard_after_forward,
+        recompute=cfg.parallel.recompute,
     )  # fmt: skip
     parallel.validate(model)
     return parallel
