@@ -318,8 +318,23 @@ def largest_state_tensor_bytes(config: EstimateConfig, count: ParamCount) -> int
         "routed_experts": config.ep * config.etp * fsdp_divisor(config, experts=True),
     }
     largest = max(-(-count.largest[b] // divisors[b]) for b in divisors)
-    moment = config.param_bytes if config.optimizer_state_dtype == "param" else F32
-    return largest * moment
+    return largest * config.moment_bytes
+
+
+UPDATE_BLOCK = 1 << 22
+"""Elements per block of `ShardedAdamW`'s blocked update (its ``UPDATE_BLOCK``; a test holds
+them equal: the estimator imports nothing from the trainer)."""
+
+
+def optimizer_temporaries(config: EstimateConfig, count: ParamCount) -> int:
+    """Bytes alive at once inside the optimizer step beyond its state: torch's AdamW, two
+    copies of the largest tensor (`largest_state_tensor_bytes`); `ShardedAdamW`'s blocked
+    update, five float32 blocks (the parameter's and moments' float32 copies, the square
+    root and the denominator), or fewer elements when the largest tensor is smaller."""
+    if not config.blocked_update:
+        return 2 * largest_state_tensor_bytes(config, count)
+    largest = largest_state_tensor_bytes(config, count) // config.moment_bytes
+    return 5 * min(largest, UPDATE_BLOCK) * F32
 
 
 def with_optimizer_step(
@@ -328,7 +343,7 @@ def with_optimizer_step(
     """Add the optimizer step to a walked rank: every gradient, ``optimizer`` bytes of state
     (all of it, created now on the first step) and two temporaries of the largest tensor.
     The step's peak is whichever is higher, the walk's or this."""
-    temporaries = 2 * largest_state_tensor_bytes(config, count)
+    temporaries = optimizer_temporaries(config, count)
     activations = batch_bytes(config) + temporaries
     total = estimate.weights_bytes + estimate.all_gradients_bytes + optimizer + activations
     estimate.optimizer_step_bytes = total

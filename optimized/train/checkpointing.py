@@ -6,10 +6,12 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   parameters and optimizer state it holds, nothing gathered, as chunks of whole-model
   tensors (`optimized.train.chunks`): ``model.<name>`` with the whole model's shape
   (routed experts ``[E, ...]``), each rank's piece at its offset: the rows of its
-  experts (EP) and of its FSDP2 shard; ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (and
-  ``.master``, the float32 copy, when parameters are not float32) as flat float32
-  tensors of the parameter's element count, each rank's slice at its flat offset (the
-  sharded AdamW's slices are flat ranges, not always whole rows). DCP's metadata holds
+  experts (EP) and of its FSDP2 shard; ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` (in the
+  run's ``optim.state_dtype``; and ``.master``, the float32 copy, when parameters are not
+  float32 and ``optim.master_weights`` is on) as flat tensors of the parameter's element
+  count, each rank's slice at its flat offset (the sharded AdamW's slices are flat
+  ranges, not always whole rows); a resume with other settings converts them
+  (`precision_changes`). DCP's metadata holds
   every global shape and chunk, and replicas' identical pieces are written once. Nothing
   on disk depends on PP, DP, EP or FSDP, so a checkpoint saved at one layout loads at
   any other, each rank reading only the regions it holds;
@@ -106,8 +108,6 @@ def local_state(optimizer: ShardedAdamW, layout: Layout) -> dict[str, Chunk]:
         if parameter is not None:
             state[f"model.{s.name}"] = parameter
         for key, piece in optimizer.state_tensors(s).items():
-            if key == "master" and s.param.dtype == torch.float32:
-                continue  # the float32 parameter is its own master
             chunk = state_chunk(s, layout, piece)
             if chunk is not None:
                 state[f"optim.{s.name}.{key}"] = chunk
@@ -339,16 +339,19 @@ def load_checkpoint(
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for s in optimizer.shards:
         targets = {}
-        if s.param.dtype != torch.float32 and f"optim.{s.name}.master" in stored:
+        if s.keeps_master and f"optim.{s.name}.master" in stored:
             targets["master"] = s.master
         if step > 0:
-            moments[s.name] = {k: torch.zeros_like(s.master) for k in ("exp_avg", "exp_avg_sq")}
+            moments[s.name] = {k: optimizer.zero_moment(s) for k in ("exp_avg", "exp_avg_sq")}
             targets.update(moments[s.name])
         for key, piece in targets.items():
             chunk = state_chunk(s, layout, piece)
             if chunk is not None:
                 state[f"optim.{s.name}.{key}"] = chunk
     check_keys(folder, {key: tuple(chunk.size()) for key, chunk in state.items()})
+    if layout.rank == 0:
+        for change in precision_changes(stored, optimizer):
+            print(f"resuming {folder.name}: {change}", flush=True)
     chunks.load(state, reader=chunks.CachedReader(folder))
     for s in optimizer.shards:
         if s.name in moments:
@@ -357,6 +360,36 @@ def load_checkpoint(
                 "step": torch.tensor(float(step)),  # AdamW keeps it on CPU
             }
     return trainer_state
+
+
+def precision_changes(
+    stored: dict[str, TensorStorageMetadata], optimizer: ShardedAdamW
+) -> list[str]:
+    """How the checkpoint's optimizer precision differs from this run's, each change as it
+    is converted on load: moments are read into ``optim.state_dtype`` (DCP copies them
+    into the run's tensors), masters are read when both keep them, else dropped or started
+    from the parameters."""
+    changes = []
+    moments = {md.properties.dtype for k, md in stored.items() if k.endswith(".exp_avg")}
+    want = optimizer.state_dtype
+    for dtype in sorted(moments - {want}, key=str):
+        changes.append(
+            f"optim.state_dtype: the checkpoint's moments are {str(dtype)[6:]}, this run "
+            f"keeps {str(want)[6:]}: converted on load"
+        )
+    if any(s.param.dtype != torch.float32 for s in optimizer.shards):
+        saved = any(k.endswith(".master") for k in stored)
+        if saved and not optimizer.master_weights:
+            changes.append(
+                "optim.master_weights: the checkpoint holds float32 masters, this run keeps "
+                "none: training goes on from the 16-bit parameters (the masters are not read)"
+            )
+        elif optimizer.master_weights and not saved:
+            changes.append(
+                "optim.master_weights: the checkpoint holds no float32 masters, this run "
+                "keeps them: they start from the 16-bit parameters"
+            )
+    return changes
 
 
 def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -41,6 +41,9 @@ class StepMetrics:
     z_loss: float | None = None
     """The step's mean z-loss when ``loss.z_loss`` is on (else None). ``loss`` is the
     objective minimised, z-loss included; the log line shows the two parts."""
+    optimizer_state_bytes: int | None = None
+    """Max over ranks: bytes of the AdamW state a rank holds after the step, its moments (in
+    ``optim.state_dtype``) and the float32 masters kept apart from the parameters."""
 
     def line(self) -> str:
         cross_entropy, z_loss = self.loss, ""
