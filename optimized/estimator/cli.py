@@ -62,17 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--optimizer-state-dtype",
-        choices=("param", "float32"),
+        choices=("param", "float32", "bfloat16"),
         default=None,
         help="AdamW moments' dtype (default: float32 with --fsdp, as `twinpipe train`'s "
-        "ShardedAdamW keeps them; else the parameters' dtype, as torch's AdamW)",
+        "ShardedAdamW keeps them unless given --optimizer-state-dtype bfloat16; else the "
+        "parameters' dtype, as torch's AdamW)",
     )
     parser.add_argument(
         "--master-weights",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a float32 master copy of 16-bit parameters (default: on with --fsdp, as "
-        "`twinpipe train` keeps one)",
+        "`twinpipe train` keeps one unless given --no-master-weights)",
     )
     parser.add_argument(
         "--grad-sync",

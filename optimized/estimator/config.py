@@ -17,7 +17,7 @@ from models.distributed import GRAD_SYNC
 
 STACKS = ("reference", "optimized")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-OPTIMIZER_STATE_DTYPES = ("param", "float32")
+OPTIMIZER_STATE_DTYPES = ("param", "float32", "bfloat16")
 
 
 def _bad(name: str, value: Any, valid: str) -> ValueError:
@@ -56,10 +56,12 @@ class EstimateConfig:
     """Gradient dtype; None means the parameters' dtype (what autograd produces)."""
     optimizer_state_dtype: str = "param"
     """AdamW's ``exp_avg``/``exp_avg_sq`` dtype: ``param`` (what `torch.optim.AdamW` creates:
-    ``zeros_like(param)``) or ``float32``."""
+    ``zeros_like(param)``), ``float32`` or ``bfloat16`` (`twinpipe train`'s
+    ``--optimizer-state-dtype``)."""
     master_weights: bool = False
     """Keep a float32 master copy of 16-bit parameters in the optimizer (`twinpipe train`'s
-    `ShardedAdamW` does, with float32 moments; `twinpipe compare`'s plain AdamW does not)."""
+    `ShardedAdamW` does by default, ``--no-master-weights`` turns it off; `twinpipe
+    compare`'s plain AdamW does not)."""
     shard_optimizer: bool = False
     """Shard optimizer state over the DP group (experts over the expert-DP group), as FSDP2
     / a distributed optimizer does; `twinpipe compare` runs unsharded AdamW."""
@@ -145,10 +147,25 @@ class EstimateConfig:
         return DTYPE_BYTES[self.grad_dtype or self.dtype]
 
     @property
+    def moment_bytes(self) -> int:
+        """Bytes of one AdamW moment element (``optimizer_state_dtype``)."""
+        if self.optimizer_state_dtype == "param":
+            return self.param_bytes
+        return DTYPE_BYTES[self.optimizer_state_dtype]
+
+    @property
+    def blocked_update(self) -> bool:
+        """Whether the AdamW step is `ShardedAdamW`'s float32 update over blocks (16-bit
+        moments, or float32 moments beside 16-bit parameters with no master), not torch's."""
+        if self.optimizer_state_dtype == "bfloat16":
+            return True
+        sixteen_bit = self.param_bytes != 4
+        return self.optimizer_state_dtype == "float32" and sixteen_bit and not self.master_weights
+
+    @property
     def optimizer_bytes_per_param(self) -> int:
         """Bytes of AdamW state per parameter (two moments, plus a float32 master if asked)."""
-        moment = self.param_bytes if self.optimizer_state_dtype == "param" else 4
-        return 2 * moment + (4 if self.master_weights and self.param_bytes != 4 else 0)
+        return 2 * self.moment_bytes + (4 if self.master_weights and self.param_bytes != 4 else 0)
 
     @property
     def tokens(self) -> int:

@@ -26,6 +26,8 @@ else:  # pragma: no cover - Python 3.10
 
 
 DTYPES = ("float32", "bfloat16")
+OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
+"""``optim.state_dtype`` values (`optimized.train.optimizer.STATE_DTYPES`)."""
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
 DEFAULT_WARMUP_STEPS = 10
@@ -116,6 +118,14 @@ class OptimSection:
     """AdamW ``(beta1, beta2)``."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
+    state_dtype: str = field(default="float32", metadata={"flag": "optimizer-state-dtype"})
+    """AdamW's ``exp_avg``/``exp_avg_sq`` dtype, kept, saved and resumed in it: ``float32``
+    or ``bfloat16`` (4 bytes less per parameter; the update is computed in float32). A
+    resume with another value converts the checkpoint's moments and says so."""
+    master_weights: bool = True
+    """Keep a float32 master copy of each 16-bit parameter and step it (4 bytes per
+    parameter); off: step the parameters in their own dtype. A resume with another value
+    drops the checkpoint's masters, or starts them from the parameters, and says so."""
     skip_nonfinite: bool = False
     """Skip the optimizer step (and log it) when the loss or gradient norm is NaN or inf;
     off: stop the run naming the step and ranks."""
@@ -337,6 +347,11 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     )
     check(finite(opt.weight_decay) and opt.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     check(all(0 <= b < 1 for b in opt.betas), "optim.betas", "each must be in [0, 1)")
+    check(
+        opt.state_dtype in OPTIMIZER_STATE_DTYPES,
+        "optim.state_dtype",
+        f"must be one of {', '.join(OPTIMIZER_STATE_DTYPES)}",
+    )
     check(
         finite(opt.grad_clip) and opt.grad_clip >= 0,
         "optim.grad_clip",

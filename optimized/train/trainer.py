@@ -179,6 +179,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     optimizer = ShardedAdamW(
         runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
         weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
+        state_dtype=opt.state_dtype, master_weights=opt.master_weights,
     )  # fmt: skip
     runner.optimizer = optimizer  # the runner zeroes gradients through it
     data_dir = plan.data_dir
@@ -226,8 +227,8 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
             elapsed = time.perf_counter() - began
             memory, source = peak_memory(peaks)
             shared = torch.tensor(
-                [elapsed, float(memory), float(stop.requested)], dtype=torch.float64,
-                device=device,
+                [elapsed, float(memory), float(stop.requested), float(optimizer.state_bytes())],
+                dtype=torch.float64, device=device,
             )  # fmt: skip
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
             z_loss = mean_z_loss(runner.schedule, layout) if cfg.loss.z_loss else None
@@ -246,6 +247,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                     skipped,
                     traffic,
                     z_loss,
+                    int(shared[3]),
                 )
             )
             done = step + 1
