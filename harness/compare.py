@@ -169,6 +169,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PLANTS,
         help="plant a known bug in the optimized stack (harness.planted): the run must fail",
     )
+    parser.add_argument(
+        "--ops-audit",
+        choices=("on", "off"),
+        default="on",
+        help="bfloat16: check the candidate's ops on the run's own inputs against plain "
+        "PyTorch and a float32 truth: index ops exactly, numeric ops for error and bias "
+        "(harness.ops_audit)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -244,7 +252,7 @@ def _plan(args: argparse.Namespace) -> RankPlan | int:
         noise_floor=args.noise_floor == "on" and parallel.dtype != "float32",
         track_memory=not args.no_memory, progress=True,
         stages=shared_partition(model, parallel, sides), plant=args.plant,
-        count_routing=args.estimate_routing == "observed",
+        count_routing=args.estimate_routing == "observed", ops_audit=args.ops_audit == "on",
     )  # fmt: skip
 
 

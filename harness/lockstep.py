@@ -41,7 +41,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ import torch
 
 from harness.inplace import Comparer, RankPlace, pieces
 from harness.meter import Meter
+from harness.ops_audit import OpsAudit, ops_class
 from harness.spill import LoadedPieces, SpilledGradients
 from harness.stacks import (
     copy_state,
@@ -102,6 +103,9 @@ class RankPlan:
     """A known bug to plant in the optimized stack (`harness.planted`), to see it caught."""
     count_routing: bool = False
     """Count each step's expert choices per router call (for the observed-routing estimate)."""
+    ops_audit: bool = True
+    """Audit the candidate's ops on the run's own inputs against plain PyTorch
+    (`harness.ops_audit`; bfloat16 pipeline runs only)."""
 
 
 def _build(name: str, plan: RankPlan, layout, dtype: str | None = None) -> Any:
@@ -159,6 +163,10 @@ class _Rank:
                 side = getattr(self, key)
                 self.counters[key] = RoutingCounter(side.part, plan.model.num_experts)
         self.routing_counts: dict[str, list] = {key: [] for key in self.counters}
+        self.audit = None
+        audited = ops_class(plan.candidate)
+        if plan.ops_audit and pipelines and audited and plan.parallel.dtype == "bfloat16":
+            self.audit = OpsAudit(audited)
 
     @contextmanager
     def region(self, key: str, phase: str, held: int = 0) -> Iterator[None]:
@@ -172,7 +180,13 @@ class _Rank:
 
         counts: list = []
         with self.meters[key].region(phase, held), counted_step(self.layout, counts):
-            yield
+            if self.audit is not None:
+                self.audit.active = key == "candidate"
+            try:
+                yield
+            finally:
+                if self.audit is not None:
+                    self.audit.active = False
         mine = self.communication[key][-1]
         for what, traffic in counts[0].items():
             if what in mine:
@@ -185,10 +199,14 @@ class _Rank:
             self.communication[key].append({})
         for counter in self.counters.values():
             counter.start_step()
+        if self.audit is not None:
+            self.audit.start_step()
 
-    def end_step(self) -> None:
+    def end_step(self, record: dict) -> None:
         for key, counter in self.counters.items():
             self.routing_counts[key].append(counter.end_step())
+        if self.audit is not None:
+            record["ops_audit"] = self.audit.end_step()
 
     # ------------------------------------------------------------------ helpers
     def _place(self, side: Any) -> RankPlace:
@@ -408,6 +426,11 @@ def run_rank(plan: RankPlan) -> dict[str, Any]:
 
 def _run(plan: RankPlan) -> dict[str, Any]:
     rank = _Rank(plan)
+    with rank.audit.installed() if rank.audit is not None else nullcontext():
+        return _run_steps(plan, rank)
+
+
+def _run_steps(plan: RankPlan, rank: _Rank) -> dict[str, Any]:
     step_function = _free
     if rank.lockstep:
         step_function = _lockstep_shared if rank.shared else _lockstep_copied
@@ -418,7 +441,7 @@ def _run(plan: RankPlan) -> dict[str, Any]:
         _, replays = rank.tapes()
         rank.start_step()
         step_function(rank, batches, record)
-        rank.end_step()
+        rank.end_step(record)
         del batches
         record["routing"] = {key: tape.result() for key, tape in replays.items()}
         rank.detach_tapes()

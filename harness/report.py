@@ -366,6 +366,9 @@ def format_table(report: dict[str, Any]) -> str:
     floor = sections.noise_floor_lines(report, markdown=False)
     if floor:
         lines += ["", *floor]
+    audit = sections.ops_audit_lines(report, markdown=False)
+    if audit:
+        lines += ["", *audit]
     header, rows = sections.harness_rows(report)
     if rows:
         title = "memory the harness held beside the running stack"
@@ -408,6 +411,9 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     floor = sections.noise_floor_lines(report, markdown=True)
     if floor:
         lines += ["", "## Noise floor", "", *floor]
+    audit = sections.ops_audit_lines(report, markdown=True)
+    if audit:
+        lines += ["", "## Ops audit", "", *audit]
     header, rows = sections.harness_rows(report)
     if rows:
         lines += ["", "## Memory the harness held", "", *_table(header, rows, True)]

@@ -94,6 +94,30 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
     return lines
 
 
+def ops_audit_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+    """The candidate's ops against plain PyTorch on the run's own inputs (`harness.ops_audit`)."""
+    audit = report.get("ops_audit")
+    if not audit:
+        return []
+    s = audit.get("settings") or {}
+    lines = [
+        f"ops audit: {'passed' if audit.get('passed') else 'FAILED'}: index ops exact; numeric "
+        f"ops within k={s.get('k')} of plain PyTorch's error against float32, and their bias "
+        f"(mean error toward the truth's sign, in bfloat16 units in the last place, over its "
+        f"RMS) within plain PyTorch's + {s.get('z')}/sqrt(N) + {s.get('slack_bias')}"
+    ]
+    header = ["op", "kind", "calls", "failed", "worst error / plain", "worst bias (limit)"]
+    rows = []
+    for name, op in (audit.get("ops") or {}).items():
+        bias = op.get("worst_bias")
+        rows.append([
+            name, op["kind"], str(op["calls"]), str(op["failed"]),
+            _ratio(op.get("worst_error_ratio")) if op["kind"] == "numeric" else "exact",
+            f"{bias[0]:+.3f} ({bias[1]:.3f})" if bias else "",
+        ])  # fmt: skip
+    return lines + [""] + _table(header, rows, markdown)
+
+
 def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per rank: what the harness held beside the running stack, against one copy of the
     rank's parameters, what it spilled to a file (the float32 truth's gradients), and the

@@ -54,7 +54,8 @@ def _routing(per_rank: list[dict], step: int | None, limits: dict | None) -> dic
         "swaps": sum(len(r.swaps) for _, r in results),
         "max_gap": max(r.max_gap() for _, r in results),
         "score_drift": max(r.worst_drift[0] for _, r in results),
-        "drift_limit": results[0][1].drift_limit,
+        # With the noise floor each router has its own limit (the reference's own drift).
+        "drift_limit": dict(limits) if limits is not None else results[0][1].drift_limit,
         "router_drift": drift,
         "problems": [f"rank {rank}: {p}" for rank, r in results for p in r.problems(limits)],
     }
@@ -232,6 +233,13 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         if not report["noise_floor"]["eval"]["passed"]:
             problems.append("evaluation: noise floor: loss " + str(report["noise_floor"]["eval"]))
             report["passed"] = False
+    from harness.ops_audit import summarize  # noqa: PLC0415
+
+    audit, audit_problems = summarize(per_rank, plan.steps)
+    if audit is not None:
+        report["ops_audit"] = audit
+        problems += audit_problems
+        report["passed"] = not problems
     report["routing"] = {"mode": "free"}
     if any(routing_steps):
         summary = dict(routing_steps[0])
@@ -243,6 +251,12 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
                 summary["score_drift"] = max(summary["score_drift"], step["score_drift"])
         summary["problems"] = [p for p in problems if "rout" in p]
         summary["recorded_by"] = "truth" if floor else "baseline"
+        if floor:  # per router, the tightest limit of any step (each step's in steps[*])
+            tightest: dict[str, float] = {}
+            for step in routing_steps + [eval_routing]:
+                for router, limit in ((step or {}).get("drift_limit") or {}).items():
+                    tightest[router] = min(limit, tightest.get(router, limit))
+            summary["drift_limit"] = tightest
         summary["steps"] = routing_steps
         report["routing"] = {"mode": "pinned", **summary}
     if plan.routing == "balanced" and "oracle" not in (plan.baseline, plan.candidate):

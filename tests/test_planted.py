@@ -84,6 +84,7 @@ def test_the_correct_stack_passes(run):
     report = _reports(run)[None]
     assert report["passed"], report["problems"]
     assert report["noise_floor"]["steps"][0]["passed"]
+    assert report["ops_audit"]["passed"], report["ops_audit"]
 
 
 @pytest.mark.multiprocess
@@ -98,6 +99,16 @@ def test_a_planted_bug_fails(run, plant):
     # The noise floor names what is wrong (the fixed backstop alone misses the subtle ones).
     floor = report["noise_floor"]["steps"][0]
     assert not floor["passed"], floor["problems"]
+    # The ops audit (`harness.ops_audit`) names the op too, for every bug that lives in one:
+    # the fused loss is not an op of `models.ops.Ops`, its gradient bug only the step shows.
+    audit = report["ops_audit"]
+    if plant == "cross-entropy-grad-1.01":
+        assert audit["passed"]
+    else:
+        op = {"activation": "clamped_swiglu", "attention": "attention"}.get(
+            plant.split("-")[0], "to_expert_order"
+        )
+        assert audit["ops"][op]["failed"] > 0, audit
 
 
 DOWN = "model.layers.*.mlp.experts.down_proj"

@@ -1,0 +1,126 @@
+"""The ops audit (`harness.ops_audit`) at real widths: the optimized ops pass, the planted
+bugs that pass the step verdict at mid width (an activation stored toward zero, one token
+computed by the wrong expert) fail it, by name and by the figure that gives them away.
+
+Shapes are mid-qwen3-moe's (hidden 2048, expert width 768, 128-dim heads, 32 query heads
+over 4 key/value heads) with a few hundred rows, so the op runs as at real width."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.ops_audit import OpsAudit, _stats
+from harness.planted import planted
+from optimized.ops import OptimizedOps
+
+HIDDEN, INNER, ROWS = 2048, 768, 256
+
+
+def _audited(plant: str | None, calls) -> list[dict]:
+    """The audit's rows for ``calls(ops)`` on OptimizedOps, with ``plant`` in place."""
+    with planted(plant):
+        audit = OpsAudit(OptimizedOps)
+        with audit.installed():
+            audit.start_step()
+            audit.active = True
+            calls(OptimizedOps())
+            audit.active = False
+        return audit.end_step()
+
+
+def _moe(ops) -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
+    expert_ids = torch.randint(0, 4, (ROWS,), generator=g)
+    grouped, layout = ops.to_expert_order(tokens, expert_ids, 4)
+    weight = (torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)).to(
+        torch.bfloat16
+    )
+    h = ops.grouped_linear(grouped, weight, layout.offsets)
+    a = ops.silu_and_mul(h)
+    ops.from_expert_order(a, layout)
+    ops.gather_rows(tokens, torch.randint(0, ROWS, (2 * ROWS,), generator=g))
+
+
+def _attention(ops) -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 32, 128, 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 4, 128, 128, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 4, 128, 128, generator=g).to(torch.bfloat16)
+    ops.attention(q, k, v, 128**-0.5)
+
+
+def _by_op(rows: list[dict]) -> dict[str, dict]:
+    return {row["op"]: row for row in rows}
+
+
+def test_the_optimized_ops_pass_at_real_width():
+    rows = _audited(None, lambda ops: (_moe(ops), _attention(ops)))
+    ops = _by_op(rows)
+    assert set(ops) == {
+        "to_expert_order", "grouped_linear", "silu_and_mul", "from_expert_order",
+        "gather_rows", "attention",
+    }  # fmt: skip
+    for row in rows:
+        assert row["passed"], row
+    # Rounded to nearest: no bias beyond the sampling noise of N elements.
+    assert abs(ops["silu_and_mul"]["bias"]) < 6 / math.sqrt(ops["silu_and_mul"]["elements"])
+
+
+def test_an_activation_stored_toward_zero_fails_by_its_bias():
+    ops = _by_op(_audited("activation-round-to-zero", _moe))
+    row = ops["silu_and_mul"]
+    assert not row["passed"]
+    assert "biased" in row["problem"]
+    assert row["bias"] == pytest.approx(-math.sqrt(3) / 2, abs=0.03)
+    assert ops["grouped_linear"]["passed"]
+
+
+def test_one_token_sent_to_the_wrong_expert_fails_exactly():
+    ops = _by_op(_audited("dispatch-wrong-expert", _moe))
+    row = ops["to_expert_order"]
+    assert not row["passed"]
+    assert row["problem"].startswith(f"1 of {ROWS} rows in another expert's group")
+
+
+@pytest.mark.parametrize("plant", ["attention-drops-sink", "attention-drops-window"])
+def test_attention_that_drops_the_sink_or_the_window_fails(plant):
+    g = torch.Generator().manual_seed(2)
+
+    def call(ops):
+        q = torch.randn(1, 8, 64, 64, generator=g).to(torch.bfloat16)
+        k = torch.randn(1, 1, 64, 64, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 1, 64, 64, generator=g).to(torch.bfloat16)
+        sinks = torch.randn(8, generator=g).to(torch.bfloat16)
+        ops.attention(q, k, v, 0.125, 16, sinks)
+
+    row = _by_op(_audited(plant, call))["attention"]
+    assert not row["passed"]
+    assert row["rel_error"] > 50 * row["reference_rel_error"]
+
+
+def test_float32_runs_and_inactive_steps_are_not_audited():
+    x = torch.randn(8, 2 * INNER)
+    assert _audited(None, lambda ops: ops.silu_and_mul(x)) == []
+    audit = OpsAudit(OptimizedOps)
+    with audit.installed():
+        audit.start_step()
+        OptimizedOps().silu_and_mul(x.to(torch.bfloat16))  # not active: the baseline's turn
+    assert audit.end_step() == []
+    assert OptimizedOps.silu_and_mul is not None and not hasattr(
+        OptimizedOps.silu_and_mul, "__wrapped__"
+    )
+
+
+def test_the_bias_statistic():
+    """Rounding toward zero gives -sqrt(3)/2 whatever the magnitudes; to nearest, about 0."""
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn(100_000, generator=g) * torch.exp(4 * torch.randn(100_000, generator=g))
+    nearest = truth.to(torch.bfloat16).float()
+    bits = truth.view(torch.int32) & -65536
+    toward_zero = bits.view(torch.float32)
+    assert abs(_stats(nearest, truth)[1]) < 0.02
+    assert _stats(toward_zero, truth)[1] == pytest.approx(-math.sqrt(3) / 2, abs=0.01)
