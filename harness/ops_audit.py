@@ -30,8 +30,9 @@ plain PyTorch up to that factor) and ``|beta_c| <= |beta_r| + Z / sqrt(N) + SLAC
 Rounding to nearest even has no bias: ``beta`` is then zero up to ``1 / sqrt(N)`` over
 ``N`` independent elements, and ``Z = 6`` standard deviations leave room for that at the
 smallest op this suite audits (a few thousand elements). Rounding toward zero has
-``beta = -sqrt(3) / 2 = -0.87`` whatever the width (``u`` is uniform on ``[-1, 0]``); its RMS error is exactly twice rounding to nearest, so ``e_c`` alone sits
-on the ``K = 2`` edge and the bias is what catches it. ``SLACK_BIAS = 0.05`` covers
+``beta = -sqrt(3) / 2 = -0.87`` whatever the width (``u`` is uniform on ``[-1, 0]``); its
+RMS error is about twice rounding to nearest's, so ``e_c`` alone sits near the ``K = 2``
+edge and the bias is what catches it. ``SLACK_BIAS = 0.05`` covers
 reductions whose rounding errors are not quite independent. A dropped sink or window makes
 ``e_c`` of order one.
 
@@ -239,8 +240,9 @@ class OpsAudit:
         offsets = layout.offsets.detach().cpu().long()
         if positions.numel() != tokens.shape[0]:
             return f"{positions.numel()} positions for {tokens.shape[0]} rows"
-        if positions.numel() and (int(positions.min()) < 0 or
-                                  int(positions.max()) >= grouped.shape[0]):
+        if positions.numel() and (
+            int(positions.min()) < 0 or int(positions.max()) >= grouped.shape[0]
+        ):
             return "a position outside the grouped buffer"
         if torch.unique(positions).numel() != positions.numel():
             return "two rows share a grouped row"

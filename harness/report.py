@@ -363,12 +363,9 @@ def format_table(report: dict[str, Any]) -> str:
     routing = _routing_lines(report)
     if routing:
         lines += ["", *routing]
-    floor = sections.noise_floor_lines(report, markdown=False)
-    if floor:
-        lines += ["", *floor]
-    audit = sections.ops_audit_lines(report, markdown=False)
-    if audit:
-        lines += ["", *audit]
+    for part in (sections.noise_floor_lines(report, False),
+                 sections.ops_audit_lines(report, False)):  # fmt: skip
+        lines += ["", *part] if part else []
     header, rows = sections.harness_rows(report)
     if rows:
         title = "memory the harness held beside the running stack"
@@ -408,12 +405,9 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     header, rows = _worst_rows(report)
     if rows:
         lines += ["", "## Worst gradients", "", *_table(header, rows, True)]
-    floor = sections.noise_floor_lines(report, markdown=True)
-    if floor:
-        lines += ["", "## Noise floor", "", *floor]
-    audit = sections.ops_audit_lines(report, markdown=True)
-    if audit:
-        lines += ["", "## Ops audit", "", *audit]
+    for title, part in (("Noise floor", sections.noise_floor_lines(report, True)),
+                        ("Ops audit", sections.ops_audit_lines(report, True))):  # fmt: skip
+        lines += ["", f"## {title}", "", *part] if part else []
     header, rows = sections.harness_rows(report)
     if rows:
         lines += ["", "## Memory the harness held", "", *_table(header, rows, True)]

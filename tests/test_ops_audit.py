@@ -36,9 +36,7 @@ def _moe(ops) -> None:
     tokens = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
     expert_ids = torch.randint(0, 4, (ROWS,), generator=g)
     grouped, layout = ops.to_expert_order(tokens, expert_ids, 4)
-    weight = (torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)).to(
-        torch.bfloat16
-    )
+    weight = (torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)).to(torch.bfloat16)
     h = ops.grouped_linear(grouped, weight, layout.offsets)
     a = ops.silu_and_mul(h)
     ops.from_expert_order(a, layout)
