@@ -70,9 +70,14 @@ class EstimateConfig:
     optimizer state of every non-expert module by DP, the output layer included, and those
     of the routed experts by the expert-DP group (nothing when it is one rank); an output
     layer tied to the embedding keeps whole parameters and gradients, its optimizer state
-    sharded over DP. Implies ``shard_optimizer``. The module-sized all-gather buffer that
-    FSDP2 holds while one module runs is not counted, nor are expert weight gradients that a
-    W step leaves unsharded until the experts' next backward."""
+    sharded over DP. Implies ``shard_optimizer``. The walk follows FSDP2 unit group by unit
+    group (`optimized.estimator.sharded_step`): with ``grad_sync="step"`` gradients unsharded
+    until the chunk's last backward (or the W completing them) reduces them, and with
+    ``reshard_after_forward`` off parameters gathered from the chunk's first forward to its
+    last backward; the optimizer step is `ShardedAdamW`'s (float32 gradient copies, float64
+    squares). Not counted: with ``reshard_after_forward`` on, the module FSDP2 gathers while
+    it runs; with ``grad_sync="micro-batch"``, each backward's reduce-scatter buffers and the
+    expert weight gradients a W step leaves unsharded until the experts' next backward."""
     moe_shared_expert_intermediate_size: int | None = None
     """Total hidden width of a MoE layer's shared experts (Megatron's field), independent of
     the routed experts' width; None takes the model's (``n_shared_experts *

@@ -26,7 +26,9 @@ from optimized.estimator.memory import (
     with_optimizer_step,
 )
 from optimized.estimator.schedule import send_completions, walk
+from optimized.estimator.sharded_step import FsdpWalk, FsdpWalkState, with_sharded_optimizer_step
 from optimized.estimator.steps import step_profile
+from optimized.estimator.sync_marks import sync_marks
 
 TRACE: list | None = None
 """Set to a list to record each step of the optimized walk: (layer, step, start, peak)."""
@@ -75,7 +77,12 @@ def estimate_rank_optimized(
     # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
     head += th + tokens * F32 + 8
-    state = WalkState()
+    state = FsdpWalkState() if config.fsdp else WalkState()
+    fsdp = FsdpWalk(
+        config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
+    )
+    fsdp.begin(state, first)
+    weight_steps = [0]
     # Sends held until this rank has received the peer's reply that proves them taken
     # (`send_completions`; None: to the end of the step): [bytes, receives needed].
     completions = iter(send_completions(rank, config.pp, config.num_microbatches))
@@ -121,6 +128,11 @@ def estimate_rank_optimized(
             else:
                 state.grad((chunk, index, "experts"), layer.expert_grad)
         state.moment()
+        if step.name == "attention_backward":
+            fsdp.done(state, chunk, f"dense.{chunk_layers[chunk][index]}")
+        elif step.name == "experts_backward":
+            complete = fsdp.marks.last_weight[chunk] is None
+            fsdp.done(state, chunk, f"experts.{chunk_layers[chunk][index]}", complete)
 
     def weight_step(owed):
         """One W: each deferred grouped GEMM's weight gradient in the order the backward put
@@ -153,6 +165,7 @@ def estimate_rank_optimized(
             state.activations -= item[0]
 
     def f_start(chunk):
+        fsdp.forward(state, chunk, first)
         if chunk == 0 and first:
             state.activations += th  # the embedding's output
         elif not (chunk == 1 and last):
@@ -173,6 +186,7 @@ def estimate_rank_optimized(
             send(th)
 
     def b_start(chunk, mb):
+        fsdp.backward(chunk)
         if is_loss(chunk):
             state.moment(th)
             state.activations -= head + (head_weight if mb or sharded_head else 0)
@@ -182,6 +196,7 @@ def estimate_rank_optimized(
                 state.grad((chunk, "head"), rows * m.hidden_size * config.grad_bytes)
             norm = -(-m.hidden_size // head_divisor)
             state.grad((chunk, "norm"), norm * config.grad_bytes)
+            fsdp.done(state, chunk, "head")
         elif not (chunk == 0 and last):
             receive()  # the gradient
 
@@ -192,6 +207,7 @@ def estimate_rank_optimized(
             if (chunk, "embedding") in state.created:  # the table's gradient, added in
                 state.moment(embedding_backward_bytes(config))
             state.grad((chunk, "embedding"), embedding_grad_bytes(config))
+            fsdp.done(state, chunk, "embedding")
             state.activations -= th
         elif chunk == 1 and last:
             # The input gradient is handed to B0 locally: held until B0 has used it (B0 then
@@ -246,7 +262,8 @@ def estimate_rank_optimized(
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
-        before, start = state.peak, state.activations + state.gradients
+        before = state.peak
+        start = state.activations + state.gradients + getattr(state, "weights", 0)
         state.peak = (-1, 0, 0)
         state.moment()
         if action.kind == "F":
@@ -259,6 +276,8 @@ def estimate_rank_optimized(
                 state.moment()
                 weight_step(owed)
                 state.activations -= inputs
+            fsdp.weight_done(state, weight_steps[0])
+            weight_steps[0] += 1
         else:
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
                        step.backward_micro_batch)  # fmt: skip
@@ -269,7 +288,8 @@ def estimate_rank_optimized(
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
-    _, activations_at_peak, gradients_at_peak = peak_split
+    activations_at_peak, gradients_at_peak = peak_split[1], peak_split[2]
+    weights += peak_split[3] if len(peak_split) > 3 else 0  # FSDP2's gathered, at the peak
     estimate = RankEstimate(
         rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
         weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
@@ -278,4 +298,6 @@ def estimate_rank_optimized(
         in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
         all_gradients_bytes=all_gradients, timeline=timeline,
     )  # fmt: skip
+    if config.fsdp:
+        return with_sharded_optimizer_step(config, estimate, count, state_bytes)
     return with_optimizer_step(config, estimate, count, state_bytes)
