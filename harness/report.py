@@ -8,7 +8,8 @@ timing) and every reader here copes with its absence.
 
     {
       "passed": true,                       # every check within tolerance, nothing NaN
-      "config": {...},                      # preset, pp, dp, ep, micro-batches, dtype, steps
+      "config": {...},                      # preset, pp, dp, ep, micro-batches, dtype, steps,
+                                            # grad_sync, reshard_after_forward (optimized-fsdp)
       "baseline": "reference",              # name of the stack compared against
       "candidate": "optimized",             # name of the stack under test
       "loss": {

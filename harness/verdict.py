@@ -193,6 +193,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
             "trajectory": "lockstep" if lockstep else "free",
             "routing": plan.routing,
             "noise_floor": floor,
+            "grad_sync": parallel.grad_sync,
+            "reshard_after_forward": parallel.reshard_after_forward,
             "stages": plan.stages,
             "plant": plan.plant,
         },  # fmt: skip

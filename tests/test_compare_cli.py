@@ -116,10 +116,16 @@ def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
             "compare", *small, "--baseline", "optimized", "--candidate", "optimized-fsdp",
             # shards only between uses (the default holds gathered parameters for the step)
             "--reshard-after-forward", "on", "--json", str(tmp_path / "out.json"),
+            "--out", str(tmp_path / "report"),
         ]
     )  # fmt: skip
     report = json.loads((tmp_path / "out.json").read_text())
     assert code == 0 and report["passed"] is True
+    # The FSDP2 settings the run used are in the config section, and in report.md's table.
+    assert report["config"]["grad_sync"] == "step"
+    assert report["config"]["reshard_after_forward"] is True
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "| grad_sync | `step` |" in table and "| reshard_after_forward | `True` |" in table
     assert max(report["loss"]["rel_error"]) <= 1e-5
     routing = report["routing"]  # float32: the replay finds no choice made differently
     assert routing["mode"] == "pinned" and routing["choices"] > 0 and routing["swaps"] == 0
