@@ -50,7 +50,7 @@ import torch
 from harness.inplace import Comparer, RankPlace, pieces
 from harness.meter import Meter
 from harness.ops_audit import OpsAudit, ops_class
-from harness.spill import LoadedPieces, SpilledGradients
+from harness.spill import LoadedPieces, ParkedTensors, SpilledGradients
 from harness.stacks import (
     copy_state,
     is_sharded,
@@ -291,8 +291,17 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | 
     load_parameters(truth, rank.baseline)
     # The bf16 parameters are exact in float32: free them while the truth runs.
     plain = rank.baseline if not is_sharded(rank.baseline) else None
+    parked = None
     if plain is not None:
         release_parameters(plain.part)
+        # AdamW's moments wait in a file meanwhile (`ParkedTensors`): they are needed again
+        # only at the update, and they are two more copies of the parameters.
+        state = getattr(plain.optimizer, "state", {})
+        moments = [
+            (s, k) for s in state.values() for k, v in s.items()
+            if k != "step" and type(v) is torch.Tensor and v.numel() > 1
+        ]  # fmt: skip
+        parked = ParkedTensors(moments) if moments else None
     start = time.perf_counter()
     record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
     record["time"]["truth"] = time.perf_counter() - start
@@ -303,6 +312,9 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | 
     if plain is not None:
         load_parameters(plain, truth)
     release_parameters(truth.part)
+    if parked is not None:
+        record["parked"] = parked.nbytes
+        parked.restore()
     return spilled
 
 

@@ -83,6 +83,47 @@ class SpilledGradients(Mapping[str, torch.Tensor]):
         self._finalizer()
 
 
+class ParkedTensors:
+    """Tensors held in mappings (an optimizer's per-parameter state) whose bytes wait in a
+    file until `restore` puts equal tensors back in the same places.
+
+    The float32 truth's step (`harness.lockstep`) needs nothing of the bfloat16 stacks'
+    optimizer: parked, AdamW's two moments (two copies of the rank's parameters in their
+    dtype) are not resident beside the truth's float32 parameters, gradients and
+    activations. Nothing else may hold a parked tensor meanwhile, or its memory stays.
+    """
+
+    def __init__(self, slots: list[tuple[dict, str]]) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="twinpipe-parked-", suffix=".bin")
+        self._finalizer = weakref.finalize(self, _remove, self.path)
+        self._slots: list[tuple[dict, str, torch.Size, torch.dtype, torch.device]] = []
+        self.nbytes = 0
+        with os.fdopen(fd, "wb") as file:
+            for mapping, key in slots:
+                tensor = mapping.pop(key)
+                flat = tensor.detach().reshape(-1).contiguous().cpu()
+                file.write(memoryview(flat.view(torch.uint8).numpy()))
+                self._slots.append((mapping, key, tensor.shape, tensor.dtype, tensor.device))
+                self.nbytes += flat.numel() * flat.element_size()
+                del tensor, flat
+
+    def restore(self) -> None:
+        """Every parked tensor back in its place, then the file removed."""
+        with open(self.path, "rb", buffering=0) as file:
+            for mapping, key, shape, dtype, device in self._slots:
+                out = torch.empty(shape, dtype=dtype)
+                view = out.reshape(-1).view(torch.uint8).numpy()
+                done = 0
+                while done < view.nbytes:
+                    read = file.readinto(view[done:])
+                    if not read:
+                        raise RuntimeError(f"{self.path}: ended early restoring {key}")
+                    done += read
+                mapping[key] = out.to(device)
+        self._slots = []
+        self._finalizer()
+
+
 class LoadedPieces(Mapping[str, Piece]):
     """Pieces whose tensors are read from a `SpilledGradients` one at a time, when asked."""
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from harness.inplace import Comparer, RankPlace, pieces
-from harness.spill import LoadedPieces, SpilledGradients
+from harness.spill import LoadedPieces, ParkedTensors, SpilledGradients
 
 
 def _grads() -> dict[str, torch.Tensor]:
@@ -63,3 +63,25 @@ def test_compared_from_the_file_as_if_held():
     comparer = Comparer()
     assert comparer.compare(candidate, loaded) == comparer.compare(candidate, held)
     spilled.close()
+
+
+def test_parked_optimizer_state_comes_back_bit_for_bit():
+    """AdamW's moments leave the optimizer while parked (nothing holds them) and return
+    equal, in their places, dtypes and shapes."""
+    torch.manual_seed(0)
+    part = nn.Linear(8, 5).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-2)
+    part(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    slots = [(s, k) for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    parked = ParkedTensors(slots)
+    assert parked.nbytes == 2 * sum(p.numel() * 2 for p in part.parameters())
+    assert all(set(s) == {"step"} for s in optimizer.state.values())
+    parked.restore()
+    assert not os.path.exists(parked.path)
+    for p, state in optimizer.state.items():
+        for key, value in before[id(p)].items():
+            assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+    part(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()  # the optimizer goes on with them
