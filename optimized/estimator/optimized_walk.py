@@ -113,6 +113,9 @@ def estimate_rank_optimized(
         layer = profiles_of(chunk, mb)[1][index]
         if step.grad == "dense" and (chunk, index, "dense") not in state.created:
             transient += step.grad_before_peak  # this backward makes the layer's gradients
+        group = fsdp.step_group(chunk, index, step.name)
+        if group is not None:  # reshard_after_forward on: the module's parameters gathered
+            transient += fsdp.running(group)
         if TRACE is not None:
             level = state.activations + state.gradients
             TRACE.append((chunk_layers[chunk][index], step.name, level, level + transient))
@@ -167,6 +170,7 @@ def estimate_rank_optimized(
     def f_start(chunk):
         fsdp.forward(state, chunk, first)
         if chunk == 0 and first:
+            state.moment(th + fsdp.running("embedding"))
             state.activations += th  # the embedding's output
         elif not (chunk == 1 and last):
             receive()
@@ -179,7 +183,7 @@ def estimate_rank_optimized(
                 state.grad((chunk, "head"), head_weight)
             else:
                 state.activations += head_weight
-            state.moment()
+            state.moment(fsdp.running("head"))
         elif chunk == 0 and last:
             local_out.append(th)
         else:
@@ -188,7 +192,7 @@ def estimate_rank_optimized(
     def b_start(chunk, mb):
         fsdp.backward(chunk)
         if is_loss(chunk):
-            state.moment(th)
+            state.moment(th + fsdp.running("head"))
             state.activations -= head + (head_weight if mb or sharded_head else 0)
             state.activations += th  # head_input.grad
             if sharded_head:  # FSDP2 shards dim 0, rows rounded up
@@ -204,8 +208,9 @@ def estimate_rank_optimized(
         if not (chunk == 1 and last):  # there the input is chunk 0's output, kept until B0
             state.activations -= th  # the chunk's input (received or embedded), its root
         if chunk == 0 and first:
+            state.moment(fsdp.running("embedding"))
             if (chunk, "embedding") in state.created:  # the table's gradient, added in
-                state.moment(embedding_backward_bytes(config))
+                state.moment(embedding_backward_bytes(config) + fsdp.running("embedding"))
             state.grad((chunk, "embedding"), embedding_grad_bytes(config))
             fsdp.done(state, chunk, "embedding")
             state.activations -= th

@@ -160,6 +160,10 @@ class UnitGroup(NamedTuple):
     largest_unit_grads: int
     """Bytes of the largest unit's unsharded gradients: FSDP2's reduce-scatter copies a
     unit's gradients into one flat input before it frees them."""
+    largest_unit_params: int
+    """Bytes of the largest unit's unsharded parameters: with ``reshard_after_forward`` on,
+    what is gathered while that module runs (twice that while the all-gather's flat output
+    is copied out into the parameters)."""
 
 
 def _unit_of(name: str) -> tuple[str, str] | None:
@@ -214,6 +218,7 @@ def unit_groups(config: EstimateConfig, layers: list[int], first: bool) -> dict[
             whole * config.grad_bytes,
             rows * config.grad_bytes,
             max(t[0] for t in members.values()) * config.grad_bytes,
+            max(t[0] for t in members.values()) * config.param_bytes,
         )
     config.cache[key] = out
     return out
@@ -246,12 +251,14 @@ class FsdpWalk:
       at the W step that completes them, `sync_marks`), leaving this rank's rows; the
       reduction holds a flat copy of one unit's gradients beside them while it copies in.
 
-    Other settings keep the walk as it was (FSDP2's per-module buffers are not counted
-    there; see `EstimateConfig.fsdp`)."""
+    With ``reshard_after_forward`` on, a unit is gathered only while its module runs, and
+    then twice over (`running`). With ``grad_sync="micro-batch"`` the walk counts sharded
+    gradients and no per-backward reduce-scatter (see `EstimateConfig.fsdp`)."""
 
     def __init__(self, config: EstimateConfig, rank: int, chunk_layers, marks) -> None:
         self.active = config.fsdp and config.grad_sync == "step"
         self.reshard_off = not config.reshard_after_forward
+        self.gathers = config.fsdp and config.reshard_after_forward
         first = rank == 0
         self.groups = unit_groups(config, [*chunk_layers[0], *chunk_layers[1]], first)
         self.chunk_layers = chunk_layers
@@ -301,6 +308,22 @@ class FsdpWalk:
         state.moment(group.largest_unit_grads)
         state.gradients -= group.unsharded_grads - group.sharded_grads
         state.moment()
+
+    def running(self, group: str) -> int:
+        """With ``reshard_after_forward`` on: bytes FSDP2 holds while a module of ``group``
+        runs, forward or backward (its largest unit): the all-gather's flat output and the
+        parameters copied out of it, both alive until the module is done (0 otherwise)."""
+        found = self.groups.get(group) if self.gathers else None
+        return 2 * found.largest_unit_params if found else 0
+
+    def step_group(self, chunk: int, index: int, name: str) -> str | None:
+        """The unit group a stage step of layer ``index`` of ``chunk`` runs modules of."""
+        layer = self.chunk_layers[chunk][index]
+        if name in ("attention_forward", "attention_backward"):
+            return f"dense.{layer}"
+        if name in ("experts_forward", "experts_backward"):
+            return f"experts.{layer}"
+        return None
 
     def weight_done(self, state, ordinal: int) -> None:
         """The rank's W step number ``ordinal`` has run."""
