@@ -26,6 +26,7 @@ a large slice late in that order, over the slices already taken.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from optimized.estimator.activations import F32
@@ -52,22 +53,42 @@ class SliceBytes(NamedTuple):
 
 
 def part_parameters(config: EstimateConfig, layers: list[int], first: bool) -> list:
-    """``(name, shape)`` of this pp-rank's part in `named_parameters` order, built on the
-    meta device as the runner builds it (layers of chunk 0 then chunk 1; the embedding and
-    the head on pp-rank 0; this EP rank's experts)."""
+    """``(name, shape)`` of this pp-rank's part in `named_parameters` order, as the runner
+    builds it (`models.model.CausalLM`: the embedding, the layers of chunk 0 then chunk 1,
+    the final norm and the output layer, the embedding and the head on pp-rank 0 only; an
+    output layer tied to the embedding is the same parameter); each layer's from a
+    meta-device `DecoderLayer` (no storage), built once per process."""
     key = ("part_parameters", tuple(layers), first)
     if key not in config.cache:
-        import torch  # noqa: PLC0415
-
-        from models.decoder import ExpertParallel  # noqa: PLC0415
-        from models.model import CausalLM  # noqa: PLC0415
-
-        with torch.device("meta"):
-            part = CausalLM(
-                config.model, None, ExpertParallel(None, 0, config.ep), layers, first, first
-            )
-        config.cache[key] = [(n, tuple(p.shape)) for n, p in part.named_parameters()]
+        m = config.model
+        out: list = []
+        if first:
+            out.append(("model.embed_tokens.weight", (m.vocab_size, m.hidden_size)))
+        model_key = repr(m)
+        _MODELS.setdefault(model_key, m)
+        for layer in layers:
+            out += _layer_parameters(model_key, layer, config.ep)
+        if first:
+            out.append(("model.norm.weight", (m.hidden_size,)))
+            if not m.tie_word_embeddings:
+                out.append(("lm_head.weight", (m.vocab_size, m.hidden_size)))
+        config.cache[key] = out
     return config.cache[key]
+
+
+_MODELS: dict = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_parameters(model_key: str, layer: int, ep: int) -> tuple:
+    import torch  # noqa: PLC0415
+
+    from models.decoder import DecoderLayer, ExpertParallel  # noqa: PLC0415
+
+    with torch.device("meta"):
+        built = DecoderLayer(_MODELS[model_key], layer, ExpertParallel(None, 0, ep))
+    prefix = f"model.layers.{layer}."
+    return tuple((prefix + name, tuple(p.shape)) for name, p in built.named_parameters())
 
 
 def slice_bytes(config: EstimateConfig, name: str, shape: tuple[int, ...]) -> SliceBytes:
@@ -260,7 +281,8 @@ class FsdpWalk:
         self.reshard_off = not config.reshard_after_forward
         self.gathers = config.fsdp and config.reshard_after_forward
         first = rank == 0
-        self.groups = unit_groups(config, [*chunk_layers[0], *chunk_layers[1]], first)
+        layers = [*chunk_layers[0], *chunk_layers[1]]
+        self.groups = unit_groups(config, layers, first) if config.fsdp else {}
         self.chunk_layers = chunk_layers
         self.marks = marks
         self.forwards = [0, 0]
