@@ -4,6 +4,10 @@ The configs and numbers below are those of Megatron-LM's
 ``tests/unit_tests/training/test_weight_and_optimizer_memory.py`` (PR #4687, commit
 a7c9e8c) and of Megatron-Bridge's port of it (``tests/unit_tests/training/utils/
 test_theoretical_memory_utils.py``, commit 6de1d8b); the tests are written here.
+Bridge's later estimator (915e5ff, f43e405) gives other dense figures on the same configs
+(3400 and 30600 where Megatron-LM's formula gives 3472 and 31248): not ported as ours,
+and why, term for term, in
+`test_bridge_later_dense_numbers_differ_by_norms_router_and_context_parallelism`.
 """
 
 from __future__ import annotations
@@ -222,6 +226,49 @@ def test_bridge_routed_experts_over_expert_parallelism():
         dataclasses.replace(args, moe_ffn_hidden_size=0)
     )
     assert routed_bytes == 30720
+
+
+def test_bridge_later_dense_numbers_differ_by_norms_router_and_context_parallelism():
+    """Why Megatron-Bridge's later dense figures are not ours (not ported as ours, on purpose).
+
+    Bridge's mainline never took the PR #4687 port (6de1d8b, on a branch); its estimator
+    was rewritten in 915e5ff ("memory estimator breakdown", kept by f43e405, which only adds
+    uneven pipeline stages, fields `MegatronArgs` does not have) on the pre-#4687 arithmetic:
+    (1) the whole dense count is divided by TP, norms included, where Megatron-LM (and
+    Megatron itself) keeps the norms whole on every TP rank; (2) a MoE layer's router is
+    not counted; (3) the dense optimizer state is split over DP x CP, where Megatron-LM's
+    formula splits it over DP (it has no CP term). Our figure follows Megatron-LM; Bridge's
+    numbers are ours with those three changes, term for term."""
+    h, layers, tp, pp = 16, 4, 2, 2
+    norms = layers * 2 * (2 * h) + 2 * h  # two LayerNorms (weight, bias) a layer, final: 288
+    shard = megatron_shard(bridge_head_args())
+    assert shard.tensor_sharded == (layers * (1024 + 2048) / pp + 32 * h) / tp == 3328
+    assert shard.replicated == norms / pp == 144
+    ours, bytes_per_parameter = 3472, 6 + 12 / 4  # DP 4, no CP: 9
+    assert shard.tensor_sharded + shard.replicated == ours
+    assert megatron_weight_and_optimizer(bridge_head_args()) == ours * bytes_per_parameter == 31248
+    # Bridge (test_dense_model_state_estimate_matches_legacy_arithmetic): norms / TP too.
+    bridge = shard.tensor_sharded + norms / (pp * tp)
+    assert (bridge, bridge * bytes_per_parameter) == (3400, 30600)
+
+    # test_moe_estimate_accounts_for_expert_parallel_sharding: PP1, CP2 (world 32 = TP2 x
+    # CP2 x DP8), 8 experts on layers 0 and 2. Bridge: dense 8992 (4496 a GPU, 6.75 bytes
+    # each: 6 + 12 / (DP8 x CP2), 30348 bytes); ours: 9248 (the two routers' 2 x 8 x 16
+    # more), 4896 a GPU at 6 + 12 / DP8 = 7.5 bytes (36720). The routed experts agree.
+    args = bridge_head_args(
+        pipeline_model_parallel_size=1, data_parallel_size=8, world_size=32, num_experts=8,
+        moe_layer_freq=2, moe_ffn_hidden_size=32, expert_model_parallel_size=4,
+    )  # fmt: skip
+    shard = megatron_shard(args)
+    routers = 2 * 8 * h
+    assert shard.total_parameters - megatron_params(args).routed_experts * 2 == 8992 + routers
+    assert shard.replicated == norms + routers
+    assert shard.tensor_sharded + shard.replicated == 4896
+    dense_bytes = megatron_weight_and_optimizer(args) - shard.routed_experts * 7.5
+    assert dense_bytes == 4896 * (6 + 12 / 8) == 36720
+    bridge = shard.tensor_sharded + norms / tp
+    assert (bridge, bridge * (6 + 12 / 16)) == (4496, 30348)
+    assert bridge * 6.75 + shard.routed_experts * 7.5 == 61068
 
 
 def test_bridge_activation_numbers():
