@@ -104,6 +104,15 @@ def test_bad_input_exits_2_before_any_rank_starts(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_bad_recompute_exits_2_naming_the_flag_the_value_and_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--recompute", "bogus"])
+    assert exit_info.value.code == 2
+    assert "--recompute: invalid choice: 'bogus' (choose from 'on', 'off')" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.multiprocess
 def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
     """The harness holds `twinpipe train`'s sharded optimized stack (FSDP2 on every module,

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from harness.cli import main
 from optimized.train import (
     FIELDS,
     TrainConfig,
@@ -79,6 +80,10 @@ def test_toml_load_types_and_sections(tmp_path):
         ("model = 'tiny-gpt-oss'\n", r"model is a section; write \[model\] with keys name"),
         ("steps = '10'\n", r"config steps = '10' is invalid: expected an integer"),
         ("[data]\nshuffle = 1\n", r"data.shuffle = 1 is invalid: expected a boolean"),
+        (
+            "[parallel]\nrecompute = 'off'\n",
+            r"parallel.recompute = 'off' is invalid: expected a boolean \(true or false\)",
+        ),
         ("[optim]\nbetas = [0.9]\n", r"optim.betas = \[0.9\] is invalid: expected a pair"),
         ("steps = 1.5\n", r"steps = 1.5 is invalid"),
         ("steps = \n", r"not valid TOML"),
@@ -149,6 +154,13 @@ def test_bad_flag_value_exits_2(capsys):
         parse(["--micro-batch-size", "four"])
     assert exit_info.value.code == 2
     assert "--micro-batch-size" in capsys.readouterr().err
+
+
+def test_bad_recompute_exits_2_naming_the_field_the_value_and_the_choices(capsys):
+    assert main(["train", "--set", "parallel.recompute=bogus"]) == 2
+    assert "parallel.recompute = 'bogus' is invalid: expected a boolean (true or false)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_toml_round_trip_and_print(tmp_path):

@@ -55,7 +55,12 @@ def _type_name(tp: Any) -> str:
         return f"{_type_name(inner)} or unset (auto/none)"
     if typing.get_origin(tp) is tuple:
         return "a pair of " + " and ".join(_type_name(a) for a in typing.get_args(tp))
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[tp]
+    return {
+        bool: "a boolean (true or false)",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+    }[tp]
 
 
 def _invalid(key: str, value: Any, tp: Any) -> ValueError:
