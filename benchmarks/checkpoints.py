@@ -146,6 +146,12 @@ def _export_child(checkpoint: str, out: str, max_shard_bytes: str) -> dict:
     }  # fmt: skip
 
 
+NOISE_K = 2.0
+"""Our bf16 logits' error against transformers' float32 forward may be this many times
+transformers' own bf16 error (the noise floor's ``k``)."""
+NOISE_SLACK = 1e-3
+
+
 def export_check(args: argparse.Namespace) -> None:
     import transformers
 
@@ -165,20 +171,35 @@ def export_check(args: argparse.Namespace) -> None:
     result["peak_over_bound"] = result["peak_over_baseline_bytes"] / result["bound_bytes"]
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    logits = {}
     with torch.no_grad():
         ours = from_pretrained(args.out, dtype=torch.bfloat16, ops=ReferenceOps())
-        ours_logits = ours(ids).float()
+        logits["ours"] = ours(ids).float()
         del ours
-        hf = transformers.AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.bfloat16)
-        hf.set_attn_implementation("eager")
-        hf.set_experts_implementation("eager")
-        hf_logits = hf(input_ids=ids).logits.float()
-    difference = (ours_logits - hf_logits).norm() / hf_logits.norm()
+        for name, dtype in (("hf", torch.bfloat16), ("truth", torch.float32)):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(args.out, dtype=dtype)
+            hf.set_attn_implementation("eager")
+            hf.set_experts_implementation("eager")
+            logits[name] = hf(input_ids=ids).logits.float()
+            del hf
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    # A fixed bound is wrong at real width: two correct bf16 forwards differ by their own
+    # rounding (about 2e-2 of the logits at mid-deepseek-v2). As `harness.noise_floor`
+    # judges a step, ours is held to transformers' own bf16 error against its float32
+    # forward of the same export: at most K times it, plus a slack.
+    ours_error, hf_error = rel(logits["ours"], logits["truth"]), rel(logits["hf"], logits["truth"])
+    limit = NOISE_K * hf_error + NOISE_SLACK
     result.update(
-        logits_relative_l2=float(difference),
-        logits_max_abs_difference=float((ours_logits - hf_logits).abs().max()),
-        bf16_bound=1e-2,
-        within_bound=bool(difference <= 1e-2),
+        logits_relative_l2=rel(logits["ours"], logits["hf"]),
+        logits_max_abs_difference=float((logits["ours"] - logits["hf"]).abs().max()),
+        ours_bf16_vs_float32=ours_error,
+        transformers_bf16_vs_float32=hf_error,
+        error_ratio=ours_error / hf_error if hf_error else None,
+        limit=limit,
+        within_bound=bool(ours_error <= limit),
     )
     print(json.dumps(result, indent=1))
 
