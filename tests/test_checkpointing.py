@@ -196,3 +196,41 @@ def test_bfloat16_resume_is_exact_and_resumes_with_fsdp_off(tmp_path, monkeypatc
     assert resumed["true"] == whole
     for a, b in zip(resumed["false"], whole, strict=True):
         assert abs(a - b) <= 1e-2 * abs(b), (resumed["false"], whole)
+
+
+def test_a_region_of_a_stored_chunk_is_read_as_its_own_bytes(tmp_path, monkeypatch):
+    """A resume at another layout asks for some rows of a stored chunk (8 of 64 experts):
+    they are read as one byte range straight into the tensor, not the chunk loaded whole
+    and narrowed (DCP's way, 8x the bytes here), and the values are the saved ones."""
+    from optimized.train import chunks
+
+    experts = torch.randn(64, 12, 6).to(torch.bfloat16)
+    flat = torch.randn(1000)
+    chunks.save(
+        {"experts": chunks.rows(experts, 0, tuple(experts.shape)),
+         "flat": chunks.rows(flat, 0, tuple(flat.shape))},
+        tmp_path / "ck",
+    )  # fmt: skip
+    whole_loads = []
+    monkeypatch.setattr(
+        chunks.dcp.FileSystemReader, "read_data",
+        lambda self, plan, planner: whole_loads.append(plan.items),
+    )  # fmt: skip
+    read = []
+    original = chunks.CachedReader._read_rows
+
+    def counted(self, request, planner):
+        done = original(self, request, planner)
+        read.append(math.prod(request.lengths) if done else 0)
+        return done
+
+    monkeypatch.setattr(chunks.CachedReader, "_read_rows", counted)
+    mine = torch.empty(8, 12, 6, dtype=torch.bfloat16)
+    part = torch.empty(300)
+    chunks.load(
+        {"experts": chunks.rows(mine, 16, tuple(experts.shape)),
+         "flat": chunks.rows(part, 500, tuple(flat.shape))},
+        tmp_path / "ck", collective=False,
+    )  # fmt: skip
+    assert torch.equal(mine, experts[16:24]) and torch.equal(part, flat[500:800])
+    assert whole_loads == [] and sorted(read) == [300, 8 * 12 * 6]
