@@ -127,6 +127,35 @@ def embedding_grad_bytes(config: EstimateConfig) -> int:
     return whole if config.model.tie_word_embeddings else whole // grad_divisor(config)
 
 
+LOSS_MIN_CHUNK_TOKENS = 16
+"""`optimized.ops.linear_cross_entropy.MIN_CHUNK_TOKENS` (the estimator imports no op)."""
+
+
+def loss_chunk_tokens(hidden_size: int) -> int:
+    """Tokens per chunk of the fused loss's logits: the op's `default_chunk_tokens` (the
+    largest power of two <= hidden / 2, at least `LOSS_MIN_CHUNK_TOKENS`), which the
+    optimized stack's `SummedLinearCrossEntropy` uses."""
+    chunk = LOSS_MIN_CHUNK_TOKENS
+    while chunk * 2 <= hidden_size // 2:
+        chunk *= 2
+    return chunk
+
+
+def fused_loss_transient(config: EstimateConfig) -> int:
+    """What the optimized loss stage (`OptimizedDualPipeV._loss_sum`) holds while the linear
+    cross-entropy's chunked pass runs (`optimized.ops.linear_cross_entropy._chunked_pass`),
+    beyond what the walk's ``head`` keeps to the backward (the norm's saved tensors,
+    ``grad_hidden``, ``grad_weight``): the final norm's output (the op's input, not saved),
+    the per-token float32 losses and z-losses (``empty`` / ``empty_like``) and the one reused
+    logits buffer, ``new_empty((min(chunk, tokens), vocab))`` in the hidden's dtype, into
+    which each chunk's logits are written and turned into their gradient in place. All
+    die when the loss stage returns. At mid width (hidden 2048: chunks of 1024 tokens) a
+    512-token micro-batch's buffer is the whole ``[512, 32000]``: 32.8 MB in bf16."""
+    m, tokens, b = config.model, config.tokens, config.param_bytes
+    rows = min(loss_chunk_tokens(m.hidden_size), tokens)
+    return tokens * m.hidden_size * b + 2 * tokens * F32 + rows * m.vocab_size * b
+
+
 def head_weight_numel(config: EstimateConfig, stages) -> int:
     """The output-layer weight FSDP leaves whole on a rank holding the last stage: only a
     weight tied to the embedding (an untied output layer is sharded over DP like the rest;

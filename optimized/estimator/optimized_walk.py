@@ -17,6 +17,7 @@ from optimized.estimator.memory import (
     buffer_bytes,
     embedding_backward_bytes,
     embedding_grad_bytes,
+    fused_loss_transient,
     grad_divisor,
     head_weight_numel,
     layer_profile,
@@ -73,10 +74,13 @@ def estimate_rank_optimized(
     # which reduce-scatters it into a 1/DP shard; without, micro-batch 0's becomes the grad.
     sharded_head = config.fsdp and not m.tie_word_embeddings
     head_divisor = grad_divisor(config) if sharded_head else 1
-    # Final norm (float input = the chunk output in float32, rsqrt, normalised, output),
-    # the linear cross-entropy's finished grad_hidden, its losses and grad_weight.
-    head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + 2 * th
-    head += th + tokens * F32 + 8
+    # Kept from the loss forward to its backward: the final norm's saved tensors (float input
+    # = the chunk output in float32, rsqrt, normalised), the linear cross-entropy's finished
+    # grad_hidden and grad_weight (below), scalars. The norm's output and the per-token
+    # losses die when the loss stage returns (`fused_loss_transient`).
+    head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + th
+    head += th + 8
+    fused_loss = fused_loss_transient(config)
     state = FsdpWalkState() if config.fsdp else WalkState()
     fsdp = FsdpWalk(
         config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
@@ -183,7 +187,8 @@ def estimate_rank_optimized(
                 state.grad((chunk, "head"), head_weight)
             else:
                 state.activations += head_weight
-            state.moment(fsdp.running("head"))
+            # The chunked pass's logits buffer and z-losses, on the gathered weight (FSDP2).
+            state.moment(fused_loss + fsdp.running("head"))
         elif chunk == 0 and last:
             local_out.append(th)
         else:
@@ -246,8 +251,8 @@ def estimate_rank_optimized(
             for name in bsteps:
                 run_step(chunk, i, mb, steps[i].backward[name], defer)
                 hold_late(chunk, i, mb, name)
+        b_end(chunk)  # the late-held tensors are alive through it (embedding backward, send)
         release_late()
-        b_end(chunk)
 
     def overlapped(fc, fmb, bc, bmb):
         f_start(fc)
@@ -262,8 +267,8 @@ def estimate_rank_optimized(
                     run_step(bc, bl[k], bmb, bsteps_of[bl[k]].backward[bsteps[n]])
                     hold_late(bc, bl[k], bmb, bsteps[n])
         f_end(fc, fmb)
-        release_late()
         b_end(bc)
+        release_late()
 
     for step in walk(rank, config.pp, config.num_microbatches):
         action = step.action
