@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from harness.inplace import Piece
+from models.checkpoint import read_exactly
 
 
 def _remove(path: str) -> None:
@@ -55,15 +56,9 @@ class SpilledGradients(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         offset, shape, dtype, device = self._where[name]
         out = torch.empty(shape, dtype=dtype)
-        view = out.reshape(-1).view(torch.uint8).numpy()
         with open(self.path, "rb", buffering=0) as file:
             file.seek(offset)
-            done = 0
-            while done < view.nbytes:
-                read = file.readinto(view[done:])
-                if not read:
-                    raise RuntimeError(f"{self.path}: ended early reading {name}")
-                done += read
+            read_exactly(file, out.reshape(-1), f"{self.path} ({name})")
         return out.to(device)
 
     def __iter__(self) -> Iterator[str]:
@@ -112,13 +107,7 @@ class ParkedTensors:
         with open(self.path, "rb", buffering=0) as file:
             for mapping, key, shape, dtype, device in self._slots:
                 out = torch.empty(shape, dtype=dtype)
-                view = out.reshape(-1).view(torch.uint8).numpy()
-                done = 0
-                while done < view.nbytes:
-                    read = file.readinto(view[done:])
-                    if not read:
-                        raise RuntimeError(f"{self.path}: ended early restoring {key}")
-                    done += read
+                read_exactly(file, out.reshape(-1), f"{self.path} ({key})")
                 mapping[key] = out.to(device)
         self._slots = []
         self._finalizer()

@@ -160,7 +160,7 @@ def read_rows(stored: StoredTensor, out: torch.Tensor, start: int = 0) -> None:
     with open(stored.file, "rb", buffering=0) as f:
         f.seek(begin)
         if direct:
-            _read_exactly(f, out.reshape(-1), stored.file)
+            read_exactly(f, out.reshape(-1), stored.file)
             return
         flat = out.view(-1) if out.is_contiguous() else None
         per = max(1, READ_BUFFER_BYTES // item)
@@ -168,15 +168,16 @@ def read_rows(stored: StoredTensor, out: torch.Tensor, start: int = 0) -> None:
             per = count
         for first in range(0, count, per):
             buffer = torch.empty(min(per, count - first), dtype=dtype)
-            _read_exactly(f, buffer, stored.file)
+            read_exactly(f, buffer, stored.file)
             if flat is None:
                 out.copy_(buffer.view(out.shape))
             else:
                 flat[first : first + buffer.numel()].copy_(buffer)
 
 
-def _read_exactly(f, tensor: torch.Tensor, file: str) -> None:
-    """Fill a contiguous 1-d CPU ``tensor`` with the next bytes of ``f``."""
+def read_exactly(f, tensor: torch.Tensor, file: str) -> None:
+    """Fill a contiguous 1-d CPU ``tensor`` with the next bytes of ``f`` (a file opened
+    ``rb``); `CheckpointError` naming ``file`` when it ends first."""
     view = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
     done = 0
     while done < len(view):

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
+from models.checkpoint import read_exactly
 from models.weights import Progress
 
 
@@ -216,14 +217,8 @@ class CachedReader(dcp.FileSystemReader):
             out = target if direct and target.device.type == "cpu" else torch.empty(
                 tuple(lengths), dtype=stored.dtype
             )
-            view = out.reshape(-1).view(torch.uint8).numpy()
             stream.seek(info.offset + record + start[0] * row)
-            done = 0
-            while done < view.nbytes:
-                read = stream.readinto(view[done:])
-                if not read:
-                    raise RuntimeError(f"{path}: ended early reading {request.dest_index.fqn}")
-                done += read
+            read_exactly(stream, out.reshape(-1), f"{path} ({request.dest_index.fqn})")
             if out is not target:
                 target.copy_(out)
         planner.commit_tensor(request, target)
