@@ -43,7 +43,9 @@ def test_implements_every_protocol_method_with_its_signature():
         name for name, value in vars(Ops).items() if callable(value) and not name.startswith("_")
     ]
     assert len(protocol_methods) == 10
-    assert OptimizedOps.recompute_attention is True and REFERENCE.recompute_attention is False
+    # Recomputation is the optimized default, per ops object (`--recompute off` turns it off).
+    assert OptimizedOps().recompute_attention is True and REFERENCE.recompute_attention is False
+    assert OptimizedOps(recompute_attention=False).recompute_attention is False
     for name in protocol_methods:
         expected = list(inspect.signature(getattr(Ops, name)).parameters)
         assert list(inspect.signature(getattr(OptimizedOps, name)).parameters) == expected, name
