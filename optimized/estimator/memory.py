@@ -374,15 +374,26 @@ def with_optimizer_step(
     The step's peak is whichever is higher, the walk's or this."""
     temporaries = optimizer_temporaries(config, count)
     activations = batch_bytes(config) + temporaries
-    total = estimate.weights_bytes + estimate.all_gradients_bytes + optimizer + activations
+    return record_optimizer_step(
+        estimate, estimate.weights_bytes, optimizer, activations, start_below=temporaries
+    )
+
+
+def record_optimizer_step(
+    estimate: RankEstimate, weights: int, optimizer: int, activations: int, start_below: int
+) -> RankEstimate:
+    """The optimizer step as the walk's last moment: ``weights``, every gradient,
+    ``optimizer`` bytes of state and ``activations`` (the batch and the step's own
+    temporaries, ``start_below`` of them made by the step); the rank's peak if higher."""
+    total = weights + estimate.all_gradients_bytes + optimizer + activations
     estimate.optimizer_step_bytes = total
     estimate.timeline.append(
         {"phase": "optimizer", "action": "step", "mark": "optimizer", "micro_batch": None,
-         "in_flight": [0, 0], "bytes": total - estimate.weights_bytes - optimizer,
-         "peak_bytes": total, "start_bytes": total - temporaries,
-         "gradients_bytes": estimate.all_gradients_bytes}
+         "in_flight": [0, 0], "bytes": total - weights - optimizer, "peak_bytes": total,
+         "start_bytes": total - start_below, "gradients_bytes": estimate.all_gradients_bytes}
     )  # fmt: skip
     if total > estimate.peak_bytes:
+        estimate.weights_bytes = weights
         estimate.gradients_bytes = estimate.all_gradients_bytes
         estimate.optimizer_bytes = optimizer
         estimate.activation_bytes = activations

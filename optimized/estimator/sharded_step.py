@@ -36,6 +36,7 @@ from optimized.estimator.memory import (
     batch_bytes,
     head_weight_numel,
     optimizer_temporaries,
+    record_optimizer_step,
 )
 
 F64 = 8
@@ -150,21 +151,7 @@ def with_sharded_optimizer_step(config: EstimateConfig, estimate, count, optimiz
     )
     weights = estimate.weights_bytes - gathered
     activations = batch_bytes(config) + extra
-    total = weights + estimate.all_gradients_bytes + optimizer + activations
-    estimate.optimizer_step_bytes = total
-    estimate.timeline.append(
-        {"phase": "optimizer", "action": "step", "mark": "optimizer", "micro_batch": None,
-         "in_flight": [0, 0], "bytes": total - weights - optimizer, "peak_bytes": total,
-         "start_bytes": total - extra, "gradients_bytes": estimate.all_gradients_bytes}
-    )  # fmt: skip
-    if total > estimate.peak_bytes:
-        estimate.weights_bytes = weights
-        estimate.gradients_bytes = estimate.all_gradients_bytes
-        estimate.optimizer_bytes = optimizer
-        estimate.activation_bytes = activations
-        estimate.peak_phase, estimate.peak_action = "optimizer", "step"
-        estimate.in_flight_at_peak = (0, 0)
-    return estimate
+    return record_optimizer_step(estimate, weights, optimizer, activations, start_below=extra)
 
 
 # ------------------------------------------------------------------ the walk
