@@ -40,6 +40,22 @@ def compare_tensors(base: dict, cand: dict) -> list[Row]:
     return compare_sums({name: pair_sums(cand[name], base[name]) for name in base})
 
 
+def stack_estimate(model, layout: dict, stack: str, parallel, first_step: bool, routing=None):
+    """`estimate_for_compare` of a compare side: ``optimized-fsdp`` is the optimized walk with
+    FSDP2 and `ShardedAdamW`'s state (float32 moments and, for 16-bit parameters, float32
+    masters) under the run's gradient-sync and reshard settings."""
+    from optimized.estimator import estimate_for_compare  # noqa: PLC0415
+
+    if stack == "optimized-fsdp":
+        return estimate_for_compare(
+            model, layout, "optimized", fsdp=True, shard_optimizer=True,
+            optimizer_state_dtype="float32", master_weights=True, first_step=first_step,
+            routing=routing, grad_sync=parallel.grad_sync,
+            reshard_after_forward=parallel.reshard_after_forward,
+        )  # fmt: skip
+    return estimate_for_compare(model, layout, stack, first_step=first_step, routing=routing)
+
+
 def _add_estimates(
     memory_ranks: list[dict],
     model,
@@ -55,7 +71,7 @@ def _add_estimates(
     routing that step saw (`optimized.estimator.routing`), the balanced one beside it.
     ``stages``: the layers per stage both stacks ran (None: each stack's own choice)."""
     try:
-        from optimized.estimator import estimate_for_compare, received_loads  # noqa: PLC0415
+        from optimized.estimator import received_loads  # noqa: PLC0415
     except ImportError:
         return
     layout = dict(
@@ -67,15 +83,7 @@ def _add_estimates(
     )  # fmt: skip
 
     def run(stack: str, first: bool, routing=None):
-        if stack == "optimized-fsdp":
-            # ShardedAdamW: float32 moments and, for 16-bit parameters, float32 masters.
-            return estimate_for_compare(
-                model, layout, "optimized", fsdp=True, shard_optimizer=True,
-                optimizer_state_dtype="float32", master_weights=True, first_step=first,
-                routing=routing, grad_sync=parallel.grad_sync,
-                reshard_after_forward=parallel.reshard_after_forward,
-            )  # fmt: skip
-        return estimate_for_compare(model, layout, stack, first_step=first, routing=routing)
+        return stack_estimate(model, layout, stack, parallel, first, routing)
 
     for key, stack in zip(("baseline", "candidate"), sides):
         steps = {entry[key].get("step") for entry in memory_ranks}

@@ -24,11 +24,11 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness.meter as meter  # noqa: E402
+from harness.compare_checks import stack_estimate  # noqa: E402
 from harness.lockstep import RankPlan, run_rank  # noqa: E402
 from models import SeededWeights, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402
-from optimized.estimator import estimate_for_compare  # noqa: E402
 from optimized.estimator.routing import received_loads  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -84,12 +84,8 @@ def _estimate(model, parallel, first_step, routing=None):
         micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
         num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
     )  # fmt: skip
-    return estimate_for_compare(
-        model, layout, "optimized", fsdp=True, shard_optimizer=True,
-        optimizer_state_dtype="float32", master_weights=True, first_step=first_step,
-        routing=routing, grad_sync=parallel.grad_sync,
-        reshard_after_forward=parallel.reshard_after_forward,
-    )  # fmt: skip
+    # The estimate `twinpipe compare` reports beside the FSDP runner's measured peak.
+    return stack_estimate(model, layout, "optimized-fsdp", parallel, first_step, routing)
 
 
 @pytest.mark.parametrize(
