@@ -139,6 +139,9 @@ class _Rank:
         self.truth = None
         if self.lockstep and plan.noise_floor:
             self.truth = _build("reference", plan, layout, dtype="float32")
+            # One micro-batch in flight: float32 activations of the DualPipeV order would
+            # be twice what the bf16 stacks hold (`ReferenceDualPipeV.sequential`).
+            self.truth.schedule.sequential = True
         self.pin = plan.routing == "pinned" and pipelines
         if plan.routing == "balanced" and pipelines:
             from models.routing import BalancedRouting, attach_routing_tape  # noqa: PLC0415

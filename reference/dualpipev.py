@@ -14,6 +14,12 @@ Communication: activations and gradients travel point to point, one tagged
 stream per direction and chunk. Sends are posted as soon as a tensor exists and
 waited at the end of the step; receives are posted when the data is needed.
 Because the schedule is a valid DualPipeV order, this never deadlocks.
+
+``sequential = True`` runs the same actions one micro-batch at a time instead (F0 F1 B1
+B0 for each micro-batch on every rank): the same gradients, with one micro-batch per
+stage in flight. The harness's float32 truth runs so (`harness.lockstep`): in float32
+the DualPipeV order would hold twice the bytes the bfloat16 stacks hold in their own
+order, and the truth is not there to be timed, only to be exact.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ReferenceDualPipeV:
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_ranks - 1
         self.observer = None
         """Optional ``observer(moment, micro_batch)`` called at each action (memory tracking)."""
+        self.sequential = False
+        """Run one micro-batch at a time through the whole V (see the module docstring)."""
         self.gradient_sync = None
         """Optional object told of every backward before it runs (``before_backward(chunk)``):
         FSDP2 (`twinpipe train` can shard this stack too) reduces at the chunk's last one."""
@@ -67,6 +75,14 @@ class ReferenceDualPipeV:
                     self.F(1)
             return self._end()
 
+        if self.sequential:
+            self.phase = "sequential"
+            for _ in range(self.num_micro_batches):
+                self.F(0)
+                self.F(1)
+                self.B(1)
+                self.B(0)
+            return self._end()
         r, pp, m = self.rank, self.num_ranks, self.num_micro_batches
         # Phase 1, nF0: fill the V's left arm.
         self.phase = "nF0"

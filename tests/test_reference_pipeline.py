@@ -111,6 +111,36 @@ def test_layout_does_not_change_the_loss_trajectory():
     assert a[0] != a[2]  # the optimizer moved the weights
 
 
+def _sequential_worker(cfg, parallel, state):
+    """This rank's gradients and loss in the DualPipeV order and one micro-batch at a time."""
+    layout = make_layout(parallel)
+    out = []
+    for sequential in (False, True):
+        pipeline = ReferencePipeline(cfg, parallel, layout, state, OptimizerConfig())
+        pipeline.schedule.sequential = sequential
+        loss = pipeline.forward_backward(*synthetic_batch(cfg, parallel, 0))
+        grads = {n: p.grad.clone() for n, p in pipeline.part.named_parameters()}
+        out.append((loss, grads))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp", [2, 4])
+def test_sequential_order_gives_the_same_step(pp):
+    """The float32 truth's order (`ReferenceDualPipeV.sequential`): the same loss and
+    gradients as the DualPipeV order, every rank (middle ranks too at PP4)."""
+    cfg = preset("tiny-qwen3-moe", num_hidden_layers=2 * pp)
+    parallel = ParallelConfig(pp=pp, micro_batch_size=1, micro_batches=2 * pp, seq_len=16)
+    for (loss, grads), (seq_loss, seq_grads) in launch(
+        _sequential_worker, pp, (cfg, parallel, SeededWeights(cfg, seed=4))
+    ):
+        assert abs(seq_loss - loss) <= 1e-6 * abs(loss)
+        assert grads.keys() == seq_grads.keys() and grads
+        for name, grad in grads.items():
+            err = (seq_grads[name] - grad).norm() / grad.norm()
+            assert err <= 1e-6, (name, float(err))
+
+
 def _planted_failure_worker(cfg, parallel, state):
     layout = make_layout(parallel)
     pipeline = ReferencePipeline(cfg, parallel, layout, state, OptimizerConfig())
