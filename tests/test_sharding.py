@@ -63,7 +63,7 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
         loss = runner.forward_backward(ids, labels)
     norm = optimizer.prepare_gradients()
     grads = {
-        s.name: gather_slices(s.master.grad, s).view(s.param.shape).clone()
+        s.name: gather_slices(s.gradient.float(), s).view(s.param.shape).clone()
         for s in optimizer.shards
     }
     kinds = {

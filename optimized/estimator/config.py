@@ -74,9 +74,10 @@ class EstimateConfig:
     group (`optimized.estimator.sharded_step`): with ``grad_sync="step"`` gradients unsharded
     until the chunk's last backward (or the W completing them) reduces them, and with
     ``reshard_after_forward`` off parameters gathered from the chunk's first forward to its
-    last backward; the optimizer step is `ShardedAdamW`'s (float32 gradient copies, float64
-    squares); with ``reshard_after_forward`` on, each stage step holds its largest FSDP2 unit
-    gathered twice over (the all-gather's output beside the parameters copied out of it).
+    last backward; the optimizer step is `ShardedAdamW`'s (float64 squares and a float32
+    update, block by block); with ``reshard_after_forward`` on, each stage step holds its
+    largest FSDP2 unit gathered twice over (the all-gather's output beside the parameters
+    copied out of it).
     Not counted: with ``grad_sync="micro-batch"``, each backward's unsharded gradients and
     reduce-scatter buffers, and the expert weight gradients a W step leaves unsharded until
     the experts' next backward (tiny-deepseek-v2 (1,2,2) bf16: 2.8% low)."""
@@ -162,12 +163,10 @@ class EstimateConfig:
 
     @property
     def blocked_update(self) -> bool:
-        """Whether the AdamW step is `ShardedAdamW`'s float32 update over blocks (16-bit
-        moments, or float32 moments beside 16-bit parameters with no master), not torch's."""
-        if self.optimizer_state_dtype == "bfloat16":
-            return True
-        sixteen_bit = self.param_bytes != 4
-        return self.optimizer_state_dtype == "float32" and sixteen_bit and not self.master_weights
+        """Whether the AdamW step is `ShardedAdamW`'s (`twinpipe train`'s: torch's update in
+        float32 over blocks) rather than torch's AdamW itself (``optimizer_state_dtype``
+        ``param``: `twinpipe compare`'s unsharded stacks)."""
+        return self.optimizer_state_dtype != "param"
 
     @property
     def optimizer_bytes_per_param(self) -> int:

@@ -355,15 +355,25 @@ UPDATE_BLOCK = 1 << 22
 them equal: the estimator imports nothing from the trainer)."""
 
 
+def update_blocks(config: EstimateConfig) -> int:
+    """float32 blocks alive at once in `ShardedAdamW`'s blocked update: copies of what is not
+    float32 among the master (the parameter's dtype without masters), the two moments and
+    the gradient, then the square root and the denominator (an update scaled by clipping
+    also copies a float32 gradient block: one more then)."""
+    master = 4 if config.master_weights else config.param_bytes
+    copies = (master != F32) + 2 * (config.moment_bytes != F32) + (config.grad_bytes != F32)
+    return copies + 2
+
+
 def optimizer_temporaries(config: EstimateConfig, count: ParamCount) -> int:
     """Bytes alive at once inside the optimizer step beyond its state: torch's AdamW, two
     copies of the largest tensor (`largest_state_tensor_bytes`); `ShardedAdamW`'s blocked
-    update, five float32 blocks (the parameter's and moments' float32 copies, the square
-    root and the denominator), or fewer elements when the largest tensor is smaller."""
+    update, `update_blocks` float32 blocks, or fewer elements when the largest tensor is
+    smaller."""
     if not config.blocked_update:
         return 2 * largest_state_tensor_bytes(config, count)
     largest = largest_state_tensor_bytes(config, count) // config.moment_bytes
-    return 5 * min(largest, UPDATE_BLOCK) * F32
+    return update_blocks(config) * min(largest, UPDATE_BLOCK) * F32
 
 
 def with_optimizer_step(

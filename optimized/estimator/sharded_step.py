@@ -1,18 +1,17 @@
 """The optimizer step of the FSDP2 runner (``optimized-fsdp``): `ShardedAdamW` as it runs.
 
-`ShardedAdamW` does not step in place on the gradients autograd left. Its step, read off
-`optimized.train.optimizer` (the estimator imports nothing from the trainer), holds:
+`ShardedAdamW` copies nothing whole. Its step, read off `optimized.train.optimizer` (the
+estimator imports nothing from the trainer), holds:
 
 - every parameter's reduced gradient (``.grad``: this rank's FSDP2 rows, or the whole
-  all-reduced gradient of a parameter off FSDP2), until the step ends;
-- ``prepare_gradients``, parameter by parameter in the part's order: a float32 gradient
-  slice (``.float()`` of the rows: a new copy of 16-bit gradients, a view of float32 ones;
-  off FSDP2 the copy is of the *whole* gradient, which the slice keeps alive), kept as the
-  master's ``.grad`` until ``zero_grad`` at the end of the step; and, while the slice's
-  squares are summed for the global norm, ``piece.double()`` and its ``.pow(2)``: 16 bytes
-  per element of the slice;
-- torch's single-tensor AdamW on the float32 masters: ``exp_avg_sq.sqrt()`` and its
-  quotient by the bias correction, two float32 copies of one master at a time;
+  all-reduced gradient of a parameter off FSDP2), until the step ends; the slices it
+  takes of them are views;
+- ``prepare_gradients``, slice by slice, block by block (``UPDATE_BLOCK`` elements): a
+  block's ``.double()`` and its ``.pow(2)`` while its squares are summed for the global
+  norm, 16 bytes per element of the block;
+- the update (`memory.optimizer_temporaries`), slice by slice, block by block: float32
+  copies of the 16-bit master, moments and gradient blocks, and the square root and the
+  denominator;
 - off FSDP2 with a replica group of more than one rank (a tied output layer), the
   all-gather of the updated slices: the received slices and their concatenation.
 
@@ -20,8 +19,7 @@ With ``reshard_after_forward`` off FSDP2's gathered parameters are freed at each
 last backward (`optimized.pipeline.gradient_sync`), so the step sees only the shards.
 
 The slices follow the part's parameter order, which a meta-device build of the part gives
-exactly (`models.model.CausalLM`, no storage): the peak of ``prepare_gradients`` falls at
-a large slice late in that order, over the slices already taken.
+exactly (`models.model.CausalLM`, no storage); the step's peak is its largest block's.
 """
 
 from __future__ import annotations
@@ -32,11 +30,12 @@ from typing import NamedTuple
 from optimized.estimator.activations import F32
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
+    UPDATE_BLOCK,
     WalkState,
     batch_bytes,
     head_weight_numel,
-    optimizer_temporaries,
     record_optimizer_step,
+    update_blocks,
 )
 
 F64 = 8
@@ -45,8 +44,6 @@ F64 = 8
 class SliceBytes(NamedTuple):
     """One parameter's slice in `ShardedAdamW` on this rank."""
 
-    held: int
-    """Bytes of the float32 gradient copy kept until the step ends (0: a view)."""
     elements: int
     """Elements of the slice (and of the master AdamW steps)."""
     gathered: int
@@ -102,31 +99,23 @@ def slice_bytes(config: EstimateConfig, name: str, shape: tuple[int, ...]) -> Sl
     replicas = config.dp // config.ep if expert else config.dp
     tied = config.model.tie_word_embeddings and ("embed_tokens" in name or "lm_head" in name)
     fsdp = (replicas > 1) if expert else not tied
-    copies = config.param_bytes != F32  # `.float()` of a float32 gradient is the gradient
     if fsdp:
         rows = shape[0] if shape else 1
-        elements = -(-rows // replicas) * (numel // max(rows, 1))
-        return SliceBytes(elements * F32 if copies else 0, elements, 0)
+        return SliceBytes(-(-rows // replicas) * (numel // max(rows, 1)), 0)
     chunk = -(-numel // replicas)
     gathered = 2 * replicas * chunk * F32 if replicas > 1 else 0
-    return SliceBytes(numel * F32 if copies else 0, chunk, gathered)
+    return SliceBytes(chunk, gathered)
 
 
-def sharded_step_extra(
-    config: EstimateConfig, layers: list[int], first: bool, blocked: int | None = None
-) -> int:
+def sharded_step_extra(config: EstimateConfig, layers: list[int], first: bool) -> int:
     """Bytes `ShardedAdamW`'s step holds at its highest beyond the weights, the reduced
-    gradients and the optimizer state (see the module docstring); ``blocked``: the update's
-    temporaries when it runs block by block (`memory.optimizer_temporaries`), else torch's
-    AdamW's two float32 copies of the largest master."""
-    taken, peak = 0, 0
+    gradients and the optimizer state (see the module docstring): its largest block's
+    squares, update or the write-back all-gather."""
     slices = [slice_bytes(config, n, s) for n, s in part_parameters(config, layers, first)]
-    for piece in slices:
-        peak = max(peak, taken + piece.held + 2 * F64 * piece.elements)
-        taken += piece.held
-    largest = max((piece.elements for piece in slices), default=0)
-    peak = max(peak, taken + (2 * F32 * largest if blocked is None else blocked))
-    return max(peak, taken + max((piece.gathered for piece in slices), default=0))
+    block = min(max((piece.elements for piece in slices), default=0), UPDATE_BLOCK)
+    squares = 2 * F64 * block
+    update = update_blocks(config) * F32 * block
+    return max(squares, update, max((piece.gathered for piece in slices), default=0))
 
 
 def gathered_weight_bytes(config: EstimateConfig, params: dict[str, int], head_numel: int) -> int:
@@ -144,8 +133,7 @@ def with_sharded_optimizer_step(config: EstimateConfig, estimate, count, optimiz
     gathered copies, every reduced gradient, ``optimizer`` bytes of state and what
     `ShardedAdamW`'s step holds beyond them (`sharded_step_extra`)."""
     layers = [*estimate.layers[0], *estimate.layers[1]]
-    blocked = optimizer_temporaries(config, count) if config.blocked_update else None
-    extra = sharded_step_extra(config, layers, estimate.rank == 0, blocked)
+    extra = sharded_step_extra(config, layers, estimate.rank == 0)
     gathered = gathered_weight_bytes(
         config, estimate.params, head_weight_numel(config, estimate.stages)
     )

@@ -31,10 +31,15 @@ Precision (``state_dtype``, ``master_weights``): by default the moments are floa
 own 2 (what lets a long run add updates smaller than a bf16 ulp). ``state_dtype="bfloat16"``
 keeps the moments in bfloat16 and ``master_weights=False`` steps the parameter's own rows
 (the master is then the parameter, or for a ZeRO-1 slice a copy in its dtype), 4 bytes of
-state per bf16 parameter: what lets mid-gpt-oss train at PP2 DP2 EP2 in 24 GiB. Outside the
-default the step is computed in float32 over blocks of `UPDATE_BLOCK` elements (so the
-transient is a few blocks, not a float32 copy of the largest tensor) and rounded once into
-the stored dtypes.
+state per bf16 parameter.
+
+Memory of the step: nothing whole is copied. The gradient slices stay in the gradient's
+dtype (views of the reduced gradients); their squares for the global norm are summed, and
+torch's single-tensor AdamW update is computed in float32 (bit for bit), block by block of
+`UPDATE_BLOCK` elements, the clipping scale applied to each gradient block as it is read,
+and rounded once into the stored dtypes. The step's transient is a few 16 MiB blocks, not
+float32 copies of every gradient (1.2 GiB on mid-gpt-oss's rank 0 at PP2 DP2 EP2) nor
+float64 squares of the largest slice (0.7 GiB there).
 """
 
 from __future__ import annotations
@@ -78,8 +83,9 @@ class ParamShard:
     master_weights: bool = True
     """Step a float32 master of a 16-bit parameter; False: step the parameter's dtype."""
     gradient: torch.Tensor | None = None
-    """This rank's float32 gradient slice, set by `ShardedAdamW.prepare_gradients` (also
-    ``master.grad`` when the master is float32)."""
+    """This rank's gradient slice in the gradient's dtype, set by
+    `ShardedAdamW.prepare_gradients` (a view of the reduced gradient; a zero-padded copy for
+    the last ZeRO-1 replica's short slice); read block by block by the update."""
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -133,6 +139,15 @@ def gather_slices(piece: torch.Tensor, shard: ParamShard) -> torch.Tensor:
     return torch.cat(pieces)[: shard.numel]
 
 
+def square_sum(piece: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of squares of ``piece``'s elements, block by block (`UPDATE_BLOCK`)."""
+    flat = piece.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=piece.device)
+    for begin in range(0, flat.numel(), UPDATE_BLOCK):
+        total += flat[begin : begin + UPDATE_BLOCK].double().pow(2).sum()
+    return total
+
+
 def _adamw_blocks(
     s: ParamShard,
     state: dict,
@@ -141,9 +156,11 @@ def _adamw_blocks(
     beta2: float,
     eps: float,
     weight_decay: float,
+    scale: float = 1.0,
 ) -> None:
-    """torch's single-tensor AdamW update of ``s`` (``state['step']`` already counted),
-    computed in float32 block by block and stored in the master's and moments' dtypes."""
+    """torch's single-tensor AdamW update of ``s`` (``state['step']`` already counted) on its
+    gradient times ``scale`` (the clipping), computed in float32 block by block and stored
+    in the master's and moments' dtypes."""
     step = float(state["step"])
     step_size = lr / (1 - beta1**step)
     correction2_sqrt = (1 - beta2**step) ** 0.5
@@ -152,6 +169,10 @@ def _adamw_blocks(
         end = min(begin + UPDATE_BLOCK, s.master.numel())
         param, exp_avg, exp_avg_sq = (t[begin:end].float() for t in stored)
         grad = s.gradient[begin:end]
+        if scale != 1.0:  # float32 times the scale, as clipping a float32 copy gave
+            grad = grad.float().mul_(scale) if grad.dtype != torch.float32 else grad * scale
+        else:
+            grad = grad.float()
         param.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -223,64 +244,58 @@ class ShardedAdamW:
                 flat = param.detach().reshape(-1).to(entry.master_dtype)
                 entry.master = _slice_of(flat, entry).clone()
             self.shards.append(entry)
+        # torch's AdamW holds the state (the tracker and checkpoints read it there); the
+        # update is `_adamw_blocks`, its single-tensor step block by block.
         self.optimizer = torch.optim.AdamW(
             [s.master for s in self.shards], lr=lr, betas=betas, eps=eps,
             weight_decay=weight_decay, foreach=False,
         )  # fmt: skip
-        # torch's AdamW steps when everything it touches is float32; otherwise it only
-        # holds the state (`_adamw_blocks` steps), so the tracker and checkpoints see one kind.
-        self.native = self.state_dtype == torch.float32 and all(
-            s.master.dtype == torch.float32 for s in self.shards
-        )
+        self.scale = 1.0
+        """The clipping factor of this step's gradients (`clip`), applied by the update."""
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
         for s in self.shards:
             s.param.grad = None
-            s.master.grad = None
             s.gradient = None
 
     def prepare_gradients(self) -> float:
-        """Take this rank's float32 gradient slices; return the global gradient norm."""
+        """Take this rank's gradient slices (views, in the gradient's dtype); return the
+        global gradient norm."""
         device = self.shards[0].master.device if self.shards else torch.device("cpu")
-        square_sum = torch.zeros((), dtype=torch.float64, device=device)
+        square_total = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.zeros((), dtype=torch.float64, device=device)
+        self.scale = 1.0
         for s in self.shards:
             grad = s.param.grad
             if grad is None:
                 piece = torch.zeros(s.master.shape, device=s.master.device)
             elif s.fsdp:  # already reduce-scattered by FSDP2: this rank's rows
-                piece = grad.to_local().detach().reshape(-1).float()
+                piece = grad.to_local().detach().reshape(-1)
             else:
-                piece = _slice_of(grad.detach().reshape(-1).float(), s)
+                piece = _slice_of(grad.detach().reshape(-1), s)
             s.gradient = piece
-            if s.master.dtype == torch.float32:
-                s.master.grad = piece
-            squares = piece.double().pow(2).sum()
+            squares = square_sum(piece)
             local += squares
             if s.counted:
-                square_sum += squares
+                square_total += squares
         self.local_square_sum = float(local)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(square_sum)
-        return math.sqrt(float(square_sum))
+            dist.all_reduce(square_total)
+        return math.sqrt(float(square_total))
 
     def clip(self, norm: float, max_norm: float) -> None:
-        """Scale the gradient slices so the global norm is at most ``max_norm`` (0: off)."""
+        """Scale the gradient slices so the global norm is at most ``max_norm`` (0: off):
+        the update multiplies each float32 gradient block by the factor as it reads it."""
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for s in self.shards:
-                s.gradient.mul_(scale)
+            self.scale = max_norm / (norm + 1e-6)
 
     def step(self, lr: float) -> None:
         """One AdamW step on the slices, then every parameter rebuilt from its replicas
         (FSDP2 parameters: this rank's rows; FSDP2 gathers them at the next forward)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.native:
-            self.optimizer.step()
-        else:
-            self._step_blocks(lr)
+        self._step_blocks(lr)
         with torch.no_grad():
             for s in self.shards:
                 if s.shares_storage:
@@ -304,7 +319,7 @@ class ShardedAdamW:
                         s.master.shape, dtype=self.state_dtype, device=s.master.device
                     )
             state["step"] += 1
-            _adamw_blocks(s, state, lr, *self.hyper)
+            _adamw_blocks(s, state, lr, *self.hyper, scale=self.scale)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state: the moments and the masters kept apart
