@@ -138,9 +138,16 @@ def eager_attention(
 
 # ------------------------------------------------------------------- attention
 def _init_rope_buffer(attention: nn.Module, dim: int) -> None:
-    """Recompute the rotary table (a meta-device module has none), in the buffer's dtype."""
+    """Recompute the rotary table (a meta-device module has none), in float32 whatever the
+    model's dtype, as transformers keeps it (``from_pretrained`` in bfloat16 leaves the
+    rotary ``inv_freq`` in float32). Rounded to bfloat16, each frequency moves by up to
+    2**-8 of itself and the angle of position p by p times that: at GPT-OSS-20B's rotary
+    width, 0.2 rad by position 127 and cos/sin 2.4e-2 from float32 (1.9e-3 when rounded
+    once, after the float32 cos/sin), which made our bfloat16 logits 2.0-2.2 times as far
+    from float32 as transformers' (1-2 real-width layers, 128 tokens; DeepSeek-V2 1.12);
+    1.0 with this."""
     inv_freq = rope_frequencies(attention.config, dim)[0]
-    attention.inv_freq = inv_freq.to(attention.inv_freq.dtype).to(attention.inv_freq.device)
+    attention.inv_freq = inv_freq.to(attention.inv_freq.device)
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -149,10 +149,17 @@ def test_bfloat16_logits_match_transformers(preset_name, tmp_path):
     Qwen3's router logits in the model dtype, HF's SwiGLU order): bit-equal logits.
     DeepSeek-V2 differs in two roundings, left as they are: the routing weight is cast to
     bfloat16 before it scales the expert output (HF multiplies in float32), and the shared
-    experts join the residual before the routed sum (HF: residual + (routed + shared))."""
+    experts join the residual before the routed sum (HF: residual + (routed + shared)).
+
+    transformers is loaded as users load it in bfloat16 (``from_pretrained(dtype=...)``),
+    which keeps its rotary ``inv_freq`` in float32, as ours is; ``.to(torch.bfloat16)``
+    would round that table too."""
     config = preset(preset_name)
-    hf = hf_model(config).to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
+    hf_model(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    hf.set_attn_implementation("eager")
+    hf.set_experts_implementation("eager")
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
     ours = from_pretrained(tmp_path, dtype=torch.bfloat16, ops=ReferenceOps())
     assert ours.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
@@ -160,7 +167,7 @@ def test_bfloat16_logits_match_transformers(preset_name, tmp_path):
         expected, got = hf(input_ids=ids).logits, ours(ids)
     assert torch.isfinite(got).all()
     if preset_name == "tiny-deepseek-v2":
-        assert rel(got, expected) <= 2e-2  # measured 6e-3 to 8e-3
+        assert rel(got, expected) <= 2e-2  # measured 6e-3 to 9e-3
     else:
         assert torch.equal(got, expected), rel(got, expected)
 
