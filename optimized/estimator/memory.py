@@ -297,10 +297,11 @@ def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> P
 
 def buffer_bytes(config: EstimateConfig, layers) -> int:
     """Non-parameter buffers the registered modules hold: each attention's rotary
-    ``inv_freq`` (half the rotary width), in the run dtype."""
+    ``inv_freq`` (half the rotary width), in float32 whatever the run dtype, as transformers
+    keeps it (`models.layers._init_rope_buffer`)."""
     m = config.model
     rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
-    return len(list(layers)) * (rotary // 2) * config.param_bytes
+    return len(list(layers)) * (rotary // 2) * F32
 
 
 def batch_bytes(config: EstimateConfig) -> int:
