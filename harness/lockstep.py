@@ -153,6 +153,8 @@ class _Rank:
             "baseline": Meter(self.baseline, plan.track_memory),
             "candidate": Meter(self.candidate, plan.track_memory),
         }
+        if self.truth is not None:  # its step is the harness's too: measured, reported
+            self.meters["truth"] = Meter(self.truth, plan.track_memory)
         self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
         # Per stack, per step, as `harness.compare_communication` and the observed-routing
         # estimate read them: collective and p2p counts, expert choices.
@@ -267,13 +269,15 @@ class _Rank:
     def truth_held(self) -> int:
         return storage_bytes([p for p in self.truth.part.parameters()]) if self.truth else 0
 
-    def footprint(self, side: Any) -> int:
-        """Bytes of a stack's parameters, gradients and optimizer state on this rank."""
-        tensors = [p for p in side.part.parameters()]
-        tensors += [p.grad for p in side.part.parameters() if p.grad is not None]
-        optimizer = getattr(side, "optimizer", None)
-        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
-        tensors += [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    def footprint(self, *sides: Any) -> int:
+        """Bytes of the stacks' parameters, gradients and optimizer state (shared: once)."""
+        tensors = []
+        for side in sides:
+            tensors += [p for p in side.part.parameters()]
+            tensors += [p.grad for p in side.part.parameters() if p.grad is not None]
+            optimizer = getattr(side, "optimizer", None)
+            state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+            tensors += [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
         return storage_bytes(tensors)
 
 
@@ -305,8 +309,10 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | 
             if k != "step" and type(v) is torch.Tensor and v.numel() > 1
         ]  # fmt: skip
         parked = ParkedTensors(moments) if moments else None
+    # Its own region; held: what the bf16 stacks keep meanwhile (`harness.verdict` adds it).
     start = time.perf_counter()
-    record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
+    with rank.meters["truth"].region("truth", rank.footprint(rank.baseline, rank.candidate)):
+        record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
     record["time"]["truth"] = time.perf_counter() - start
     # Spilled to a file while the bfloat16 stacks run (`harness.spill`): held, they would
     # be two more copies of the rank's bfloat16 parameters beside the stacks.

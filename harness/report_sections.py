@@ -126,19 +126,27 @@ def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "rank", "held by the harness", "parameters (1 copy)", "held / copy",
         "spilled to a file", "peak RSS",
     ]  # fmt: skip
+    ranks = (report.get("memory") or {}).get("ranks") or []
+    truth = any("truth_step_bytes" in (entry.get("harness") or {}) for entry in ranks)
+    if truth:
+        header += ["float32 truth's step (rank total)", "over the larger stack / copy"]
     rows = []
-    for entry in (report.get("memory") or {}).get("ranks") or []:
+    for entry in ranks:
         harness = entry.get("harness") or {}
-        rows.append(
-            [
-                str(entry.get("rank", "?")),
-                format_bytes(harness.get("held_bytes")),
-                format_bytes(harness.get("parameter_bytes")),
-                _ratio(harness.get("held_per_parameter_copy")),
-                format_bytes(harness.get("spilled_bytes") or 0),
-                format_bytes(harness.get("rss_peak_bytes")),
+        row = [
+            str(entry.get("rank", "?")),
+            format_bytes(harness.get("held_bytes")),
+            format_bytes(harness.get("parameter_bytes")),
+            _ratio(harness.get("held_per_parameter_copy")),
+            format_bytes(harness.get("spilled_bytes") or 0),
+            format_bytes(harness.get("rss_peak_bytes")),
+        ]
+        if truth:
+            row += [
+                format_bytes(harness.get("truth_step_bytes")),
+                _ratio(harness.get("truth_step_added_per_parameter_copy")),
             ]
-        )
+        rows.append(row)
     return header, rows
 
 

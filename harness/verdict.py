@@ -96,6 +96,15 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
             "spilled_bytes": max(s.get("spilled", 0) for s in result["steps"]),
             "rss_peak_bytes": result["rss_bytes"],
         }
+        truth = [s["memory"]["truth"] for s in result["steps"] if s["memory"].get("truth")]
+        if truth:  # the float32 truth's step: its own peak plus what the bf16 stacks kept
+            total = max(t["total"] + t["held"] for t in truth)
+            added = total - max(b["total"], c["total"])
+            entry["harness"].update(
+                truth_step_bytes=total,
+                truth_step_added_bytes=added,
+                truth_step_added_per_parameter_copy=added / params if params else None,
+            )
         ranks.append(entry)
     return ranks
 

@@ -199,12 +199,17 @@ def test_bfloat16_lockstep_reports_the_noise_floor_and_the_memory_it_held(tmp_pa
         held = rank["harness"]
         assert held["held_bytes"] >= held["parameter_bytes"] > 0  # at least the gradients
         assert held["rss_peak_bytes"] > 0
+        # The float32 truth's step, measured: one micro-batch at a time, with the bf16
+        # stacks' parameters freed and their moments parked, it adds less than a copy.
+        assert held["truth_step_bytes"] > held["truth_step_added_bytes"]
+        assert held["truth_step_added_bytes"] <= held["parameter_bytes"], held
         top = rank["candidate"]["top_tensors"]
         assert len(top) == 5 and top[0]["bytes"] >= top[-1]["bytes"] > 0
         assert {"what", "shape", "dtype", "bytes", "category"} <= set(top[0])
     markdown = (out / "report.md").read_text()
     for section in ("## Noise floor", "## Memory the harness held", "## Largest tensors"):
         assert section in markdown
+    assert "float32 truth's step (rank total)" in markdown
 
 
 @pytest.mark.multiprocess
