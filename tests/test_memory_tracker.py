@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -275,3 +277,31 @@ def test_cuda_peak_from_allocator_statistics():
     assert tracker.peak_moment == {"phase": "B", "micro_batch": 0}
     assert tracker.breakdown()["parameters"] == 4096
     assert tracker.breakdown()["total"] == tracker.peak_bytes
+
+
+def test_a_free_made_by_another_thread_counts_at_the_last_use():
+    """gloo's worker thread can hold the last reference to a collective's buffer and free
+    it whenever it next gets the GIL: the tracker records such a free where the step's
+    own thread last used the storage, so the peak does not depend on the scheduler."""
+    tracker = MemoryTracker("cpu")
+    held: list[torch.Tensor] = []
+    with tracker.step():
+        tracker.mark("F", 0)
+        a = u8(1000)  # 1000
+        a.add_(1)  # its last use
+        held.append(a)
+        del a
+        tracker.mark("F", 1)
+        b = u8(3000)  # 4000 if ``a`` counted until the other thread let it go
+        c = u8(500)
+        worker = threading.Thread(target=held.clear)  # the last reference, dropped there
+        worker.start()
+        worker.join()
+        tracker.mark("B", 1)
+        d = u8(200)  # 3700
+        del b, c, d
+    assert tracker.peak_bytes == 3700
+    assert tracker.peak_moment == {"phase": "B", "micro_batch": 1}
+    assert tracker.breakdown()["activations"] == 3700
+    peaks = [(e["phase"], e["start_bytes"], e["peak_bytes"]) for e in tracker.timeline]
+    assert peaks == [("start", 0, 0), ("F", 0, 1000), ("F", 0, 3500), ("B", 3500, 3700)]
