@@ -330,11 +330,13 @@ class CpuAccounting:
         for touched, index in moved:
             inserts.setdefault(touched, []).append(self._events[index])
         skipped = {index for _, index in moved}
+        marks = set(self._marks)
         events: list[tuple[int, int]] = []
-        position: dict[int, int] = {}
+        position: dict[int, int] = {}  # a mark's event count in the new log
         for i in range(len(self._events) + 1):
             events.extend(inserts.get(i, ()))
-            position[i] = len(events)
+            if i in marks:
+                position[i] = len(events)
             if i < len(self._events) and i not in skipped:
                 events.append(self._events[i])
         self._events = events
