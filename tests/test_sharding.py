@@ -16,7 +16,7 @@ from models.model import is_expert_parameter
 from models.presets import resolve_model
 from models.training import OptimizerConfig
 from optimized.ops.grouped_linear import WeightGradStore
-from optimized.pipeline import sharding
+from optimized.pipeline import gradient_sync, sharding
 from optimized.train import TokenDataset, TokenLoader, default_dataset, trainer
 from optimized.train.optimizer import ShardedAdamW, gather_slices
 from tests.test_train import REFERENCE_RUNNER, _reference_runner, config, train  # noqa: F401
@@ -45,7 +45,7 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
     batch = next(loader)
     ids, labels = trainer.global_batch(batch.inputs, batch.labels, layout)
     counts = {"w_steps": 0, "pending_at_end": 0}
-    pop, pending = WeightGradStore.pop, sharding.reduce_pending_gradients
+    pop, pending = WeightGradStore.pop, gradient_sync.reduce_pending_gradients
 
     def counted_pop(store):
         counts["w_steps"] += 1
@@ -55,7 +55,7 @@ def _one_step_gradients(runner_name: str, fsdp: bool, overrides: tuple[str, ...]
         counts["pending_at_end"] += pending(part)
         return counts["pending_at_end"]
 
-    WeightGradStore.pop, sharding.reduce_pending_gradients = counted_pop, counted_pending
+    WeightGradStore.pop, gradient_sync.reduce_pending_gradients = counted_pop, counted_pending
     if fsdp:
         loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
         counts["reduced_after_w"] = runner.schedule.gradient_sync.reductions

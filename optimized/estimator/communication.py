@@ -25,8 +25,8 @@ model, the layout and the runner alone, exactly when routing is balanced
   step), without it once a step. With ``grad_sync="step"`` each unit is reduced once a step
   (`optimized.estimator.sync_marks`); with ``micro-batch`` after every backward that leaves
   it a gradient, the routed experts' deferred weight gradients with the next backward or,
-  after the chunk's last, at the step's end (`sharding.reduce_pending_gradients`), replayed
-  here action by action;
+  after the chunk's last, at the step's end (`gradient_sync.reduce_pending_gradients`),
+  replayed here action by action;
 - **ShardedAdamW** (with ``fsdp``): the global gradient norm's float64
   all-reduce over the world, and the float32 slices of each parameter kept off FSDP2 with a
   replica group > 1 all-gathered after the step.

@@ -26,7 +26,7 @@ by the schedule and sets, per unit, right before the chunk's backward:
   one all-gather per unit per step instead of one per forward and one per backward.
 
 ``grad_sync="micro-batch"`` keeps FSDP2's default (a reduction after every backward) and
-reduces the W steps' leftovers at the end (`optimized.pipeline.sharding.reduce_pending_gradients`),
+reduces the W steps' leftovers at the end (`reduce_pending_gradients`),
 for jobs that cannot hold the unsharded gradients of a whole chunk across the step.
 
 Cost of ``step``: every unit's unsharded gradient lives from the chunk's first backward to
@@ -96,7 +96,7 @@ def reduce_unit(unit: FSDPModule) -> bool:
     post-backward again and then its root's end-of-backward callback, as
     `torch.distributed.pipelining` does for its zero-bubble schedules
     (``_PipelineStageBase.perform_reduce_grad``, torch 2.13): private API, kept to here
-    and `sharding.reduce_pending_gradients` (torch is pinned).
+    and `reduce_pending_gradients` (torch is pinned).
     """
     if not _has_unsharded_grads(unit):
         return False
@@ -106,6 +106,14 @@ def reduce_unit(unit: FSDPModule) -> bool:
         group.post_backward()
     state._root_post_backward_final_callback()
     return True
+
+
+def reduce_pending_gradients(part: nn.Module) -> int:
+    """Reduce-scatter the gradients still waiting in FSDP2's unsharded parameters: those
+    the W steps added after a module's last post-backward hook of the step (see the
+    module docstring; ``grad_sync="micro-batch"``). Collective over each module's mesh; a
+    module with none does nothing. Returns how many units it reduced (`reduce_unit`)."""
+    return sum(reduce_unit(m) for m in part.modules() if isinstance(m, FSDPModule))
 
 
 class GradientSync:
@@ -171,8 +179,6 @@ class GradientSync:
         either mode then checks that no unit holds an unreduced gradient (a wrong mark
         would leave one, to be lost or added into the next step)."""
         if self.mode == "micro-batch":
-            from optimized.pipeline.sharding import reduce_pending_gradients  # noqa: PLC0415
-
             reduce_pending_gradients(part)
         left = [type(u).__name__ for u in self.all_units() if _has_unsharded_grads(u)]
         if left:

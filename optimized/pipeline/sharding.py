@@ -44,7 +44,8 @@ Gradient accumulation: each unit's gradients are reduce-scattered once per step,
 last backward (or the last W step) the static schedule gives its chunk, and accumulate
 unsharded until then (`optimized.pipeline.gradient_sync`, ``ParallelConfig.grad_sync``);
 ``grad_sync="micro-batch"`` reduces after every backward as FSDP2 does by default, and the
-W gradients left after a module's last backward are reduced by `reduce_pending_gradients`
+W gradients left after a module's last backward are reduced by
+`gradient_sync.reduce_pending_gradients`
 once the schedule's last W has run.
 
 What stays off FSDP2, on `ShardedAdamW`'s ZeRO-1 path (whole parameters and gradients,
@@ -68,7 +69,7 @@ from models.distributed import Layout
 from models.model import CausalLM, is_expert_parameter
 from models.training import PipelineRunner, micro_batches_of, share_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
-from optimized.pipeline.gradient_sync import GradientSync, chunk_units, reduce_unit
+from optimized.pipeline.gradient_sync import GradientSync, chunk_units
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
@@ -181,14 +182,6 @@ def _allocate(part: nn.Module, device: torch.device) -> None:
             for group in fully_shard.state(module)._fsdp_param_groups:
                 for param in group.fsdp_params:
                     param.reset_sharded_param()
-
-
-def reduce_pending_gradients(part: nn.Module) -> int:
-    """Reduce-scatter the gradients still waiting in FSDP2's unsharded parameters: those
-    the W steps added after a module's last post-backward hook of the step (see the
-    module docstring; ``grad_sync="micro-batch"``). Collective over each module's mesh; a
-    module with none does nothing. Returns how many units it reduced (`reduce_unit`)."""
-    return sum(reduce_unit(m) for m in part.modules() if isinstance(m, FSDPModule))
 
 
 def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str]) -> None:

@@ -27,6 +27,8 @@ the process group starts, so every rank planned against the same folder.
 from __future__ import annotations
 
 import datetime as dt
+import importlib
+import os
 import re
 import shutil
 import sys
@@ -92,10 +94,19 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     return plan
 
 
+RUNNER = "optimized.pipeline:OptimizedPipeline"
+"""The one seam between the trainer and the stack it drives (``module:Class``)."""
+
+
+def runner_class() -> type:
+    """The pipeline runner class (``TWINPIPE_RUNNER=module:Class`` overrides `RUNNER`): the
+    trainer builds it, and the preflight checks the run's objective options against it."""
+    module, _, name = os.environ.get("TWINPIPE_RUNNER", RUNNER).partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _objective(cfg: TrainConfig) -> None:
     """``loss.z_loss`` and ``loss.label_smoothing`` need a runner that takes them."""
-    from optimized.train.trainer import runner_class  # noqa: PLC0415 (it imports us)
-
     objective_options(cfg, runner_class())
 
 

@@ -29,7 +29,6 @@ file, as a disk that went away would) at 0-based step STEP on global rank RANK.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import shutil
@@ -59,16 +58,7 @@ from optimized.train.metrics import MetricsSink, StepMetrics, step_traffic
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
-from optimized.train.preflight import RunPlan, claim, plan_run
-
-RUNNER = "optimized.pipeline:OptimizedPipeline"
-"""The one seam between the trainer and the stack it drives (``module:Class``)."""
-
-
-def runner_class() -> type:
-    """The pipeline runner class (``TWINPIPE_RUNNER=module:Class`` overrides `RUNNER`)."""
-    module, _, name = os.environ.get("TWINPIPE_RUNNER", RUNNER).partition(":")
-    return getattr(importlib.import_module(module), name)
+from optimized.train.preflight import RunPlan, claim, plan_run, runner_class
 
 
 class NonFiniteError(RuntimeError):
