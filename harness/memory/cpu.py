@@ -21,10 +21,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.memory import CATEGORIES, _grads_of, _iter_parameters, _iter_source
+from harness.memory.tracker import CATEGORIES, _grads_of, _iter_parameters, _iter_source
 
 if TYPE_CHECKING:
-    from harness.memory import MemoryTracker
+    from harness.memory.tracker import MemoryTracker
 
 TOP_TENSORS = 5
 """How many of the largest live storages at the peak the tracker names."""

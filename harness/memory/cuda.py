@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.memory import CATEGORIES, _grads_of, _iter_source
+from harness.memory.tracker import CATEGORIES, _grads_of, _iter_source
 
 if TYPE_CHECKING:
-    from harness.memory import MemoryTracker
+    from harness.memory.tracker import MemoryTracker
 
 
 class CudaStatistics:

@@ -145,11 +145,11 @@ class MemoryTracker:
         self._start_bytes = 0
         self._end_bytes = 0
         if self.device.type == "cuda":
-            from harness.memory_cuda import CudaStatistics  # noqa: PLC0415
+            from harness.memory.cuda import CudaStatistics  # noqa: PLC0415
 
             self._backend: Any = CudaStatistics(self)
         else:
-            from harness.memory_cpu import CpuAccounting  # noqa: PLC0415
+            from harness.memory.cpu import CpuAccounting  # noqa: PLC0415
 
             self._backend = CpuAccounting(self)
 
