@@ -4,8 +4,8 @@ CPU has no allocator statistics, so `CpuAccounting` keeps its own books: a
 ``TorchDispatchMode`` notes each storage an aten op touches, a weak reference on
 each storage reports its free, and ``UntypedStorage.resize_`` is wrapped while a
 step runs (the optimized stack's early frees never reach the dispatcher). Every
-change is logged as ``(storage, delta)``; the peak's breakdown is found by
-replaying the log (`harness.memory` explains the whole design).
+change goes into the step's log (`harness.memory.cpu_log`), which gives the peak and,
+replayed, its breakdown (`harness.memory.tracker` explains the whole design).
 """
 
 from __future__ import annotations
@@ -14,44 +14,24 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.memory.tracker import CATEGORIES, _grads_of, _iter_parameters, _iter_source
-
-if TYPE_CHECKING:
-    from harness.memory.tracker import MemoryTracker
-
-TOP_TENSORS = 5
-"""How many of the largest live storages at the peak the tracker names."""
+from harness.memory.cpu_log import EventLog, StorageRecord
+from harness.memory.shared import (
+    StepState,
+    grads_of,
+    iter_parameters,
+    iter_source,
+    registered_names,
+)
 
 # Only one CPU tracker may wrap UntypedStorage.resize_ at a time.
 _ACTIVE_LOCK = threading.Lock()
 _ACTIVE: list[CpuAccounting] = []
-
-
-@dataclass
-class _Storage:
-    """What the tracker knows about one live storage."""
-
-    uid: int
-    nbytes: int
-    ref: weakref.ref
-    what: str = ""
-    """Where it came from: a registered tensor's name, or the aten op that made it."""
-    shape: tuple[int, ...] = ()
-    """The shape of the tensor it was first seen through."""
-    dtype: str = ""
-    named: bool = False
-    """Whether ``what`` is a registered name (an op's name gives way to it)."""
-    touched: int = 0
-    """The step's event count when the step's own thread last used it (see `_late_frees`)."""
-    late: bool = False
-    """Freed by another thread (a gloo worker letting a collective's buffer go)."""
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -104,44 +84,38 @@ _RESIZING_OPS = {
 
 
 class CpuAccounting:
-    """A tracker's books on CPU; the tracker's step, mark and register call into it.
+    """A tracker's books on CPU (a `harness.memory.shared.Backend`); the tracker's step,
+    mark and register call into it.
 
     State is kept across steps: storages outlive steps.
     """
 
-    def __init__(self, tracker: MemoryTracker) -> None:
-        self.tracker = tracker
-        self._live: dict[int, _Storage] = {}
+    def __init__(self, state: StepState) -> None:
+        self.state = state
+        self._log = EventLog(state)
+        self._live: dict[int, StorageRecord] = {}
         self._uids = itertools.count()
-        self._pending_frees: list[_Storage] = []
+        self._pending_frees: list[StorageRecord] = []
         self._categories: dict[int, str] = {}
-        self._described: dict[int, _Storage] = {}
+        self._described: dict[int, StorageRecord] = {}
         """Every storage seen during the step, by uid (what the top-tensor list names)."""
         self._names: dict[int, str] = {}
         """Registered tensors' names by ``id`` (parameters, their gradients, optimizer state)."""
         self._top: list[dict[str, Any]] = []
-        self._events: list[tuple[int, int]] = []
-        self._current = 0
-        self._peak_event = 0
         self._hooks: list[Any] = []
         self._mode: _AccountingMode | None = None
         self._saved_resize: Any = None
         self._had_own_resize = False
         self._thread = threading.get_ident()
-        self._late: list[tuple[int, int]] = []
-        """This step's frees made by another thread: (index of the free's event, event count
-        when the step's thread last used the storage)."""
-        self._marks: list[int] = []
-        """The event count at each timeline entry of the step (the start, then each mark)."""
 
     @property
     def _in_step(self) -> bool:
-        return self.tracker._in_step
+        return self.state.in_step
 
     def mark(self) -> None:
         self._drain_frees()
         self._scan_sources()
-        self._marks.append(len(self._events))
+        self._log.mark()
 
     def registered(self, parameters: Any) -> None:
         """Sources were registered during a step: adopt them now."""
@@ -151,7 +125,7 @@ class CpuAccounting:
 
     def current_bytes(self) -> int:
         self._drain_frees()
-        return self._current
+        return self._log.current
 
     def enter(self) -> None:
         with _ACTIVE_LOCK:
@@ -162,24 +136,14 @@ class CpuAccounting:
                 )
             _ACTIVE.append(self)
         self._drain_frees()
-        self._events = []
-        self._late = []
         self._thread = threading.get_ident()
         self._categories = {}
-        self._described = {}
         # Storages alive from earlier steps are in use now: they start the log.
-        for info in self._live.values():
-            self._described[info.uid] = info
-            if info.nbytes:
-                self._events.append((info.uid, info.nbytes))
-            info.touched = len(self._events)
-        self._current = sum(info.nbytes for info in self._live.values())
-        self.tracker._peak_bytes = self._current
-        self._peak_event = len(self._events)
-        self.tracker._peak_moment = dict(self.tracker._moment)
+        self._described = {info.uid: info for info in self._live.values()}
+        self._log.start(self._live.values())
         self._scan_sources()
-        self._marks = [len(self._events)]
-        for source in self.tracker._sources["parameters"]:
+        self._log.marks = [len(self._log)]
+        for source in self.state.sources["parameters"]:
             self._install_grad_hooks(source)
         self._wrap_resize()
         self._mode = _AccountingMode(self)
@@ -200,8 +164,8 @@ class CpuAccounting:
                     _ACTIVE.remove(self)
         self._drain_frees()
         self._scan_sources()
-        self._late_frees()
-        self.tracker._breakdown = self._replay_breakdown()
+        self._log.move_late_frees()
+        self.state.breakdown, self._top = self._log.breakdown(self._categories, self._described)
 
     def top_tensors(self) -> list[dict[str, Any]]:
         """The largest storages live at the last step's peak (see `MemoryTracker`)."""
@@ -228,7 +192,7 @@ class CpuAccounting:
         info = self._live.get(storage._cdata)
         if info is not None and info.uid == uid:
             self._described[uid] = info
-            info.touched = len(self._events)
+            info.touched = len(self._log)
             if not info.what:
                 info.shape, info.dtype = tuple(tensor.shape), _dtype_name(tensor)
                 info.what = str(what) if what is not None else "tensor"
@@ -242,7 +206,7 @@ class CpuAccounting:
 
     def _touched(self, uids: list[int | None]) -> None:
         """The storages behind ``uids`` were in use until now (an op's inputs)."""
-        now = len(self._events)
+        now = len(self._log)
         for uid in uids:
             info = self._described.get(uid) if uid is not None else None
             if info is not None:
@@ -256,19 +220,19 @@ class CpuAccounting:
             self._forget(key, info)
             info = None
         if info is None:
-            info = _Storage(next(self._uids), nbytes, None)  # type: ignore[arg-type]
+            info = StorageRecord(next(self._uids), nbytes, None)  # type: ignore[arg-type]
             info.ref = weakref.ref(storage, self._make_free_callback(key, info))
             self._live[key] = info
             if nbytes:
                 self._record(info.uid, nbytes)
-            info.touched = len(self._events)
+            info.touched = len(self._log)
         elif nbytes != info.nbytes:
             delta = nbytes - info.nbytes
             info.nbytes = nbytes
             self._record(info.uid, delta)
         return info.uid
 
-    def _make_free_callback(self, key: int, info: _Storage) -> Callable[[Any], None]:
+    def _make_free_callback(self, key: int, info: StorageRecord) -> Callable[[Any], None]:
         tracker_ref = weakref.ref(self)
 
         def on_free(_dead: Any) -> None:
@@ -279,7 +243,7 @@ class CpuAccounting:
 
         return on_free
 
-    def _forget(self, key: int, info: _Storage) -> None:
+    def _forget(self, key: int, info: StorageRecord) -> None:
         # May run from a garbage-collector callback in the middle of other
         # bookkeeping: only unlink here, the free is recorded by _drain_frees.
         if self._live.get(key) is info:
@@ -292,101 +256,24 @@ class CpuAccounting:
         while self._pending_frees:
             info = self._pending_frees.pop()
             if info.nbytes and self._in_step:
-                if info.late and info.touched < len(self._events):
-                    self._late.append((len(self._events), info.touched))
-                self._events.append((info.uid, -info.nbytes))
-                self._current -= info.nbytes
+                self._log.free(info)
             info.nbytes = 0
 
     def _record(self, uid: int, delta: int) -> None:
         if not self._in_step:
             return
         self._drain_frees()
-        self._events.append((uid, delta))
-        self._current += delta
-        if self.tracker._timeline and self._current > self.tracker._timeline[-1]["peak_bytes"]:
-            self.tracker._timeline[-1]["peak_bytes"] = self._current
-        if self._current > self.tracker._peak_bytes:
-            self.tracker._peak_bytes = self._current
-            self._peak_event = len(self._events)
-            self.tracker._peak_moment = dict(self.tracker._moment)
-
-    def _late_frees(self) -> None:
-        """Frees made by another thread, moved back to the step's last use of the storage;
-        the peak, its moment and the timeline are then replayed from the log.
-
-        gloo's worker thread holds a collective's buffers until it lets the finished work
-        go, and when the program has already dropped a buffer the worker's release frees
-        it, as soon as that thread next gets the GIL: a moment the OS scheduler decides.
-        Counted then, the same step's peak moved by one 65,536 B buffer in some runs of
-        the same test (tiny-deepseek-v2 DP2 EP2 FSDP2, bf16: 1 in 3 to 1 in 30 under
-        load). The program drops such a buffer after its last use, so the free is
-        recorded there, and the figure no longer depends on the scheduler.
-        """
-        moved = [(touched, index) for index, touched in self._late if touched < index]
-        if not moved:
-            return
-        inserts: dict[int, list[tuple[int, int]]] = {}
-        for touched, index in moved:
-            inserts.setdefault(touched, []).append(self._events[index])
-        skipped = {index for _, index in moved}
-        marks = set(self._marks)
-        events: list[tuple[int, int]] = []
-        position: dict[int, int] = {}  # a mark's event count in the new log
-        for i in range(len(self._events) + 1):
-            events.extend(inserts.get(i, ()))
-            if i in marks:
-                position[i] = len(events)
-            if i < len(self._events) and i not in skipped:
-                events.append(self._events[i])
-        self._events = events
-        self._marks = [position[m] for m in self._marks]
-        prefix = list(itertools.accumulate((delta for _, delta in events), initial=0))
-        timeline, tracker = self.tracker._timeline, self.tracker
-        start = self._marks[0]
-        tracker._peak_bytes, self._peak_event = max(prefix[: start + 1]), start
-        for count in range(start + 1, len(prefix)):
-            if prefix[count] > tracker._peak_bytes:
-                tracker._peak_bytes, self._peak_event = prefix[count], count
-        ends = self._marks[1:] + [len(events)]
-        for entry, begin, end in zip(timeline, self._marks, ends):
-            entry["start_bytes"] = prefix[begin]
-            entry["peak_bytes"] = max(prefix[begin : end + 1])
-        # The moment of the peak: the last mark before the event that reached it.
-        owner = max([0] + [k for k, m in enumerate(self._marks) if m < self._peak_event])
-        tracker._peak_moment = {k: timeline[owner][k] for k in ("phase", "micro_batch")}
-
-    def _learn_names(self) -> None:
-        """Names of the registered tensors: parameters by their module names, their
-        gradients as ``grad of NAME``, optimizer state as ``KEY of NAME``."""
-        names: dict[int, str] = {}
-        by_parameter: dict[int, str] = {}
-        for source in self.tracker._sources["parameters"]:
-            if isinstance(source, torch.nn.Module):
-                for name, param in source.named_parameters():
-                    names[id(param)] = by_parameter[id(param)] = name
-                    if param.grad is not None:
-                        names[id(param.grad)] = f"grad of {name}"
-                for name, buffer in source.named_buffers():
-                    names[id(buffer)] = name
-        for source in self.tracker._sources["optimizer_state"]:
-            if isinstance(source, torch.optim.Optimizer):
-                for param, state in source.state.items():
-                    owner = by_parameter.get(id(param), "a parameter")
-                    for key, value in state.items():
-                        if isinstance(value, torch.Tensor):
-                            names[id(value)] = f"{key} of {owner}"
-        self._names = names
+        self._log.record(uid, delta)
 
     def _scan_sources(self) -> None:
-        self._learn_names()
-        for category, sources in self.tracker._sources.items():
+        self._names = registered_names(self.state.sources)
+        for category, sources in self.state.sources.items():
             for source in sources:
-                for tensor in _iter_source(source, category):
+                for tensor in iter_source(source, category):
                     self._see(tensor, category)
             if category == "parameters":  # their .grad are gradients
                 for source in sources:
-                    for grad in _grads_of(_iter_source(source, "parameters")):
+                    for grad in grads_of(iter_source(source, "parameters")):
                         self._see(grad, "gradients")
 
     def _install_grad_hooks(self, source: Any) -> None:
@@ -400,7 +287,7 @@ class CpuAccounting:
                     tracker._names[id(parameter.grad)] = f"grad of {owner}"
                 tracker._see(parameter.grad, "gradients")
 
-        for parameter in _iter_parameters(source):
+        for parameter in iter_parameters(source):
             self._hooks.append(parameter.register_post_accumulate_grad_hook(on_grad))
 
     def _wrap_resize(self) -> None:
@@ -430,33 +317,3 @@ class CpuAccounting:
         else:
             del torch.UntypedStorage.resize_
         self._saved_resize = None
-
-    def _replay_breakdown(self) -> dict[str, int]:
-        live: dict[int, int] = {}
-        for uid, delta in self._events[: self._peak_event]:
-            live[uid] = live.get(uid, 0) + delta
-        breakdown = dict.fromkeys(CATEGORIES, 0)
-        for uid, nbytes in live.items():
-            breakdown[self._categories.get(uid, "activations")] += nbytes
-        largest = sorted(
-            ((nbytes, uid) for uid, nbytes in live.items() if nbytes > 0), reverse=True
-        )[:TOP_TENSORS]
-        self._top = []
-        for nbytes, uid in largest:
-            info = self._described.get(uid)
-            self._top.append(
-                {
-                    "what": info.what if info is not None else "?",
-                    "shape": list(info.shape) if info is not None else [],
-                    "dtype": info.dtype if info is not None else "",
-                    "bytes": nbytes,
-                    "category": self._categories.get(uid, "activations"),
-                }
-            )
-        breakdown["total"] = sum(breakdown[category] for category in CATEGORIES)
-        peak = self.tracker._peak_bytes
-        if breakdown["total"] != peak:  # pragma: no cover - an accounting bug
-            raise AssertionError(f"memory replay gave {breakdown['total']} bytes, peak was {peak}")
-        return breakdown
-
-    # ------------------------------------------------------------------ CUDA statistics

@@ -9,22 +9,19 @@ rest (allocator rounding included).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from harness.memory.tracker import CATEGORIES, _grads_of, _iter_source
-
-if TYPE_CHECKING:
-    from harness.memory.tracker import MemoryTracker
+from harness.memory.shared import CATEGORIES, REGISTERED, StepState, grads_of, iter_source
 
 
 class CudaStatistics:
-    """A tracker's view of one CUDA device's allocator."""
+    """A tracker's view of one CUDA device's allocator (a `harness.memory.shared.Backend`)."""
 
-    def __init__(self, tracker: MemoryTracker) -> None:
-        self.tracker = tracker
-        self.device = tracker.device
+    def __init__(self, state: StepState, device: torch.device) -> None:
+        self.state = state
+        self.device = device
         self._last_max = 0
 
     def mark(self) -> None:
@@ -36,14 +33,16 @@ class CudaStatistics:
     def current_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))
 
+    def top_tensors(self) -> list[dict[str, Any]]:
+        """None: the CUDA allocator does not say what its blocks hold."""
+        return []
+
     def enter(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._last_max = int(torch.cuda.max_memory_allocated(self.device))
-        tracker = self.tracker
-        tracker._peak_bytes = self._last_max
-        tracker._peak_moment = dict(tracker._moment)
-        tracker._breakdown = self._categories(tracker._peak_bytes)
+        self.state.new_peak(self._last_max)
+        self.state.breakdown = self._categories(self._last_max)
 
     def exit(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -53,24 +52,23 @@ class CudaStatistics:
         # The allocator counts at launch time on the host: no synchronize needed.
         peak = int(torch.cuda.max_memory_allocated(self.device))
         if peak > self._last_max:
-            tracker = self.tracker
+            state = self.state
             self._last_max = peak
-            tracker._peak_bytes = peak
-            tracker._peak_moment = dict(tracker._moment)
-            tracker._breakdown = self._categories(peak)
-            if tracker._timeline:
-                tracker._timeline[-1]["peak_bytes"] = peak
+            state.new_peak(peak)
+            state.breakdown = self._categories(peak)
+            if state.timeline:
+                state.timeline[-1]["peak_bytes"] = peak
 
     def _categories(self, total: int) -> dict[str, int]:
         seen: set[int] = set()
         breakdown = dict.fromkeys(CATEGORIES, 0)
-        for category, sources in self.tracker._sources.items():
-            tensors = [(category, t) for source in sources for t in _iter_source(source, category)]
+        for category, sources in self.state.sources.items():
+            tensors = [(category, t) for source in sources for t in iter_source(source, category)]
             if category == "parameters":
                 tensors += [
                     ("gradients", grad)
                     for source in sources
-                    for grad in _grads_of(_iter_source(source, "parameters"))
+                    for grad in grads_of(iter_source(source, "parameters"))
                 ]
             for tensor_category, tensor in tensors:
                 if tensor.device != self.device:
@@ -80,7 +78,7 @@ class CudaStatistics:
                     continue
                 seen.add(storage._cdata)
                 breakdown[tensor_category] += storage.nbytes()
-        named = sum(breakdown[category] for category in CATEGORIES[:3])
+        named = sum(breakdown[category] for category in REGISTERED)
         breakdown["activations"] = max(total - named, 0)
         breakdown["total"] = total
         return breakdown

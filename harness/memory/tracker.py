@@ -31,8 +31,9 @@ last grew, checked at every :meth:`MemoryTracker.mark`; parameters, gradients
 and optimizer state are measured from the registered tensors when that phase
 ends, and activations are the rest (allocator rounding included).
 
-The CPU accounting lives in `harness.memory_cpu`, the CUDA statistics in
-`harness.memory_cuda`; `MemoryTracker` is the one API over both.
+The CPU accounting lives in `harness.memory.cpu` (its event log in
+`harness.memory.cpu_log`), the CUDA statistics in `harness.memory.cuda`; `MemoryTracker`
+is the one API over both, and `harness.memory.shared` what they share.
 
 Usage::
 
@@ -61,56 +62,15 @@ not tensors and are not counted.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
-START_PHASE = "start"
+from harness.memory.shared import CATEGORIES, START_PHASE, Backend, StepState
 
-
-def _iter_source(source: Any, category: str) -> Iterator[torch.Tensor]:
-    """Tensors a registered source stands for, read now.
-
-    A module stands for its parameters and buffers, or, registered as gradients,
-    for its parameters' ``.grad``; an optimizer for the tensors in its ``state``.
-    """
-    if source is None:
-        return
-    if isinstance(source, torch.Tensor):
-        yield source
-    elif isinstance(source, torch.nn.Module):
-        if category == "gradients":
-            yield from _grads_of(source.parameters())
-        else:
-            yield from source.parameters()
-            yield from source.buffers()
-    elif isinstance(source, torch.optim.Optimizer):
-        for state in source.state.values():
-            yield from _iter_source(state, category)
-    elif isinstance(source, Mapping):
-        for value in source.values():
-            yield from _iter_source(value, category)
-    elif callable(source):
-        yield from _iter_source(source(), category)
-    elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
-        for item in source:
-            yield from _iter_source(item, category)
-
-
-def _grads_of(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    for tensor in tensors:
-        if tensor.is_leaf and tensor.grad is not None:
-            yield tensor.grad
-
-
-def _iter_parameters(source: Any) -> Iterator[torch.Tensor]:
-    """Leaf tensors requiring grad among registered parameters (for grad hooks)."""
-    for tensor in _iter_source(source, "parameters"):
-        if tensor.requires_grad and tensor.is_leaf:
-            yield tensor
+__all__ = ["CATEGORIES", "MemoryTracker"]
 
 
 class MemoryTracker:
@@ -134,24 +94,19 @@ class MemoryTracker:
             )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._sources: dict[str, list[Any]] = {category: [] for category in CATEGORIES[:3]}
-        self._in_step = False
+        self._state = StepState()
         self._steps_done = 0
-        self._moment: dict[str, Any] = {"phase": START_PHASE, "micro_batch": None}
-        self._timeline: list[dict[str, Any]] = []
-        self._peak_bytes = 0
-        self._peak_moment: dict[str, Any] = dict(self._moment)
-        self._breakdown: dict[str, int] = {}
         self._start_bytes = 0
         self._end_bytes = 0
+        self._backend: Backend
         if self.device.type == "cuda":
             from harness.memory.cuda import CudaStatistics  # noqa: PLC0415
 
-            self._backend: Any = CudaStatistics(self)
+            self._backend = CudaStatistics(self._state, self.device)
         else:
             from harness.memory.cpu import CpuAccounting  # noqa: PLC0415
 
-            self._backend = CpuAccounting(self)
+            self._backend = CpuAccounting(self._state)
 
     # ------------------------------------------------------------------ public API
 
@@ -172,18 +127,19 @@ class MemoryTracker:
             ("optimizer_state", optimizer_state),
         ):
             if source is not None:
-                self._sources[category].append(source)
-        if self._in_step:
+                self._state.sources[category].append(source)
+        if self._state.in_step:
             self._backend.registered(parameters)
 
     def mark(self, phase: str, micro_batch: int | None = None) -> None:
         """Note that the schedule now enters ``phase`` for ``micro_batch``."""
-        if not self._in_step:
+        state = self._state
+        if not state.in_step:
             raise RuntimeError("MemoryTracker.mark() called outside `with tracker.step():`")
         self._backend.mark()
-        self._moment = {"phase": str(phase), "micro_batch": micro_batch}
+        state.moment = {"phase": str(phase), "micro_batch": micro_batch}
         current = self._backend.current_bytes()
-        self._timeline.append({**self._moment, "start_bytes": current, "peak_bytes": current})
+        state.timeline.append({**state.moment, "start_bytes": current, "peak_bytes": current})
 
     @contextmanager
     def step(self) -> Iterator[MemoryTracker]:
@@ -195,24 +151,25 @@ class MemoryTracker:
         differed by up to 150 KB on a tiny model. Paused, the figure is reproducible (cycles
         made during the step count as held, as they would on a GPU until a collection).
         """
-        if self._in_step:
+        state = self._state
+        if state.in_step:
             raise RuntimeError("MemoryTracker.step() is already running; steps do not nest")
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
-        self._in_step = True
-        self._moment = {"phase": START_PHASE, "micro_batch": None}
-        self._timeline = []
+        state.in_step = True
+        state.moment = {"phase": START_PHASE, "micro_batch": None}
+        state.timeline = []
         try:
             self._backend.enter()
         except BaseException:
-            self._in_step = False
+            state.in_step = False
             if gc_was_enabled:
                 gc.enable()
             raise
         start = self._backend.current_bytes()
         self._start_bytes = start
-        self._timeline = [{**self._moment, "start_bytes": start, "peak_bytes": start}]
+        state.timeline = [{**state.moment, "start_bytes": start, "peak_bytes": start}]
         try:
             yield self
         finally:
@@ -220,7 +177,7 @@ class MemoryTracker:
                 self._backend.exit()
                 self._end_bytes = self._backend.current_bytes()
             finally:
-                self._in_step = False
+                state.in_step = False
                 self._steps_done += 1
                 if gc_was_enabled:
                     gc.enable()
@@ -229,18 +186,18 @@ class MemoryTracker:
     def peak_bytes(self) -> int:
         """Highest bytes in use during the last step."""
         self._require_step()
-        return self._peak_bytes
+        return self._state.peak_bytes
 
     @property
     def peak_moment(self) -> dict[str, Any]:
         """``{"phase": ..., "micro_batch": ...}`` of the last mark before the peak."""
         self._require_step()
-        return dict(self._peak_moment)
+        return dict(self._state.peak_moment)
 
     def breakdown(self) -> dict[str, int]:
         """Bytes by category at the peak of the last step, plus ``total`` (== peak_bytes)."""
         self._require_step()
-        return dict(self._breakdown)
+        return dict(self._state.breakdown)
 
     @property
     def start_bytes(self) -> int:
@@ -261,8 +218,7 @@ class MemoryTracker:
         seen through, ``bytes`` at the peak and ``category``. CPU only (the CUDA allocator
         does not say what its blocks hold): empty on CUDA."""
         self._require_step()
-        top = getattr(self._backend, "top_tensors", None)
-        return top() if top is not None else []
+        return self._backend.top_tensors()
 
     def summary(self) -> dict[str, Any]:
         """Breakdown plus ``peak_moment``: the per-rank memory entry of a compare report."""
@@ -275,14 +231,10 @@ class MemoryTracker:
         On CUDA ``peak_bytes`` of an interval is only known when it raised the step's peak;
         otherwise it is the bytes at the mark.
         """
-        return [dict(entry) for entry in self._timeline]
-
-    # ------------------------------------------------------------------ CPU accounting
-
-    # ------------------------------------------------------------------ helpers
+        return [dict(entry) for entry in self._state.timeline]
 
     def _require_step(self) -> None:
-        if self._steps_done == 0 or self._in_step:
+        if self._steps_done == 0 or self._state.in_step:
             raise RuntimeError(
                 "MemoryTracker: no finished step yet; read results after `with tracker.step():`"
             )
