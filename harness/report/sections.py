@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report import _names, _table, format_bytes, format_number
+from harness.report.render import _names, _table, format_bytes, format_number
 
 
 def problem_lines(report: dict[str, Any]) -> list[str]:

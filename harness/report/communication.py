@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.report import _names, _table, format_bytes, format_number
+from harness.report.render import _names, _table, format_bytes, format_number
 
 SHORT = {
     "send": "send",

@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report import CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, _names
+from harness.report.render import CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, _names
 
 
 def _pyplot():

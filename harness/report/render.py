@@ -329,7 +329,7 @@ def _routing_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _communication_lines(report: dict[str, Any], markdown: bool) -> list[str]:
-    from harness.report_communication import communication_lines  # noqa: PLC0415 (uses this)
+    from harness.report.communication import communication_lines  # noqa: PLC0415 (uses this)
 
     return communication_lines(report, markdown)
 
@@ -342,7 +342,7 @@ def _verdict(report: dict[str, Any]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The side-by-side table a compare run prints in the terminal."""
-    from harness import report_sections as sections  # noqa: PLC0415 (it builds on this module)
+    from harness.report import sections  # noqa: PLC0415 (it builds on this module)
 
     lines = [_verdict(report), *sections.problem_lines(report)]
     trajectory = sections.trajectory_line(report)
@@ -376,7 +376,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     """``report.md``: the verdict, configuration, per-step and per-rank tables, the plots."""
-    from harness import report_sections as sections  # noqa: PLC0415 (it builds on this module)
+    from harness.report import sections  # noqa: PLC0415 (it builds on this module)
 
     lines = [f"# twinpipe compare: {_verdict(report)}", ""]
     facts = [("commit", report.get("git_commit")), ("machine", report.get("machine"))]
@@ -437,7 +437,7 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> dic
     written["report.json"] = json_path
     # Imported here: reading and checking reports needs no matplotlib, and the plots
     # module builds on this one's names.
-    from harness.report_plots import plot_loss, plot_memory  # noqa: PLC0415
+    from harness.report.plots import plot_loss, plot_memory  # noqa: PLC0415
 
     images = []
     for name, plot in (("loss.png", plot_loss), ("memory.png", plot_memory)):
