@@ -103,7 +103,7 @@ def test_format_bytes(nbytes, text):
 
 
 def test_routing_lines_say_how_the_sides_routed():
-    from harness.report.render import _routing_lines
+    from harness.report.sections import routing_lines as _routing_lines
 
     assert _routing_lines({}) == []
     assert _routing_lines({"routing": {"mode": "free"}}) == [

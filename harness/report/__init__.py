@@ -1,28 +1,37 @@
-"""Compare reports: schema, rendering, plots, provenance."""
+"""The compare report: what a `twinpipe compare` run leaves, read by `diff`, `bench` and the
+dashboard.
 
-from harness.report.render import (
+- `schema`: the report's keys (the JSON a run writes), `load_report` and the shape checks
+  its readers rely on;
+- `formatting`: bytes, numbers and moments as a table shows them, and the tables
+  themselves (terminal and Markdown); public, for every section and the history's pages;
+- `render`: the terminal table and ``report.md``: the verdict, per step, per rank;
+- `sections`: the parts that say why: problems, trajectory, routing, noise floor, ops
+  audit, the harness's own memory, the largest tensors at each peak;
+- `communication`: the communication tables (the section's schema: `harness.compare`);
+- `plots`: loss per step, and peak memory per rank by category (matplotlib);
+- `write`: ``report.json``, the plots and ``report.md`` into a folder;
+- `provenance`: the commit and the machine a figure comes from.
+
+May import `models` only; never another `harness` subpackage, `optimized` or `reference`:
+reports are read where no stack runs.
+"""
+
+from harness.report.formatting import format_bytes, format_moment, format_number
+from harness.report.provenance import git_commit, machine_description, machine_line
+from harness.report.render import format_table, render_markdown
+from harness.report.schema import (
     CATEGORIES,
-    CATEGORY_COLORS,
-    CATEGORY_LABELS,
     ReportError,
-    format_bytes,
-    format_moment,
-    format_number,
-    format_table,
-    git_commit,
     is_compare_report,
     load_report,
-    machine_description,
     read_json,
-    render_markdown,
     report_problems,
-    write_report,
 )
+from harness.report.write import write_report
 
 __all__ = [
     "CATEGORIES",
-    "CATEGORY_COLORS",
-    "CATEGORY_LABELS",
     "ReportError",
     "format_bytes",
     "format_moment",
@@ -32,6 +41,7 @@ __all__ = [
     "is_compare_report",
     "load_report",
     "machine_description",
+    "machine_line",
     "read_json",
     "render_markdown",
     "report_problems",

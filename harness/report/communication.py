@@ -1,7 +1,7 @@
 """The communication tables of a compare report (terminal and Markdown): per rank and stack,
 the bytes moved per step beside the estimator's prediction, and the calls of each kind.
 
-The section's schema is in `harness.compare_communication`; a report without it prints
+The section's schema is in `harness.compare.communication`; a report without it prints
 nothing here.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.report.render import _names, _table, format_bytes, format_number
+from harness.report.formatting import format_bytes, format_number, side_names, table_lines
 
 SHORT = {
     "send": "send",
@@ -23,7 +23,7 @@ SHORT = {
 
 
 def _sides(report: dict[str, Any]):
-    base, cand = _names(report)
+    base, cand = side_names(report)
     return (("baseline", base), ("candidate", cand))
 
 
@@ -111,8 +111,13 @@ def communication_lines(report: dict[str, Any], markdown: bool) -> list[str]:
     header, rows = summary_rows(report)
     if markdown:
         lines = ["", "## Communication per rank", "", headline(report), ""]
-        lines += _table(header, rows, True)
+        lines += table_lines(header, rows, True)
         header, rows = detail_rows(report)
-        lines += ["", "### By kind", "", *_table(header, rows, True)]
+        lines += ["", "### By kind", "", *table_lines(header, rows, True)]
         return lines
-    return ["", "communication per rank (per step)", *_table(header, rows, False), headline(report)]
+    return [
+        "",
+        "communication per rank (per step)",
+        *table_lines(header, rows, False),
+        headline(report),
+    ]

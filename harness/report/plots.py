@@ -9,7 +9,16 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report.render import CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, _names
+from harness.report.formatting import CATEGORY_LABELS, side_names
+from harness.report.schema import CATEGORIES
+
+CATEGORY_COLORS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#c44e52",
+}
+"""A memory category's bar colour."""
 
 
 def _pyplot():
@@ -27,7 +36,7 @@ def plot_loss(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     if not loss.get("baseline") and not loss.get("candidate"):
         return False
     plt = _pyplot()
-    base, cand = _names(report)
+    base, cand = side_names(report)
     has_error = bool(loss.get("rel_error"))
     figure, axes = plt.subplots(
         2 if has_error else 1,
@@ -71,7 +80,7 @@ def plot_memory(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     if not ranks:
         return False
     plt = _pyplot()
-    base, cand = _names(report)
+    base, cand = side_names(report)
     largest = max(
         (r.get(s) or {}).get("total") or 0 for r in ranks for s in ("baseline", "candidate")
     )

@@ -1,5 +1,6 @@
-"""The parts of a compare report that say why: problems, the noise floor, the harness's own
-memory, and the largest tensors at each rank's peak (`harness.report` lays them out).
+"""The parts of a compare report that say why: problems, the trajectory, the routing, the
+noise floor, the ops audit, the harness's own memory, and the largest tensors at each
+rank's peak (`harness.report.render` lays them out).
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report.render import _names, _table, format_bytes, format_number
+from harness.report.formatting import format_bytes, format_number, side_names, table_lines
 
 
 def problem_lines(report: dict[str, Any]) -> list[str]:
@@ -32,6 +33,31 @@ def trajectory_line(report: dict[str, Any]) -> str:
             "loss curves and divergence per step)"
         )
     return ""
+
+
+def routing_lines(report: dict[str, Any]) -> list[str]:
+    """How the two sides routed: pinned (with the replay's swaps) or free."""
+    routing = report.get("routing")
+    if not routing:
+        return []
+    if routing.get("mode") == "balanced":
+        return ["routing: balanced (both sides took token t to experts (t k + i) mod E)"]
+    if routing.get("mode") != "pinned":
+        return ["routing: free (each side chose its own experts)"]
+    source = "the float32 truth" if routing.get("recorded_by") == "truth" else "the baseline"
+    limit = "the noise floor" if routing.get("recorded_by") == "truth" else None
+    line = (
+        f"routing: pinned: {routing['choices']:,} expert choices replayed from {source}; "
+        f"router scores agree to {format_number(routing['score_drift'])} (limit "
+        f"{limit or format_number(routing['drift_limit'])}); the candidate would have chosen "
+        f"{routing['swaps']} differently, all near-ties (worst gap "
+        f"{format_number(routing['max_gap'])})"
+    )
+    if not routing["swaps"]:
+        line = line.split("; the candidate would")[0] + "; the candidate chose the same everywhere"
+    elif routing.get("problems"):
+        line = line.replace(", all near-ties (", " (")
+    return [line] + [f"routing problem: {p}" for p in routing.get("problems", [])]
 
 
 def _ratio(value: Any) -> str:
@@ -90,7 +116,7 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
         header, rows = noise_floor_rows(steps[index], None if markdown else 6)
         title = f"step {index}" + ("" if markdown else " (worst 6 groups; report.md has all)")
         lines += ["", f"### {title}" if markdown else title, ""] if markdown else ["", title]
-        lines += _table(header, rows, markdown)
+        lines += table_lines(header, rows, markdown)
     return lines
 
 
@@ -115,7 +141,7 @@ def ops_audit_lines(report: dict[str, Any], markdown: bool) -> list[str]:
             _ratio(op.get("worst_error_ratio")) if op["kind"] == "numeric" else "exact",
             f"{bias[0]:+.3f} ({bias[1]:.3f})" if bias else "",
         ])  # fmt: skip
-    return lines + [""] + _table(header, rows, markdown)
+    return lines + [""] + table_lines(header, rows, markdown)
 
 
 def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -153,7 +179,7 @@ def harness_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def top_tensor_lines(report: dict[str, Any]) -> list[str]:
     """Per rank and stack: the five largest live tensors at the peak (report.md)."""
     lines: list[str] = []
-    names = dict(zip(("baseline", "candidate"), _names(report), strict=True))
+    names = dict(zip(("baseline", "candidate"), side_names(report), strict=True))
     for entry in (report.get("memory") or {}).get("ranks") or []:
         for side in ("baseline", "candidate"):
             figures = entry.get(side) or {}
@@ -174,5 +200,5 @@ def top_tensor_lines(report: dict[str, Any]) -> list[str]:
                 for t in top
             ]  # fmt: skip
             header = ["tensor (name or op)", "shape", "dtype", "bytes", "category"]
-            lines += _table(header, rows, True)
+            lines += table_lines(header, rows, True)
     return lines

@@ -1,0 +1,160 @@
+"""The compare report's schema, and the checks its readers rely on.
+
+A compare report is one JSON object. Only ``passed`` is required; every other
+section is optional (an oracle side has no memory figures, a run may skip
+timing) and every reader here copes with its absence.
+
+.. code-block:: text
+
+    {
+      "passed": true,                       # every check within tolerance, nothing NaN
+      "config": {...},                      # preset, pp, dp, ep, micro-batches, dtype, steps,
+                                            # grad_sync, reshard_after_forward (optimized-fsdp)
+      "baseline": "reference",              # name of the stack compared against
+      "candidate": "optimized",             # name of the stack under test
+      "loss": {
+        "baseline":  [float, ...],          # loss per step
+        "candidate": [float, ...],
+        "rel_error": [float, ...]           # |candidate - baseline| / |baseline| per step
+      },
+      "grads": {
+        "max_rel_error":     [float, ...],  # per step, worst parameter's ||dg|| / ||g||
+        "max_one_minus_cos": [float, ...],  # per step, worst parameter's 1 - cos(g_c, g_b)
+        "worst": [[name, rel, one_minus_cos], ...]   # worst parameters over the run
+      },
+      "params": {"max_rel_error": [float, ...]},      # after each optimizer step
+      "memory": {
+        "ranks": [
+          {
+            "rank": 0,
+            "baseline":  {"parameters": int, "gradients": int, "optimizer_state": int,
+                          "activations": int, "total": int,            # bytes at the peak
+                          "peak_moment": {"phase": str, "micro_batch": int | null}},
+            "candidate": {...same keys...},
+            "ratio": float,                 # candidate total / baseline total
+            "activation_ratio": float       # candidate activations / baseline activations
+          }, ...
+        ]
+      },
+      "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
+      "communication": {...},               # per rank and kind: calls, bytes, predicted
+                                            # (schema: harness.compare.communication)
+      "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, "grad_rel": float | None},
+      "git_commit": str,
+      "machine": str
+    }
+
+Files written by `harness.report.write.write_report`: ``report.json``, ``report.md``,
+``loss.png`` (when losses are present) and ``memory.png`` (when memory is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+"""The memory categories of a peak, as ``memory.ranks[i].baseline`` holds them."""
+
+
+class ReportError(ValueError):
+    """A file or object is not a compare report."""
+
+
+def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError) -> Any:
+    """The JSON in ``path``; ``error`` names the file when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as cause:
+        raise error(f"{path}: cannot read: {cause.strerror or cause}") from cause
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as cause:
+        raise error(f"{path}: not JSON ({cause.msg} at line {cause.lineno})") from cause
+
+
+def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a compare report, with an error that names the file when it is not one, or
+    when a section has the wrong shape (`report_problems`)."""
+    report = read_json(path, ReportError)
+    if not is_compare_report(report):
+        raise ReportError(f"{path}: not a compare report (an object with a boolean 'passed')")
+    problems = report_problems(report)
+    if problems:
+        raise ReportError(f"{path}: malformed compare report:\n  " + "\n  ".join(problems))
+    return report
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _series_problem(where: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
+        return f"{where} = {value!r:.60}: expected a list of numbers (one per step)"
+    return None
+
+
+def report_problems(report: dict[str, Any]) -> list[str]:
+    """Every section of a compare report whose shape its readers (`twinpipe diff`, the
+    dashboard) would choke on; empty when the report is well formed. Sections are
+    optional; a present one must have the documented shape."""
+    problems: list[str] = []
+
+    def section(name: str) -> dict[str, Any]:
+        value = report.get(name)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{name} = {value!r:.60}: expected an object")
+            return {}
+        return value or {}
+
+    for name, keys in (
+        ("loss", ("baseline", "candidate", "rel_error")),
+        ("grads", ("max_rel_error", "max_one_minus_cos")),
+        ("params", ("max_rel_error",)),
+        ("time", ("baseline", "candidate")),
+    ):
+        values = section(name)
+        problems += [p for k in keys if (p := _series_problem(f"{name}.{k}", values.get(k)))]
+    tolerance = section("tolerance")
+    problems += [
+        f"tolerance.{k} = {v!r:.60}: expected a number"
+        for k, v in tolerance.items()
+        if not (_is_number(v) or isinstance(v, (str, bool)) or v is None)
+    ]
+    section("config")
+    ranks = section("memory").get("ranks")
+    if ranks is not None and not isinstance(ranks, list):
+        problems.append(f"memory.ranks = {ranks!r:.60}: expected a list, one entry per rank")
+        ranks = []
+    for i, entry in enumerate(ranks or []):
+        if not isinstance(entry, dict):
+            problems.append(f"memory.ranks[{i}] = {entry!r:.60}: expected an object")
+            continue
+        if not (entry.get("rank") is None or isinstance(entry.get("rank"), int)):
+            problems.append(f"memory.ranks[{i}].rank = {entry['rank']!r:.60}: expected an int")
+        for side in ("baseline", "candidate"):
+            figures = entry.get(side)
+            if figures is None:
+                continue
+            if not isinstance(figures, dict):
+                problems.append(f"memory.ranks[{i}].{side} = {figures!r:.60}: expected an object")
+                continue
+            problems += [
+                f"memory.ranks[{i}].{side}.{k} = {figures[k]!r:.60}: expected a number of bytes"
+                for k in ("total", *CATEGORIES)
+                if figures.get(k) is not None and not _is_number(figures[k])
+            ]
+        for k in ("ratio", "activation_ratio"):
+            if entry.get(k) is not None and not _is_number(entry[k]):
+                problems.append(f"memory.ranks[{i}].{k} = {entry[k]!r:.60}: expected a number")
+    return problems
+
+
+def is_compare_report(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("passed"), bool)
