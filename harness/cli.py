@@ -30,9 +30,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("harness.compare", "run two stacks side by side and compare them"),
-    "diff": ("harness.diff", "compare two compare/bench reports; exit 1 on a regression"),
-    "bench": ("harness.bench", "run the benchmarks and append the results to a history"),
-    "dashboard": ("harness.dashboard", "render a static HTML dashboard from a history"),
+    "diff": ("harness.history.diff", "compare two compare/bench reports; exit 1 on a regression"),
+    "bench": ("harness.history.bench", "run the benchmarks and append the results to a history"),
+    "dashboard": ("harness.history.dashboard", "render a static HTML dashboard from a history"),
     "estimate": ("optimized.estimator.cli", "estimate per-rank memory from the configs alone"),
     "plan": ("optimized.estimator.plan_cli", "list the DualPipeV layouts that fit the GPUs"),
     "train": ("optimized.train.cli", "train a model on the optimized stack"),

@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from harness import bench, dashboard
 from harness.cli import main
+from harness.history import bench, dashboard
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"

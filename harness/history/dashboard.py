@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.bench import read_history
-from harness.dashboard_data import (  # the data names are part of this command's API
+from harness.history.bench import read_history
+from harness.history.dashboard_data import (  # the data names are part of this command's API
     CompareRun,
     OpPoint,
     benchmark_implementation,
@@ -44,7 +44,12 @@ from harness.dashboard_data import (  # the data names are part of this command'
     collect_ops,
     peak_bytes,
 )
-from harness.dashboard_plots import plot_compare_agreement, plot_compare_memory, plot_op, time_unit
+from harness.history.dashboard_plots import (
+    plot_compare_agreement,
+    plot_compare_memory,
+    plot_op,
+    time_unit,
+)
 from harness.report import format_bytes
 
 # ---------------------------------------------------------------------- page

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from harness.dashboard_data import OPTIMIZED_COLOR, PLAIN_COLOR, CompareRun, OpPoint
+from harness.history.dashboard_data import OPTIMIZED_COLOR, PLAIN_COLOR, CompareRun, OpPoint
 
 
 def _pyplot():

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.diff import classify
+from harness.history.diff import classify
 from harness.report import (
     ReportError,
     git_commit,

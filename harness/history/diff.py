@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.diff_judge import (  # noqa: F401 - Tolerances and DiffResult are part of this API
+from harness.history.diff_judge import (  # noqa: F401 - Tolerances and DiffResult are part of this API
     DiffResult,
     Tolerances,
     _deepdiff_lines,

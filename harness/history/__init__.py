@@ -1,0 +1,1 @@
+"""Results over commits: `bench`, `diff` and its judge, the dashboard."""
