@@ -19,7 +19,7 @@ History entry (one JSON file each, ``bench-<UTC time>-<commit>.json`` or
 
 Benchmarks report memory through ``benchmark.extra_info`` (``peak_bytes``, or
 any key with ``bytes`` in its name) and are paired with their plain
-counterpart by ``group`` (see harness.dashboard).
+counterpart by ``group`` (see `harness.history.dashboard`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.history.diff import classify
+from harness.history.documents import classify
 from harness.report import (
     ReportError,
     git_commit,

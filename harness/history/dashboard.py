@@ -19,7 +19,8 @@ separate series. Peak memory is read from ``extra_info["peak_bytes"]`` or
 ``extra_info["peak_memory_bytes"]`` (what benchmarks/_common.py records), or
 else the first ``extra_info`` key with ``bytes`` in its name.
 
-The data lives in `harness.dashboard_data`, the figures in `harness.dashboard_plots`;
+The data lives in `harness.history.dashboard_data`, the figures in
+`harness.history.dashboard_plots`;
 this module writes the page and runs the command.
 """
 

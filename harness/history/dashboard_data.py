@@ -1,5 +1,5 @@
 """The dashboard's data: benchmark runs paired into optimized-against-plain series per op,
-and compare runs' memory and agreement per commit (`harness.dashboard` says how).
+and compare runs' memory and agreement per commit (`harness.history.dashboard` says how).
 """
 
 from __future__ import annotations

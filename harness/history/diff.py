@@ -40,13 +40,14 @@ from typing import Any
 from harness.history.diff_judge import (  # noqa: F401 - Tolerances and DiffResult are part of this API
     DiffResult,
     Tolerances,
-    _deepdiff_lines,
-    _judge,
-    _number,
-    _seconds,
-    _series_max,
+    as_number,
+    change_lines,
+    format_seconds,
+    judge,
+    series_max,
 )
-from harness.report import format_bytes, is_compare_report, read_json, report_problems
+from harness.history.documents import InputError, load_document
+from harness.report import format_bytes
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -62,60 +63,6 @@ JUDGED_SECTIONS = ("passed", "loss", "grads", "params", "memory", "time", "toler
 IGNORED_FIELDS = ("git_commit", "date", "datetime")
 
 
-class InputError(ValueError):
-    """An input file is missing, not JSON, or not something `diff` understands."""
-
-
-# ---------------------------------------------------------------------- loading
-
-
-def load_document(path: str | Path) -> tuple[str, dict[str, Any]]:
-    """Read ``path`` as ``("compare", report)`` or ``("bench", pytest-benchmark JSON)``."""
-    path = Path(path)
-    document = read_json(path, InputError)
-    kind, payload = classify(document)
-    if kind is None:
-        raise InputError(
-            f"{path}: not a compare report (an object with a boolean 'passed'), "
-            "a `twinpipe bench` history entry, or pytest-benchmark JSON (with 'benchmarks')"
-        )
-    problems = report_problems(payload) if kind == "compare" else _benchmark_problems(payload)
-    if problems:
-        raise InputError(f"{path}: malformed {kind} document:\n  " + "\n  ".join(problems))
-    return kind, payload
-
-
-def _benchmark_problems(document: dict[str, Any]) -> list[str]:
-    problems = []
-    for i, bench in enumerate(document.get("benchmarks") or []):
-        if not isinstance(bench, dict):
-            problems.append(f"benchmarks[{i}] = {bench!r:.60}: expected an object")
-            continue
-        for key in ("stats", "extra_info"):
-            if bench.get(key) is not None and not isinstance(bench[key], dict):
-                problems.append(f"benchmarks[{i}].{key} = {bench[key]!r:.60}: expected an object")
-    return problems
-
-
-def classify(document: Any) -> tuple[str | None, dict[str, Any]]:
-    """The kind of a parsed document and the part of it that is compared."""
-    if not isinstance(document, dict):
-        return None, {}
-    if document.get("kind") == "compare" and is_compare_report(document.get("report")):
-        return "compare", document["report"]
-    if document.get("kind") == "bench" and _is_benchmark_json(document.get("benchmark")):
-        return "bench", document["benchmark"]
-    if is_compare_report(document):
-        return "compare", document
-    if _is_benchmark_json(document):
-        return "bench", document
-    return None, {}
-
-
-def _is_benchmark_json(obj: Any) -> bool:
-    return isinstance(obj, dict) and isinstance(obj.get("benchmarks"), list)
-
-
 # ---------------------------------------------------------------------- compare reports
 
 
@@ -128,9 +75,9 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -> D
         result.improvements.append("passed turned true")
 
     for section, name, words in ERROR_SERIES:
-        old_max = _series_max((old.get(section) or {}).get(name))
-        new_max = _series_max((new.get(section) or {}).get(name))
-        _judge(result, f"{words} (max over steps)", old_max, new_max, tol.error)
+        old_max = series_max((old.get(section) or {}).get(name))
+        new_max = series_max((new.get(section) or {}).get(name))
+        judge(result, f"{words} (max over steps)", old_max, new_max, tol.error)
 
     _judge_tolerances(result, old.get("tolerance") or {}, new.get("tolerance") or {})
     _judge_memory(result, old, new, tol)
@@ -138,13 +85,13 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -> D
 
     rest_old = {k: v for k, v in old.items() if k not in JUDGED_SECTIONS + IGNORED_FIELDS}
     rest_new = {k: v for k, v in new.items() if k not in JUDGED_SECTIONS + IGNORED_FIELDS}
-    result.changes += _deepdiff_lines(rest_old, rest_new, "report")
+    result.changes += change_lines(rest_old, rest_new, "report")
     return result
 
 
 def _judge_tolerances(result: DiffResult, old: dict[str, Any], new: dict[str, Any]) -> None:
     for key in sorted(set(old) | set(new)):
-        old_value, new_value = _number(old.get(key)), _number(new.get(key))
+        old_value, new_value = as_number(old.get(key)), as_number(new.get(key))
         if old_value is None or new_value is None:
             if old.get(key) != new.get(key):
                 result.changes.append(f"tolerance {key}: {old.get(key)!r} -> {new.get(key)!r}")
@@ -177,10 +124,10 @@ def _judge_memory(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> 
             result.changes.append(f"rank {rank}: memory figures added")
             continue
         for side in ("baseline", "candidate"):
-            old_total = _number((old_ranks[rank].get(side) or {}).get("total"))
-            new_total = _number((new_ranks[rank].get(side) or {}).get("total"))
+            old_total = as_number((old_ranks[rank].get(side) or {}).get("total"))
+            new_total = as_number((new_ranks[rank].get(side) or {}).get("total"))
             label = side if names[side] in (None, side) else f"{side} ({names[side]})"
-            _judge(
+            judge(
                 result,
                 f"rank {rank} {label} peak memory",
                 old_total,
@@ -194,13 +141,13 @@ def _judge_time(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> No
     old_time, new_time = old.get("time") or {}, new.get("time") or {}
     for side in ("baseline", "candidate"):
         old_median, new_median = _median(old_time.get(side)), _median(new_time.get(side))
-        _judge(
+        judge(
             result,
             f"{side} time per step (median)",
             old_median,
             new_median,
             tol.time,
-            show=_seconds,
+            show=format_seconds,
             verb=("slowed", "sped up"),
         )
 
@@ -208,7 +155,7 @@ def _judge_time(result: DiffResult, old: dict, new: dict, tol: Tolerances) -> No
 def _median(values: Any) -> float | None:
     if not isinstance(values, list):
         return None
-    numbers = [v for v in (_number(x) for x in values) if v is not None and not math.isnan(v)]
+    numbers = [v for v in (as_number(x) for x in values) if v is not None and not math.isnan(v)]
     return statistics.median(numbers) if numbers else None
 
 
@@ -245,28 +192,28 @@ def diff_benchmarks(old: dict[str, Any], new: dict[str, Any], tol: Tolerances) -
         result.changes.append(f"benchmark {name} added")
     for name in sorted(set(old_benches) & set(new_benches)):
         old_bench, new_bench = old_benches[name], new_benches[name]
-        _judge(
+        judge(
             result,
             f"{name} median time",
-            _number((old_bench.get("stats") or {}).get("median")),
-            _number((new_bench.get("stats") or {}).get("median")),
+            as_number((old_bench.get("stats") or {}).get("median")),
+            as_number((new_bench.get("stats") or {}).get("median")),
             tol.time,
-            show=_seconds,
+            show=format_seconds,
             verb=("slowed", "sped up"),
         )
         old_extra, new_extra = old_bench.get("extra_info") or {}, new_bench.get("extra_info") or {}
         for key in sorted(set(old_extra) | set(new_extra)):
-            old_value, new_value = _number(old_extra.get(key)), _number(new_extra.get(key))
+            old_value, new_value = as_number(old_extra.get(key)), as_number(new_extra.get(key))
             if _is_memory_key(key):
-                _judge(result, f"{name} {key}", old_value, new_value, tol.memory, format_bytes)
+                judge(result, f"{name} {key}", old_value, new_value, tol.memory, format_bytes)
             elif _is_error_key(key):
-                _judge(result, f"{name} {key}", old_value, new_value, tol.error)
+                judge(result, f"{name} {key}", old_value, new_value, tol.error)
             elif old_extra.get(key) != new_extra.get(key):
                 result.changes.append(
                     f"{name} {key}: {old_extra.get(key)!r} -> {new_extra.get(key)!r}"
                 )
     if old.get("machine_info") != new.get("machine_info"):
-        result.changes += _deepdiff_lines(
+        result.changes += change_lines(
             old.get("machine_info") or {}, new.get("machine_info") or {}, "machine_info"
         )
     return result

@@ -37,17 +37,17 @@ class DiffResult:
         return {**asdict(self), "passed": self.passed}
 
 
-def _number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
 
 
-def _series_max(values: Any) -> float | None:
+def series_max(values: Any) -> float | None:
     """Largest value of a per-step series; NaN if any step is NaN; None if absent."""
     if not isinstance(values, list):
-        return _number(values)
-    numbers = [_number(v) for v in values]
+        return as_number(values)
+    numbers = [as_number(v) for v in values]
     numbers = [v for v in numbers if v is not None]
     if not numbers:
         return None
@@ -62,7 +62,7 @@ def _percent(old: float, new: float) -> str:
     return f"{abs(new - old) / abs(old) * 100:.1f}%"
 
 
-def _judge(
+def judge(
     result: DiffResult,
     what: str,
     old: float | None,
@@ -111,7 +111,7 @@ def _show(value: float | None, show: Any) -> str:
     return f"{value:.4g}"
 
 
-def _seconds(value: float) -> str:
+def format_seconds(value: float) -> str:
     if value < 1e-3:
         return f"{value * 1e6:.3g} us"
     if value < 1:
@@ -119,7 +119,7 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s"
 
 
-def _deepdiff_lines(old: Any, new: Any, prefix: str) -> list[str]:
+def change_lines(old: Any, new: Any, prefix: str) -> list[str]:
     """Structural and value changes, in words, with ``root`` replaced by ``prefix``."""
     diff = DeepDiff(old, new, ignore_order=False, verbose_level=2)
     lines = []
