@@ -187,7 +187,7 @@ def export_check(args: argparse.Namespace) -> None:
         return float((a - b).norm() / b.norm())
 
     # A fixed bound is wrong at real width: two correct bf16 forwards differ by their own
-    # rounding (about 2e-2 of the logits at mid-deepseek-v2). As `harness.noise_floor`
+    # rounding (about 2e-2 of the logits at mid-deepseek-v2). As `harness.compare.noise_floor`
     # judges a step, ours is held to transformers' own bf16 error against its float32
     # forward of the same export: at most K times it, plus a slack.
     ours_error, hf_error = rel(logits["ours"], logits["truth"]), rel(logits["hf"], logits["truth"])

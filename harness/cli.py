@@ -29,7 +29,7 @@ EXIT_OK, EXIT_OUTSIDE_TOLERANCE, EXIT_BAD_INPUT, EXIT_CRASH = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "compare": ("harness.compare", "run two stacks side by side and compare them"),
+    "compare": ("harness.compare.cli", "run two stacks side by side and compare them"),
     "diff": ("harness.history.diff", "compare two compare/bench reports; exit 1 on a regression"),
     "bench": ("harness.history.bench", "run the benchmarks and append the results to a history"),
     "dashboard": ("harness.history.dashboard", "render a static HTML dashboard from a history"),

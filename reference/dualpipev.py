@@ -17,7 +17,7 @@ Because the schedule is a valid DualPipeV order, this never deadlocks.
 
 ``sequential = True`` runs the same actions one micro-batch at a time instead (F0 F1 B1
 B0 for each micro-batch on every rank): the same gradients, with one micro-batch per
-stage in flight. The harness's float32 truth runs so (`harness.lockstep`): in float32
+stage in flight. The harness's float32 truth runs so (`harness.compare.lockstep`): in float32
 the DualPipeV order would hold twice the bytes the bfloat16 stacks hold in their own
 order, and the truth is not there to be timed, only to be exact.
 """

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness.bisect import bisect, stack_ops
+from harness.compare.bisect import bisect, stack_ops
 from models import build_model, preset, shift_labels
 from optimized.ops import OptimizedOps
 

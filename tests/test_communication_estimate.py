@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.stacks import stack_class as _stack_class
+from harness.compare.stacks import stack_class as _stack_class
 from models import build_model, resolve_model
 from models.communication import counted_step
 from models.distributed import ParallelConfig, launch, make_layout

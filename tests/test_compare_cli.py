@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import harness.compare_checks as compare_checks
+import harness.compare.checks as compare_checks
 from harness.cli import main
 
 SMALL = [

@@ -1,4 +1,4 @@
-"""compare's communication section (`harness.compare_communication`) and its tables, built
+"""compare's communication section (`harness.compare.communication`) and its tables, built
 from counts shaped like a run's, beside the estimator's prediction for the same layout."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.compare_communication import communication_section
+from harness.compare.communication import communication_section
 from harness.report import format_table, render_markdown
 from models.communication import Traffic
 from models.distributed import ParallelConfig

@@ -1,4 +1,4 @@
-"""The in-place comparison (`harness.inplace`) against the whole-tensor one it replaced.
+"""The in-place comparison (`harness.compare.inplace`) against the whole-tensor one it replaced.
 
 `twinpipe compare` used to gather every rank's gradients into whole-model float32 copies
 in the parent and compare those; now each rank reduces its own rows to scalars. The
@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from harness.compare_checks import compare_tensors
-from harness.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
-from harness.stacks import shadow_update
+from harness.compare.checks import compare_tensors
+from harness.compare.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
+from harness.compare.stacks import shadow_update
 from models import SeededWeights, build_model, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.model import is_expert_parameter
@@ -197,7 +197,7 @@ def _old_named(part: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _gradients_worker(models, parallel, states, sides):
     """Both stacks' gradients of one step on every model: the in-place sums, and the
     tensors the old harness would have shipped to the parent."""
-    from harness.stacks import stack_class
+    from harness.compare.stacks import stack_class
 
     layout = make_layout(parallel)
     place = RankPlace(layout.dp_rank, layout.ep)

@@ -2,7 +2,7 @@
 
 Each stack alone: one training step (forward, backward, AdamW) under a `MemoryTracker`,
 after a first step that created the optimizer state. The harness: both stacks in lockstep
-(`harness.lockstep`), the whole of the same step (both forwards and backwards, the in-place
+(`harness.compare.lockstep`), the whole of the same step (both forwards and backwards, the in-place
 comparisons, the candidate's update on the side, the baseline's update) under one
 tracker. The difference is what the harness holds: one gradient-sized set of tensors in the
 model dtype (the baseline's gradients while the candidate runs, the candidate's updated
@@ -11,7 +11,7 @@ rotary tables, its last batch: 16 KiB here, its loss: 4 bytes), and in bfloat16 
 noise floor what the float32 truth keeps of its own (the same: its buffers and last batch).
 The float32 truth of a bfloat16 run is bounded the same way, its own step included: it
 runs one micro-batch at a time (`ReferenceDualPipeV.sequential`), the bf16 parameters it
-copies are freed and AdamW's moments parked in a file meanwhile (`harness.spill`), and its
+copies are freed and AdamW's moments parked in a file meanwhile (`harness.compare.spill`), and its
 gradients wait in a file until they are compared, so nothing of it is held while the
 candidate runs.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.lockstep import RankPlan, _batches, _lockstep_shared, _Rank
+from harness.compare.lockstep import RankPlan, _batches, _lockstep_shared, _Rank
+from harness.compare.stacks import stack_class
 from harness.memory import MemoryTracker
-from harness.stacks import stack_class
 from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch

@@ -176,7 +176,7 @@ def test_optimized_layer_steps_without_recompute_match_tracker(name, index, dtyp
     assert kept > with_recompute.forward["attention_forward"].delta
 
 
-# Measured by the harness's tracker (`harness.compare._rank_main`, step 1, seed 0) at the
+# Measured by the harness's tracker (`harness.compare.lockstep.run_rank`, step 1, seed 0) at the
 # commit that added this test; the estimate equals them to the byte but for rank 0 of
 # tiny-deepseek-v2 (4 bytes: a scalar the tracker sees and the walk does not count).
 PINNED = {
@@ -236,7 +236,7 @@ def test_fused_loss_transient_matches_tracker():
 
 # The optimized stack's per-action peaks at PP1 DP1 EP1 (micro-batch size 2, M=2, seq 64,
 # bf16, step 1) of tiny-qwen3-moe with a 32000 vocabulary, measured by the harness's tracker
-# (`harness.lockstep.run_rank`, seed 0) when this test was added. At PP1 the loss stage's
+# (`harness.compare.lockstep.run_rank`, seed 0) when this test was added. At PP1 the loss stage's
 # forward overlaps the embedding's backward (F1&B0): the walk used to miss the fused loss's
 # logits buffer (F1: -2.04 MB) and to drop the last layer's late-held tensors before the
 # embedding backward instead of at the action's end (F1&B0 -193 KB, B0 -181 KB).

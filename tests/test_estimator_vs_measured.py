@@ -1,7 +1,7 @@
 """The memory estimator against the harness's measured per-rank peak, both stacks.
 
 One launch per layout and dtype runs the reference and the optimized pipeline on the
-same gloo ranks (`harness.lockstep.run_rank`, two steps, counting every router call's
+same gloo ranks (`harness.compare.lockstep.run_rank`, two steps, counting every router call's
 expert choices). Per rank the estimate of the step with the higher peak, from the
 routing that step saw (`optimized.estimator.routing`), must agree with the measured
 peak within 1%; its weights (parameters and buffers) and optimizer state must equal the
@@ -34,7 +34,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness.lockstep import RankPlan, run_rank  # noqa: E402
+from harness.compare.lockstep import RankPlan, run_rank  # noqa: E402
 from models import SeededWeights, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402
@@ -68,7 +68,7 @@ def _rank_all(models, parallels, states, optimizer):
     """Both stacks on the models, as `twinpipe compare` measures them, for each of
     ``parallels`` (a list of ``(parallel config, model names)``; one launch per layout:
     starting the ranks costs more than a tiny model's steps). The ops audit runs with
-    recompute on only: it is not in the measured peak (`harness.ops_audit`), and recompute
+    recompute on only: it is not in the measured peak (`harness.compare.ops_audit`), and recompute
     off changes none of the ops it checks."""
     return [
         {

@@ -1,4 +1,4 @@
-"""The bfloat16 verdict's arithmetic (`harness.noise_floor`), on made-up errors: the L2
+"""The bfloat16 verdict's arithmetic (`harness.compare.noise_floor`), on made-up errors: the L2
 bound, the radial bounds (all gradients by size, each group relative to its stack's scale)
 and the number of independent error sources."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from harness.inplace import pair_sums
-from harness.noise_floor import (
+from harness.compare.inplace import pair_sums
+from harness.compare.noise_floor import (
     ALL,
     RADIAL_SHARE,
     SLACK_LOSS,

@@ -1,4 +1,4 @@
-"""The ops audit (`harness.ops_audit`) at real widths: the optimized ops pass, the planted
+"""The ops audit (`harness.compare.ops_audit`) at real widths: the optimized ops pass, the planted
 bugs that pass the step verdict at mid width (an activation stored toward zero, one token
 computed by the wrong expert) fail it, by name and by the figure that gives them away.
 
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from harness.ops_audit import OpsAudit, _stats
-from harness.planted import planted
+from harness.compare.ops_audit import OpsAudit, _stats
+from harness.compare.planted import planted
 from optimized.ops import OptimizedOps
 
 HIDDEN, INNER, ROWS = 2048, 768, 256

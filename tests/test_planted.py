@@ -1,6 +1,6 @@
 """Planted bugs fail the bfloat16 verdict; the same stack without them passes.
 
-Each bug (`harness.planted`) is small: nothing crashes and the loss hardly moves. Tiny
+Each bug (`harness.compare.planted`) is small: nothing crashes and the loss hardly moves. Tiny
 presets, bfloat16, lockstep with the float32 noise floor; one launch per model runs the
 correct stack and every bug that applies (the bugs are planted and removed in the ranks).
 At real widths: the README's `twinpipe compare --plant` commands.
@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from harness.lockstep import RankPlan, run_rank
-from harness.verdict import build_report
+from harness.compare.lockstep import RankPlan, run_rank
+from harness.compare.verdict import build_report
 from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch
 from models.training import OptimizerConfig
@@ -99,7 +99,7 @@ def test_a_planted_bug_fails(run, plant):
     # The noise floor names what is wrong (the fixed backstop alone misses the subtle ones).
     floor = report["noise_floor"]["steps"][0]
     assert not floor["passed"], floor["problems"]
-    # The ops audit (`harness.ops_audit`) names the op too, for every bug that lives in one:
+    # The ops audit (`harness.compare.ops_audit`) names the op too, for every bug that lives in one:
     # the fused loss is not an op of `models.ops.Ops`, its gradient bug only the step shows.
     audit = report["ops_audit"]
     if plant == "cross-entropy-grad-1.01":
@@ -119,7 +119,7 @@ def test_an_activation_rounded_toward_zero_fails_on_the_down_projection():
     """The bias of an activation rounded toward zero (-2^-9 relative, on average) reaches
     the down projection's gradient coherently: about -2.5e-3 off its stack's scale, where
     the reference's is within 5e-4 of its own. By size it would hide under the loss's
-    scale error (`harness.noise_floor`); relative to its stack it fails, by name."""
+    scale error (`harness.compare.noise_floor`); relative to its stack it fails, by name."""
     reports = _reports("tiny-gpt-oss, 1024 tokens")
     floor = reports["activation-round-to-zero"]["noise_floor"]["steps"][0]
     down = next(g for g in floor["groups"] if g["group"] == DOWN)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.inplace import compare_sums
-from harness.lockstep import RankPlan, run_rank
+from harness.compare.inplace import compare_sums
+from harness.compare.lockstep import RankPlan, run_rank
 from models import SeededWeights, build_model, preset
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
@@ -22,8 +22,9 @@ def _layout_worker(plans):
 
 
 def _check_against_oracle(configs, parallel, steps=1):
-    """The oracle and the reference on every rank (`harness.lockstep`, free-running), each
-    rank comparing the gradients it holds with the oracle's same rows (`harness.inplace`)."""
+    """The oracle and the reference on every rank (`harness.compare.lockstep`, free-running),
+    each rank comparing the gradients it holds with the oracle's same rows
+    (`harness.compare.inplace`)."""
     optimizer = OptimizerConfig()
     plans = [
         RankPlan(

@@ -1,4 +1,4 @@
-"""The float32 truth's gradients spilled to a file (`harness.spill`): exact, compared as if
+"""The float32 truth's gradients spilled to a file (`harness.compare.spill`): exact, compared as if
 held, one tensor resident at a time, the file gone when done."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import torch
 from torch import nn
 
-from harness.inplace import Comparer, RankPlace, pieces
-from harness.spill import LoadedPieces, ParkedTensors, SpilledGradients
+from harness.compare.inplace import Comparer, RankPlace, pieces
+from harness.compare.spill import LoadedPieces, ParkedTensors, SpilledGradients
 
 
 def _grads() -> dict[str, torch.Tensor]:

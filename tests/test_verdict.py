@@ -1,4 +1,4 @@
-"""`harness.verdict.build_report` on records written by hand: what each step is judged on.
+"""`harness.compare.verdict.build_report` on records written by hand: what each step is judged on.
 
 The compare tests run real stacks, whose figures sit far inside every bound, so they show
 a verdict that passes, not which quantity of which step a failure would come from. Here
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.inplace import pair_sums
-from harness.lockstep import RankPlan
-from harness.verdict import build_report
+from harness.compare.inplace import pair_sums
+from harness.compare.lockstep import RankPlan
+from harness.compare.verdict import build_report
 from models import preset
 from models.distributed import ParallelConfig
 from models.training import OptimizerConfig

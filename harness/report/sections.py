@@ -121,7 +121,8 @@ def noise_floor_lines(report: dict[str, Any], markdown: bool) -> list[str]:
 
 
 def ops_audit_lines(report: dict[str, Any], markdown: bool) -> list[str]:
-    """The candidate's ops against plain PyTorch on the run's own inputs (`harness.ops_audit`)."""
+    """The candidate's ops against plain PyTorch on the run's own inputs
+    (`harness.compare.ops_audit`)."""
     audit = report.get("ops_audit")
     if not audit:
         return []

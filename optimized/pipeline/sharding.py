@@ -239,7 +239,7 @@ class ShardedOptimizedPipeline(PipelineRunner):
     shows that sharding changes nothing beyond rounding.
 
     ``optimizer_class`` is that optimizer, `optimized.train.ShardedAdamW`, given by the
-    caller (`harness.stacks`): the engine never imports the training product. It is called
+    caller (`harness.compare.stacks`): the engine never imports the training product. It is called
     as ``optimizer_class(part, layout, lr, betas, eps, weight_decay, fsdp, sharded)``.
 
     The harness reads ``.grad`` after the optimizer step (torch's AdamW leaves it);

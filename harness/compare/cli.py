@@ -4,8 +4,8 @@ Sides are ``oracle`` (the whole model on one process, the whole global batch),
 ``reference`` (plain DualPipeV), ``optimized`` (the production stack) and
 ``optimized-fsdp`` (the optimized stack sharded as `twinpipe train` runs it). Both
 sides run inside one launched world, step by step, on the same ranks
-(`harness.lockstep`); each rank compares what it holds and only scalars come back
-(`harness.inplace`). Per step the harness compares the loss, every parameter's
+(`harness.compare.lockstep`); each rank compares what it holds and only scalars come back
+(`harness.compare.inplace`). Per step the harness compares the loss, every parameter's
 gradient, the router scores, the parameters after the update, and, per rank, each
 stack's peak memory broken down by category, with the five largest tensors at the peak.
 
@@ -13,7 +13,7 @@ Two pipeline sides run in lockstep (``--trajectory lockstep``, the default): the
 starts each step from the baseline's parameters and optimizer state, so each step's
 verdict measures that step's arithmetic. In bfloat16 a float32 run of the same step is the
 truth, and the candidate passes when its error against it is at most k times the
-reference's (`harness.noise_floor`); DESIGN.md's fixed bounds stay as a backstop.
+reference's (`harness.compare.noise_floor`); DESIGN.md's fixed bounds stay as a backstop.
 ``--trajectory free`` lets each side follow its own trajectory: its later steps are
 information. Against the oracle the trajectory is always free.
 
@@ -31,11 +31,11 @@ import argparse
 import json
 import sys
 
-from harness.compare_checks import format_estimates
-from harness.lockstep import RankPlan, run_rank
-from harness.planted import PLANTS
-from harness.stacks import SIDES, STACKS
-from harness.verdict import build_report
+from harness.compare.checks import format_estimates
+from harness.compare.lockstep import RankPlan, run_rank
+from harness.compare.planted import PLANTS
+from harness.compare.stacks import SIDES, STACKS
+from harness.compare.verdict import build_report
 from models import CheckpointWeights, SeededWeights, resolve_model
 from models.distributed import ParallelConfig, RankFailed, launch
 from models.training import OptimizerConfig, even_partition
@@ -67,7 +67,7 @@ def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
 
 def _bisect(args, model, parallel, source) -> dict | None:
     """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops (tiny models)."""
-    from harness.bisect import bisect, stack_ops  # noqa: PLC0415
+    from harness.compare.bisect import bisect, stack_ops  # noqa: PLC0415
     from models.training import synthetic_batch  # noqa: PLC0415
 
     ids, labels = synthetic_batch(model, parallel, 0)
@@ -167,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plant",
         choices=PLANTS,
-        help="plant a known bug in the optimized stack (harness.planted): the run must fail",
+        help="plant a known bug in the optimized stack (harness.compare.planted): the run "
+        "must fail",
     )
     parser.add_argument(
         "--ops-audit",
@@ -175,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="bfloat16: check the candidate's ops on the run's own inputs against plain "
         "PyTorch and a float32 truth: index ops exactly, numeric ops for error and bias "
-        "(harness.ops_audit)",
+        "(harness.compare.ops_audit)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")

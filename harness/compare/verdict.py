@@ -12,7 +12,7 @@ What is judged per step: the loss (relative error), every parameter's gradient
 (``1 - cos``, worst first), the routing replay (router scores within the dtype's bound,
 every swap a near-tie its scores explain) and nothing non-finite. In bfloat16 lockstep
 with the noise floor on, the score bound and the candidate's closeness to the float32
-truth come from `harness.noise_floor`, and DESIGN.md's bounds stay as the backstop. The
+truth come from `harness.compare.noise_floor`, and DESIGN.md's bounds stay as the backstop. The
 parameters after each update are measured and reported (AdamW's first steps move
 elements whose gradient is within rounding of zero by a whole ``lr``, so they are no
 pass/fail figure).
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from harness import noise_floor
-from harness.compare_checks import _add_estimates, tolerance
-from harness.inplace import compare_sums, group_of
+from harness.compare import noise_floor
+from harness.compare.checks import _add_estimates, tolerance
+from harness.compare.inplace import compare_sums, group_of
 from harness.report import git_commit
 
 
@@ -244,7 +244,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         if not report["noise_floor"]["eval"]["passed"]:
             problems.append("evaluation: noise floor: loss " + str(report["noise_floor"]["eval"]))
             report["passed"] = False
-    from harness.ops_audit import summarize  # noqa: PLC0415
+    from harness.compare.ops_audit import summarize  # noqa: PLC0415
 
     audit, audit_problems = summarize(per_rank, plan.steps)
     if audit is not None:
@@ -274,7 +274,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         report["routing"] = {"mode": "balanced"}
     sides = (plan.baseline, plan.candidate)
     if "oracle" not in sides:
-        from harness.compare_communication import communication_section  # noqa: PLC0415
+        from harness.compare.communication import communication_section  # noqa: PLC0415
 
         communication = communication_section(per_rank, model, parallel, sides, plan.routing)
         if communication:

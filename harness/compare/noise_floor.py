@@ -11,7 +11,7 @@ each bf16 stack's error against it is measured, per quantity:
 - each parameter group's gradient (a group is one parameter name over all layers,
   ``model.layers.*.self_attn.q_proj.weight``; plus all gradients as one vector):
   the relative L2 error ``|g - t| / |t|``, and its *radial* part ``<g - t, t> / |t|^2``
-  (`harness.inplace.Sums.radial`). Rounding noise is nearly orthogonal to the truth; a
+  (`harness.compare.inplace.Sums.radial`). Rounding noise is nearly orthogonal to the truth; a
   wrong scale is all radial, and hides under the noise in the L2 error: a cross-entropy
   gradient 1% too large moves a 1e-2 L2 error to 1.4e-2 but the radial part from about
   1e-3 to 1e-2;
@@ -22,7 +22,7 @@ an allowance:
 
 - ``K = 2``. Correct stacks measured 0.5 to 1.4 times the reference's L2 error per group
   (tiny presets, PP2 DP2 EP2, two steps; mid widths in the README); every planted bug
-  (`harness.planted`) but the rounding bias measured 2.4 to 100 times (the rounding bias
+  (`harness.compare.planted`) but the rounding bias measured 2.4 to 100 times (the rounding bias
   shows in its radial part, below). Below 2 a correct
   kernel whose rounding differs from PyTorch's (a fused kernel keeps float32 longer in
   one place and rounds in another) would fail by chance on small groups.
@@ -75,7 +75,7 @@ an allowance:
 - router allowance ``SLACK_ROUTER = 1e-4``, for the same reason (measured 1e-3 for both).
 
 DESIGN.md's fixed bf16 bounds (loss 1e-2, gradient 1 - cos 1e-2, candidate against
-baseline) stay as a backstop in `harness.compare_checks`.
+baseline) stay as a backstop in `harness.compare.checks`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from harness.inplace import Sums, group_sums
+from harness.compare.inplace import Sums, group_sums
 
 K = 2.0
 """The candidate may be this many times as far from the float32 truth as the reference."""

@@ -1,6 +1,6 @@
 """The stacks `twinpipe compare` runs on one rank, and how their state is shared or copied.
 
-Lockstep (`harness.lockstep`) needs the candidate to start every step from the
+Lockstep (`harness.compare.lockstep`) needs the candidate to start every step from the
 baseline's parameters and optimizer state. Two ways, by what the stacks are:
 
 - **shared** (two unsharded stacks with the same AdamW settings: reference and

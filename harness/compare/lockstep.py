@@ -6,7 +6,7 @@ that step's arithmetic: the loss, every gradient, the router scores, and the
 parameters after the update. Free-running, AdamW turns rounding-level gradient
 differences into parameter differences of order ``lr`` in its first steps; at real
 widths in bfloat16 every check after the first update then measures that compounding,
-and calls a correct stack wrong. How the state is shared or copied: `harness.stacks`.
+and calls a correct stack wrong. How the state is shared or copied: `harness.compare.stacks`.
 
 **Free** (``--trajectory free``, and always against the oracle): each stack follows its
 own trajectory; the comparison of its later steps is information.
@@ -14,17 +14,17 @@ own trajectory; the comparison of its later steps is information.
 **The noise floor** (bfloat16 lockstep): the reference stack in float32 computes the
 same step first (the same weights, batch and routing: it records the routing both
 bfloat16 stacks replay), and each bfloat16 stack's error against that float32 truth is
-measured per quantity (`harness.noise_floor` judges them).
+measured per quantity (`harness.compare.noise_floor` judges them).
 
 Each step on a rank, shared state (reference and optimized):
 
 1. the truth's forward and backward (bfloat16 only); its gradients are spilled to a file
-   (`harness.spill`);
+   (`harness.compare.spill`);
 2. the baseline's forward and backward; its gradients are moved aside;
 3. the candidate's forward and backward on the same parameters;
-4. gradients compared in place (`harness.inplace`), each against the other and the
+4. gradients compared in place (`harness.compare.inplace`), each against the other and the
    truth; the truth's released;
-5. the candidate's update computed on the side (`harness.stacks.shadow_update`), its
+5. the candidate's update computed on the side (`harness.compare.stacks.shadow_update`), its
    gradients released as it goes; the baseline's update applied; parameters compared.
 
 So the harness holds, beyond one stack's training state, one gradient-sized set of
@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from harness.inplace import Comparer, RankPlace, pieces
-from harness.meter import Meter
-from harness.ops_audit import OpsAudit, ops_class
-from harness.spill import LoadedPieces, ParkedTensors, SpilledGradients
-from harness.stacks import (
+from harness.compare.inplace import Comparer, RankPlace, pieces
+from harness.compare.meter import Meter
+from harness.compare.ops_audit import OpsAudit, ops_class
+from harness.compare.spill import LoadedPieces, ParkedTensors, SpilledGradients
+from harness.compare.stacks import (
     copy_state,
     is_sharded,
     load_parameters,
@@ -80,7 +80,7 @@ class RankPlan:
     weights: Any
     """Where the weights come from: what the stacks' constructors take."""
     baseline: str
-    """The stack compared against (`harness.stacks.SIDES`)."""
+    """The stack compared against (`harness.compare.stacks.SIDES`)."""
     candidate: str
     """The stack under test."""
     steps: int
@@ -100,12 +100,12 @@ class RankPlan:
     stages: list[list[int]] | None = None
     """Layers per stage, the same for both stacks; None: each stack chooses."""
     plant: str | None = None
-    """A known bug to plant in the optimized stack (`harness.planted`), to see it caught."""
+    """A known bug to plant in the optimized stack (`harness.compare.planted`), to see it caught."""
     count_routing: bool = False
     """Count each step's expert choices per router call (for the observed-routing estimate)."""
     ops_audit: bool = True
     """Audit the candidate's ops on the run's own inputs against plain PyTorch
-    (`harness.ops_audit`; bfloat16 pipeline runs only)."""
+    (`harness.compare.ops_audit`; bfloat16 pipeline runs only)."""
 
 
 def _build(name: str, plan: RankPlan, layout, dtype: str | None = None) -> Any:
@@ -156,13 +156,13 @@ class _Rank:
         if self.truth is not None:  # its step is the harness's too: measured, reported
             self.meters["truth"] = Meter(self.truth, plan.track_memory)
         self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
-        # Per stack, per step, as `harness.compare_communication` and the observed-routing
+        # Per stack, per step, as `harness.compare.communication` and the observed-routing
         # estimate read them: collective and p2p counts, expert choices.
         self.counted = pipelines
         self.communication: dict[str, list] = {"baseline": [], "candidate": []}
         self.counters = {}
         if plan.count_routing and pipelines:
-            from harness.routing_counts import RoutingCounter  # noqa: PLC0415
+            from harness.compare.routing_counts import RoutingCounter  # noqa: PLC0415
 
             for key in ("baseline", "candidate"):
                 side = getattr(self, key)
@@ -309,12 +309,12 @@ def _truth_step(rank: _Rank, batches: dict, record: dict) -> SpilledGradients | 
             if k != "step" and type(v) is torch.Tensor and v.numel() > 1
         ]  # fmt: skip
         parked = ParkedTensors(moments) if moments else None
-    # Its own region; held: what the bf16 stacks keep meanwhile (`harness.verdict` adds it).
+    # Its own region; held: what the bf16 stacks keep meanwhile (`harness.compare.verdict` adds it).
     start = time.perf_counter()
     with rank.meters["truth"].region("truth", rank.footprint(rank.baseline, rank.candidate)):
         record["loss"]["truth"] = truth.forward_backward(*batches.pop("truth"))
     record["time"]["truth"] = time.perf_counter() - start
-    # Spilled to a file while the bfloat16 stacks run (`harness.spill`): held, they would
+    # Spilled to a file while the bfloat16 stacks run (`harness.compare.spill`): held, they would
     # be two more copies of the rank's bfloat16 parameters beside the stacks.
     spilled = SpilledGradients(take_gradients(truth.part))
     record["spilled"] = spilled.nbytes
@@ -439,7 +439,7 @@ def _evaluate(rank: _Rank, batches: dict) -> dict:
 def run_rank(plan: RankPlan) -> dict[str, Any]:
     """Run ``plan`` on this rank (inside a launched world); the per-step scalars (on rank
     0; every rank computed the same), each rank's memory, times and routing replays."""
-    from harness.planted import planted  # noqa: PLC0415
+    from harness.compare.planted import planted  # noqa: PLC0415
 
     with planted(plan.plant):
         return _run(plan)

@@ -7,10 +7,10 @@ gradients for the comparison, the evaluation pass). The estimator
 (`optimized.estimator.communication`) predicts the same figures from the config; with
 ``--routing balanced`` they must agree to the byte, with real routing the all-to-all rows
 differ by the routing's skew. When the run counted each router call's choices
-(``--estimate-routing observed``, `harness.routing_counts`), the prediction is given the rows
-each rank's dispatches sent to and received from its EP peers in each step (``routed=`` of
-`predict_traffic`), which removes the skew: real routing is then predicted to the byte too,
-and the balanced prediction is kept beside it.
+(``--estimate-routing observed``, `harness.compare.routing_counts`), the prediction is given
+the rows each rank's dispatches sent to and received from its EP peers in each step
+(``routed=`` of `predict_traffic`), which removes the skew: real routing is then predicted to
+the byte too, and the balanced prediction is kept beside it.
 
 Schema (per step: the mean over the run's steps, an integer when they agree)::
 
@@ -126,7 +126,8 @@ def routed_rows(
 ) -> dict[int, tuple[int, int]]:
     """Per global rank, the routed copies its dispatches sent to other EP ranks' experts and
     received from its EP peers over one step, from every rank's expert histograms
-    (`harness.routing_counts`; EP groups as `optimized.estimator.received_loads` has them)."""
+    (`harness.compare.routing_counts`; EP groups as `optimized.estimator.received_loads` has
+    them)."""
     local = num_experts // ep
     out = {}
     for rank in histograms:

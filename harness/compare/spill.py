@@ -1,6 +1,6 @@
 """The float32 truth's gradients, spilled to a file while the bfloat16 stacks run.
 
-The noise floor (`harness.noise_floor`) compares each bfloat16 stack's gradients with the
+The noise floor (`harness.compare.noise_floor`) compares each bfloat16 stack's gradients with the
 float32 truth's of the same step, so the truth's gradients must outlive both stacks'
 backward passes. Held in memory they are two copies of the rank's bfloat16 parameters:
 with the baseline's gradients held aside, the harness would add three copies to the rank's
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from harness.inplace import Piece
+from harness.compare.inplace import Piece
 from models.checkpoint import read_exactly
 
 
@@ -82,7 +82,7 @@ class ParkedTensors:
     """Tensors held in mappings (an optimizer's per-parameter state) whose bytes wait in a
     file until `restore` puts equal tensors back in the same places.
 
-    The float32 truth's step (`harness.lockstep`) needs nothing of the bfloat16 stacks'
+    The float32 truth's step (`harness.compare.lockstep`) needs nothing of the bfloat16 stacks'
     optimizer: parked, AdamW's two moments (two copies of the rank's parameters in their
     dtype) are not resident beside the truth's float32 parameters, gradients and
     activations. Nothing else may hold a parked tensor meanwhile, or its memory stays.

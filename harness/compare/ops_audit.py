@@ -1,7 +1,7 @@
 """The ops audit: each of the candidate's ops, on the inputs the run gave it, against plain
 PyTorch, beside the pipeline verdict.
 
-Why. The pipeline verdict (`harness.noise_floor`) judges a whole step against a float32
+Why. The pipeline verdict (`harness.compare.noise_floor`) judges a whole step against a float32
 truth, within ``k`` times the reference's own bfloat16 error. At real widths some bugs are
 smaller than a step's bfloat16 noise and pass it: measured on mid-qwen3-moe, a bfloat16
 activation stored toward zero moves one gradient by 0.2-0.3% (0.72-0.77 of its bound), and
@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 K = 2.0
-"""The candidate's error may be this many times the reference's (as `harness.noise_floor`)."""
+"""The candidate's error may be this many times the reference's (as the noise floor's)."""
 Z = 6.0
 """Standard deviations of the bias of ``N`` unbiased rounding errors allowed (``Z / sqrt(N)``)."""
 SLACK_BIAS = 0.05

@@ -10,7 +10,7 @@ not part of a stack's figure; the harness reports those bytes beside it
 activations there.
 
 A step's figure is the largest of its regions. Where both stacks share one optimizer
-(`harness.stacks.shares_state`) the update runs once, measured on the baseline; the
+(`harness.compare.stacks.shares_state`) the update runs once, measured on the baseline; the
 candidate's update figure is its own resident bytes when its backward ended plus what
 that same update added on the baseline (the moments AdamW creates at step 0 and its
 per-parameter temporaries): the same operation on the same tensors.

@@ -1,0 +1,1 @@
+"""`twinpipe compare` from plan to verdict."""
