@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import harness.compare.checks as compare_checks
+import harness.compare.tolerances as tolerances
 from harness.cli import main
 
 SMALL = [
@@ -60,7 +60,7 @@ def test_reference_against_oracle_passes_and_writes_the_report(tmp_path):
 @pytest.mark.multiprocess
 def test_outside_the_tolerance_exits_1(monkeypatch, capsys):
     # An impossible bound: any rounding difference at all is outside it.
-    monkeypatch.setitem(compare_checks.TOLERANCES, ("oracle", "float32"), (0.0, 0.0, 0.0))
+    monkeypatch.setitem(tolerances.TOLERANCES, ("oracle", "float32"), (0.0, 0.0, 0.0))
     code = main(
         [
             "compare",

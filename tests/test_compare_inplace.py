@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from harness.compare.checks import compare_tensors
 from harness.compare.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
 from harness.compare.stacks import shadow_update
+from harness.compare.tolerances import compare_tensors
 from models import SeededWeights, build_model, preset
 from models.distributed import ParallelConfig, launch, make_layout
 from models.model import is_expert_parameter

@@ -34,7 +34,8 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness.compare.lockstep import RankPlan, run_rank  # noqa: E402
+from harness.compare.lockstep import run_rank  # noqa: E402
+from harness.compare.rank import RankPlan  # noqa: E402
 from models import SeededWeights, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402

@@ -5,7 +5,7 @@ layout and dtype runs ``optimized`` and ``optimized-fsdp`` side by side (free tr
 as `twinpipe compare --trajectory free` measures them, two steps, routing counted), and per
 rank the estimate of the step with the higher peak, under the routing that step saw, must
 agree with the tracker within 1%; its weights and optimizer state must equal the tracker's.
-The estimate is the one `twinpipe compare` prints (`harness.compare.checks._add_estimates`:
+The estimate is the one `twinpipe compare` prints (`harness.compare.estimates.add_estimates`:
 `ShardedAdamW`'s float32 moments and masters, the runner's grad-sync and reshard settings).
 
 The runner's defaults only (``grad_sync="step"``, ``reshard_after_forward`` off): the
@@ -24,8 +24,9 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import harness.compare.meter as meter  # noqa: E402
-from harness.compare.checks import stack_estimate  # noqa: E402
-from harness.compare.lockstep import RankPlan, run_rank  # noqa: E402
+from harness.compare.estimates import stack_estimate  # noqa: E402
+from harness.compare.lockstep import run_rank  # noqa: E402
+from harness.compare.rank import RankPlan  # noqa: E402
 from models import SeededWeights, preset  # noqa: E402
 from models.distributed import ParallelConfig, launch  # noqa: E402
 from models.training import OptimizerConfig  # noqa: E402

@@ -152,7 +152,8 @@ def test_top_layouts_run_and_fit():
     (the optimized stack as `twinpipe compare` runs it: torch's AdamW), and their measured
     peaks are below the budget and within the estimator's accuracy: 1% from the routing
     the run saw, and the balanced figure the plan used within what skewed routing moves."""
-    from harness.compare.lockstep import RankPlan, run_rank
+    from harness.compare.lockstep import run_rank
+    from harness.compare.rank import RankPlan
     from models import build_model
     from models.distributed import ParallelConfig, launch
     from models.training import OptimizerConfig

@@ -12,7 +12,8 @@ import dataclasses
 
 import pytest
 
-from harness.compare.lockstep import RankPlan, run_rank
+from harness.compare.lockstep import run_rank
+from harness.compare.rank import RankPlan
 from harness.compare.verdict import build_report
 from models import SeededWeights, preset
 from models.distributed import ParallelConfig, launch

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness.compare.inplace import compare_sums
-from harness.compare.lockstep import RankPlan, run_rank
+from harness.compare.lockstep import run_rank
+from harness.compare.rank import RankPlan
 from models import SeededWeights, build_model, preset
 from models.distributed import ParallelConfig, RankFailed, launch, make_layout
 from models.training import OptimizerConfig, synthetic_batch
@@ -47,10 +48,10 @@ def _check_against_oracle(configs, parallel, steps=1):
         assert not first["lockstep"]  # against the oracle the trajectory is free
         for step in range(steps):
             record = first["steps"][step]
-            oracle, ref = record["loss"]["baseline"], record["loss"]["candidate"]
+            oracle, ref = record.loss["baseline"], record.loss["candidate"]
             rel = abs(ref - oracle) / oracle
             assert rel <= LOSS_REL, (cfg.model_type, step, rel)
-            rows = compare_sums(record["grads"])  # worst first
+            rows = compare_sums(record.grads)  # worst first
             assert len(rows) == len(dict(build_model(cfg).named_parameters()))
             worst = rows[0]
             assert worst.one_minus_cos == max(r.one_minus_cos for r in rows)
@@ -58,12 +59,12 @@ def _check_against_oracle(configs, parallel, steps=1):
             # A gradient scaled as a whole keeps its direction: 1 - cos cannot see it.
             largest = max(rows, key=lambda r: r.rel)
             assert largest.rel <= GRAD_REL, (cfg.model_type, step, largest)
-            assert all(s.finite and s.count for s in record["grads"].values())
+            assert all(s.finite and s.count for s in record.grads.values())
         losses = first["eval"]["loss"]
         eval_rel = abs(losses["candidate"] - losses["baseline"]) / losses["baseline"]
         assert eval_rel <= LOSS_REL, (cfg.model_type, "forward-only", eval_rel)
         # every rank reports the same global loss
-        assert len({r["steps"][0]["loss"]["candidate"] for r in ranks}) == 1
+        assert len({r["steps"][0].loss["candidate"] for r in ranks}) == 1
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,5 @@
-"""`harness.compare.verdict.build_report` on records written by hand: what each step is judged on.
+"""`harness.compare.verdict.build_report` on records written by hand: what each step is
+judged on.
 
 The compare tests run real stacks, whose figures sit far inside every bound, so they show
 a verdict that passes, not which quantity of which step a failure would come from. Here
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from harness.compare.inplace import pair_sums
-from harness.compare.lockstep import RankPlan
+from harness.compare.rank import RankPlan
+from harness.compare.record import StepRecord
 from harness.compare.verdict import build_report
 from models import preset
 from models.distributed import ParallelConfig
@@ -30,12 +32,12 @@ def _grads(scale: dict[str, float] | None = None) -> dict:
     return {n: pair_sums(t * scale.get(n, 1.0), t) for n, t in TRUTH.items()}
 
 
-def _record(loss: tuple[float, float], grads: dict | None = None) -> dict:
-    return {"loss": {"baseline": loss[0], "candidate": loss[1]}, "grads": grads or _grads(),
-            "params": _grads(), "routing": {}, "memory": {}, "time": {}}  # fmt: skip
+def _record(loss: tuple[float, float], grads: dict | None = None) -> StepRecord:
+    losses = {"baseline": loss[0], "candidate": loss[1]}
+    return StepRecord(loss=losses, grads=grads or _grads(), params=_grads())
 
 
-def _report(records: list[dict], baseline: str = "oracle", candidate: str = "reference"):
+def _report(records: list[StepRecord], baseline: str = "oracle", candidate: str = "reference"):
     plan = RankPlan(
         preset("tiny-qwen3-moe"), ParallelConfig(), None, baseline, candidate, len(records),
         OptimizerConfig(), trajectory="free", routing="free", track_memory=False,

@@ -31,9 +31,10 @@ import argparse
 import json
 import sys
 
-from harness.compare.checks import format_estimates
-from harness.compare.lockstep import RankPlan, run_rank
+from harness.compare.estimates import format_estimates
+from harness.compare.lockstep import run_rank
 from harness.compare.planted import PLANTS
+from harness.compare.rank import RankPlan
 from harness.compare.stacks import SIDES, STACKS
 from harness.compare.verdict import build_report
 from models import CheckpointWeights, SeededWeights, resolve_model

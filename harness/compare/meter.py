@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from harness.compare.instruments import Instrument
+from harness.compare.record import StepRecord
+
 
 class Meter:
     """One stack's memory regions, step by step (``enabled=False``: records nothing)."""
@@ -98,3 +101,25 @@ class Meter:
         worst = max(self.regions, key=lambda s: s["total"])
         self.regions = []
         return worst
+
+
+class MemoryMeters(Instrument):
+    """The rank's memory instrument: one `Meter` per stack (``baseline``, ``candidate`` and,
+    where it runs, the float32 ``truth``, whose step is the harness's own), a region of a
+    stack measured by its meter, each step's figures into ``record.memory``."""
+
+    def __init__(self, stacks: dict[str, Any], enabled: bool) -> None:
+        self.meters = {key: Meter(stack, enabled) for key, stack in stacks.items()}
+
+    @contextmanager
+    def region(self, key: str, phase: str, held: int) -> Iterator[None]:
+        with self.meters[key].region(phase, held):
+            yield
+
+    def share_update(self) -> None:
+        """The candidate's update figure from the baseline's, when both stacks share one
+        optimizer (`Meter.add_shared_update`)."""
+        self.meters["candidate"].add_shared_update(self.meters["baseline"].last("update"))
+
+    def end_step(self, record: StepRecord) -> None:
+        record.memory = {key: meter.finish_step() for key, meter in self.meters.items()}

@@ -75,7 +75,7 @@ an allowance:
 - router allowance ``SLACK_ROUTER = 1e-4``, for the same reason (measured 1e-3 for both).
 
 DESIGN.md's fixed bf16 bounds (loss 1e-2, gradient 1 - cos 1e-2, candidate against
-baseline) stay as a backstop in `harness.compare.checks`.
+baseline) stay as a backstop in `harness.compare.tolerances`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from harness.compare.inplace import Sums, group_sums
+from harness.compare.record import StepRecord
 
 K = 2.0
 """The candidate may be this many times as far from the float32 truth as the reference."""
@@ -179,13 +180,13 @@ def router_limits(drifts: Mapping[str, Mapping[str, float]]) -> dict[str, float]
 
 
 def judge_step(
-    record: Mapping[str, Any],
+    record: StepRecord,
     drifts: Mapping[str, Mapping[str, float]],
     tokens: int | None = None,
 ) -> dict:
     """One lockstep step's noise-floor verdict (``tokens``: the step's, every rank's)."""
-    out = {"loss": judge_loss(record["loss"])}
-    truth = record["grads_truth"]
+    out = {"loss": judge_loss(record.loss)}
+    truth = record.grads_truth
     out["groups"] = judge_grads(truth["baseline"], truth["candidate"], tokens)
     out["routers"] = judge_routers(drifts)
     failed = [f"loss {_why(out['loss'])}"] if not out["loss"]["passed"] else []

@@ -54,6 +54,16 @@ from typing import Any
 
 import torch
 
+from harness.compare.instruments import Instrument
+from harness.compare.op_checks import (
+    error_stats,
+    host,
+    index_problem,
+    numeric_outputs,
+    snapshot,
+)
+from harness.compare.record import StepRecord
+
 K = 2.0
 """The candidate's error may be this many times the reference's (as the noise floor's)."""
 Z = 6.0
@@ -69,41 +79,9 @@ NUMERIC_OPS = (
 )  # fmt: skip
 
 
-@contextmanager
-def _host() -> Iterator[None]:
-    """Work the memory tracker does not see (its dispatch mode suspended), without autograd."""
-    from torch.utils._python_dispatch import _disable_current_modes  # noqa: PLC0415
-
-    with _disable_current_modes(), torch.no_grad():
-        yield
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return value
-
-
-def _stats(out: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, int]:
-    """Relative L2 error of ``out`` against ``truth``; its bias: the mean of each element's
-    error toward the truth's sign in units of the truth's bfloat16 spacing, over the RMS of
-    the same (``-sqrt(3)/2`` for rounding toward zero, whatever the magnitudes); the count
-    of elements the bias is taken over (nonzero, finite truth)."""
-    out, truth = out.double(), truth.double()
-    err = out - truth
-    rel = float(err.norm()) / max(float(truth.norm()), 1e-30)
-    keep = (truth != 0) & torch.isfinite(truth)
-    t = truth[keep]
-    spacing = torch.exp2(torch.floor(torch.log2(t.abs())) - 7)  # bfloat16: 8 significant bits
-    units = err[keep] * t.sign() / spacing
-    n = units.numel()
-    rms = float(units.square().mean().sqrt()) if n else 0.0
-    bias = float(units.mean()) / rms if rms else 0.0
-    return rel, bias, n
-
-
-class OpsAudit:
-    """Audits the ops of one class while `active`; results per step, as scalars."""
+class OpsAudit(Instrument):
+    """Audits the ops of one class while `active` (the candidate's regions); results per
+    step, as scalars, into the step's record."""
 
     def __init__(self, ops_class: type) -> None:
         from reference.ops import ReferenceOps  # noqa: PLC0415
@@ -137,8 +115,17 @@ class OpsAudit:
     def start_step(self) -> None:
         self.results, self._seen, self._calls = [], set(), {}
 
-    def end_step(self) -> list[dict[str, Any]]:
-        return self.results
+    @contextmanager
+    def region(self, key: str, phase: str, held: int) -> Iterator[None]:
+        """Active while the candidate runs."""
+        self.active = key == "candidate"
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def end_step(self, record: StepRecord) -> None:
+        record.ops_audit = self.results
 
     def _wants(self, name: str) -> bool:
         if not self.active or self._busy:
@@ -163,13 +150,13 @@ class OpsAudit:
                 type(t).__name__ == "DTensor" for t in tensors
             ):
                 return original(ops, *args, **kwargs)  # bfloat16 runs, plain tensors only
-            with _host():
-                snapshot = _snapshot(name, inputs)
+            with host():
+                copies = snapshot(name, inputs)
             out = original(ops, *args, **kwargs)
             audit._busy = True
             try:
-                with _host():
-                    audit._check(name, snapshot, out)
+                with host():
+                    audit._check(name, copies, out)
             finally:
                 audit._busy = False
             return out
@@ -186,16 +173,16 @@ class OpsAudit:
 
     def _check(self, name: str, inputs: dict[str, Any], out: Any) -> None:
         if name in INDEX_OPS:
-            problem = getattr(self, "_index_" + name)(inputs, out)
+            problem = index_problem(name, inputs, out)
             self._record(name, kind="index", passed=problem is None, problem=problem)
             return
-        candidate, truth, reference = self._numeric(name, inputs, out)
+        candidate, truth, reference = numeric_outputs(self.reference, name, inputs, out)
         if not bool(torch.isfinite(candidate).all()) and bool(torch.isfinite(truth).all()):
             self._record(name, kind="numeric", passed=False, problem="non-finite output",
                          elements=candidate.numel())  # fmt: skip
             return
-        e_c, beta_c, n = _stats(candidate, truth)
-        e_r, beta_r, _ = _stats(reference, truth)
+        e_c, beta_c, n = error_stats(candidate, truth)
+        e_r, beta_r, _ = error_stats(reference, truth)
         rel_limit = K * e_r + SLACK_REL
         bias_limit = abs(beta_r) + Z / math.sqrt(n) + SLACK_BIAS
         problems = []
@@ -216,101 +203,6 @@ class OpsAudit:
             bias=beta_c, reference_bias=beta_r, bias_limit=bias_limit,
         )  # fmt: skip
 
-    # index ops: exact
-    @staticmethod
-    def _index_gather_rows(inputs: dict, out: torch.Tensor) -> str | None:
-        expected = inputs["x"][inputs["index"]]
-        if tuple(out.shape) != tuple(expected.shape) or not torch.equal(out.cpu(), expected):
-            return "rows differ from x[index]"
-        return None
-
-    @staticmethod
-    def _index_from_expert_order(inputs: dict, out: torch.Tensor) -> str | None:
-        grouped, layout = inputs["grouped"], inputs["layout"]
-        expected = grouped[layout.positions.long()]
-        if tuple(out.shape) != tuple(expected.shape) or not torch.equal(out.cpu(), expected):
-            return "rows differ from grouped[positions]"
-        return None
-
-    @staticmethod
-    def _index_to_expert_order(inputs: dict, out: tuple) -> str | None:
-        tokens, expert_ids = inputs["tokens"], inputs["expert_ids"].long()
-        grouped, layout = out[0].detach().cpu(), out[1]
-        positions = layout.positions.detach().cpu().long()
-        offsets = layout.offsets.detach().cpu().long()
-        if positions.numel() != tokens.shape[0]:
-            return f"{positions.numel()} positions for {tokens.shape[0]} rows"
-        if positions.numel() and (
-            int(positions.min()) < 0 or int(positions.max()) >= grouped.shape[0]
-        ):
-            return "a position outside the grouped buffer"
-        if torch.unique(positions).numel() != positions.numel():
-            return "two rows share a grouped row"
-        if not torch.equal(grouped[positions], tokens):
-            return "a grouped row differs from its token"
-        groups = torch.searchsorted(offsets, positions, right=True)
-        wrong = (groups != expert_ids).nonzero().flatten()
-        if wrong.numel():
-            i = int(wrong[0])
-            return (
-                f"{wrong.numel()} of {expert_ids.numel()} rows in another expert's group "
-                f"(row {i}: expert {int(expert_ids[i])}, grouped with expert {int(groups[i])})"
-            )
-        return None
-
-    # numeric ops: truth in float32, plain PyTorch in the run's dtype
-    def _numeric(self, name: str, inputs: dict, out: Any):
-        ref = self.reference
-        cut = inputs.pop("_cut", None)
-        candidate = out.detach()
-        if name == "attention":
-            candidate = candidate[:1, :, :cut]
-        elif name == "grouped_linear":
-            candidate = candidate[cut.to(candidate.device)]
-        candidate = candidate.cpu().float().reshape(-1)
-        method = getattr(ref, name)
-        dtype = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).dtype
-
-        def run(to):
-            args = {k: (v.to(to) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                        else v) for k, v in inputs.items()}  # fmt: skip
-            return method(**args).float().reshape(-1)
-
-        return candidate, run(torch.float32), run(dtype)
-
-
-def _snapshot(name: str, inputs: dict) -> dict:
-    """Host copies of what the audit needs of an op's inputs: the slice it checks of the
-    larger ops (see the module docstring), with ``_cut`` saying which part of the output."""
-    if name == "attention":
-        q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        group = q.shape[1] // k.shape[1]
-        sinks = inputs["sinks"]
-        return {
-            "q": _copy(q[:1, :group]), "k": _copy(k[:1, :1]), "v": _copy(v[:1, :1]),
-            "scaling": inputs["scaling"], "window": inputs["window"],
-            "sinks": None if sinks is None else _copy(sinks[:group]),
-            "_cut": group * v.shape[-1],
-        }  # fmt: skip
-    if name == "grouped_linear":
-        x, weight, bias = inputs["x"], inputs["weight"], inputs["bias"]
-        ends = inputs["offsets"].detach().cpu().long()
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        groups = [g for g in range(ends.numel()) if ends[g] > starts[g]][:2]
-        rows = torch.cat([torch.arange(int(starts[g]), int(ends[g])) for g in groups]
-                         or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
-        sizes = torch.tensor([int(ends[g] - starts[g]) for g in groups], dtype=torch.long)
-        return {
-            "x": _copy(x[rows.to(x.device)]), "weight": _copy(weight[groups]),
-            "offsets": torch.cumsum(sizes, 0).to(torch.int32),
-            "bias": None if bias is None else _copy(bias[groups]), "_cut": rows,
-        }  # fmt: skip
-    out = {k: _copy(v) for k, v in inputs.items()}
-    if name == "from_expert_order":
-        layout = out["layout"]
-        out["layout"] = type(layout)(*(_copy(t) for t in layout))
-    return out
-
 
 def ops_class(stack: str) -> type | None:
     """The ops class a stack's ops are audited on; None for plain PyTorch (nothing to audit)."""
@@ -329,7 +221,7 @@ def summarize(per_rank: list[dict], steps: int) -> tuple[dict | None, list[str]]
     audited = False
     for rank, result in enumerate(per_rank):
         for step in range(steps):
-            for row in result["steps"][step].get("ops_audit") or []:
+            for row in result["steps"][step].ops_audit or []:
                 audited = True
                 entry = ops.setdefault(row["op"], {"kind": row["kind"], "calls": 0, "failed": 0})
                 entry["calls"] += 1

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 import torch
+
+from harness.compare.instruments import Instrument
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -65,3 +68,27 @@ class RoutingCounter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class RoutingCounts(Instrument):
+    """The rank's routing-count instrument: a `RoutingCounter` per stack; each step's
+    histograms go, per stack, into the rank's result as ``routing_counts`` (one entry per
+    step), the figures `harness.compare.communication` and the observed-routing memory
+    estimate read."""
+
+    def __init__(self, stacks: dict[str, Any], num_experts: int) -> None:
+        self.counters = {key: RoutingCounter(s.part, num_experts) for key, s in stacks.items()}
+        self.steps: dict[str, list] = {key: [] for key in self.counters}
+
+    def start_step(self) -> None:
+        for counter in self.counters.values():
+            counter.start_step()
+
+    def end_step(self, record) -> None:
+        for key, counter in self.counters.items():
+            self.steps[key].append(counter.end_step())
+
+    def finish(self, stacks: dict[str, dict[str, Any]]) -> None:
+        for key, counter in self.counters.items():
+            counter.close()
+            stacks[key]["routing_counts"] = self.steps[key]

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from harness.compare.inplace import Piece
+from harness.compare.instruments import Instrument
+from harness.compare.record import StepRecord
 from models.checkpoint import read_exactly
 
 
@@ -129,3 +131,46 @@ class LoadedPieces(Mapping[str, Piece]):
 
     def __len__(self) -> int:
         return len(self._shapes)
+
+
+class TruthSpill(Instrument):
+    """The rank's spill instrument: the files of the float32 truth's step, AdamW's parked
+    moments (`park`, `restore`) and the truth's spilled gradients (`spill`); each step's
+    bytes into the record, and every file removed by the step's end."""
+
+    def __init__(self) -> None:
+        self.gradients: SpilledGradients | None = None
+        self.parked: ParkedTensors | None = None
+        self.parked_bytes = 0
+
+    def start_step(self) -> None:
+        self.gradients, self.parked, self.parked_bytes = None, None, 0
+
+    def park(self, optimizer: torch.optim.Optimizer) -> None:
+        """AdamW's moments of ``optimizer`` into a file (they are two more copies of the
+        parameters, needed again only at the update)."""
+        state = getattr(optimizer, "state", {})
+        moments = [
+            (s, k) for s in state.values() for k, v in s.items()
+            if k != "step" and type(v) is torch.Tensor and v.numel() > 1
+        ]  # fmt: skip
+        self.parked = ParkedTensors(moments) if moments else None
+
+    def restore(self) -> None:
+        """The parked moments back in the optimizer's state."""
+        if self.parked is not None:
+            self.parked_bytes = self.parked.nbytes
+            self.parked.restore()
+            self.parked = None
+
+    def spill(self, grads: dict[str, torch.Tensor]) -> SpilledGradients:
+        """The truth's gradients into a file (``grads`` is emptied as it is written)."""
+        self.gradients = SpilledGradients(grads)
+        return self.gradients
+
+    def end_step(self, record: StepRecord) -> None:
+        if self.gradients is not None:
+            record.spilled = self.gradients.nbytes
+            self.gradients.close()
+            self.gradients = None
+        record.parked = self.parked_bytes

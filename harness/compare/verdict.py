@@ -21,15 +21,13 @@ pass/fail figure).
 from __future__ import annotations
 
 import math
-import platform
 from typing import Any
 
-import torch
-
 from harness.compare import noise_floor
-from harness.compare.checks import _add_estimates, tolerance
+from harness.compare.estimates import add_estimates
 from harness.compare.inplace import compare_sums, group_of
-from harness.report import git_commit
+from harness.compare.tolerances import tolerance
+from harness.report import git_commit, machine_line
 
 
 def _rel(a: float, b: float) -> float:
@@ -38,10 +36,7 @@ def _rel(a: float, b: float) -> float:
 
 def _routing(per_rank: list[dict], step: int | None, limits: dict | None) -> dict | None:
     """The candidate's replays at one step (or the evaluation) over all ranks."""
-    results = [
-        (rank, (r["steps"][step] if step is not None else r["eval"])["routing"].get("candidate"))
-        for rank, r in enumerate(per_rank)
-    ]
+    results = [(rank, _replays(r, step).get("candidate")) for rank, r in enumerate(per_rank)]
     results = [(rank, res) for rank, res in results if res is not None]
     if not results:
         return None
@@ -61,12 +56,16 @@ def _routing(per_rank: list[dict], step: int | None, limits: dict | None) -> dic
     }
 
 
+def _replays(result: dict, step: int | None) -> dict:
+    """A rank's routing replays at one step (None: the evaluation), by stack key."""
+    return result["steps"][step].routing if step is not None else result["eval"]["routing"]
+
+
 def _drifts(per_rank: list[dict], step: int | None) -> dict[str, dict[str, float]]:
     """Each side's worst score drift from the recording (the truth), per router."""
     out: dict[str, dict[str, float]] = {}
     for r in per_rank:
-        record = r["steps"][step] if step is not None else r["eval"]
-        for side, res in record["routing"].items():
+        for side, res in _replays(r, step).items():
             for router, value in res.router_drift.items():
                 out.setdefault(side, {})[router] = max(value, out.get(side, {}).get(router, 0))
     return out
@@ -77,7 +76,7 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
     for rank, result in enumerate(per_rank):
         entry: dict[str, Any] = {"rank": rank, "coords": list(result["coords"])}
         for key in ("baseline", "candidate"):
-            figures = [s["memory"][key] for s in result["steps"] if s["memory"].get(key)]
+            figures = [s.memory[key] for s in result["steps"] if s.memory.get(key)]
             if len(figures) != len(result["steps"]):
                 return []
             # The step whose peak is shown, so the estimate beside it is that step's.
@@ -88,15 +87,15 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
         entry["activation_ratio"] = (
             c["activations"] / b["activations"] if b["activations"] else None
         )
-        held, params = max(s["held"] for s in result["steps"]), result["param_bytes"]
+        held, params = max(s.held for s in result["steps"]), result["param_bytes"]
         entry["harness"] = {
             "held_bytes": held,
             "parameter_bytes": params,
             "held_per_parameter_copy": held / params if params else None,
-            "spilled_bytes": max(s.get("spilled", 0) for s in result["steps"]),
+            "spilled_bytes": max(s.spilled for s in result["steps"]),
             "rss_peak_bytes": result["rss_bytes"],
         }
-        truth = [s["memory"]["truth"] for s in result["steps"] if s["memory"].get("truth")]
+        truth = [s.memory["truth"] for s in result["steps"] if s.memory.get("truth")]
         if truth:  # the float32 truth's step: its own peak plus what the bf16 stacks kept
             total = max(t["total"] + t["held"] for t in truth)
             added = total - max(b["total"], c["total"])
@@ -112,7 +111,7 @@ def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
 def _grads(records: list[dict]) -> dict[str, Any]:
     rel, cos, worst = [], [], {}
     for record in records:
-        rows = compare_sums(record["grads"])
+        rows = compare_sums(record.grads)
         rel.append(max((r.rel for r in rows), default=0.0))
         cos.append(rows[0].one_minus_cos if rows else 0.0)  # rows are worst first
         for row in rows[:5]:
@@ -134,14 +133,14 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     judged = list(range(plan.steps)) if lockstep or oracle else [0]
     grads_judged = list(range(plan.steps)) if lockstep else [0]
     tol = tolerance(plan.baseline, plan.candidate, parallel.dtype)
-    floor = lockstep and any("grads_truth" in r for r in records)
+    floor = lockstep and any(r.grads_truth is not None for r in records)
     tokens = parallel.micro_batches * parallel.micro_batch_size * parallel.seq_len * parallel.dp
 
-    loss_b = [r["loss"]["baseline"] for r in records]
-    loss_c = [r["loss"]["candidate"] for r in records]
+    loss_b = [r.loss["baseline"] for r in records]
+    loss_c = [r.loss["candidate"] for r in records]
     loss_rel = [_rel(c, b) for b, c in zip(loss_b, loss_c, strict=True)]
     grads = _grads(records)
-    params = [max((r.rel for r in compare_sums(rec["params"])), default=0.0) for rec in records]
+    params = [max((r.rel for r in compare_sums(rec.params)), default=0.0) for rec in records]
     evaluation = per_rank[0]["eval"]["loss"]
     eval_rel = _rel(evaluation["candidate"], evaluation["baseline"])
 
@@ -165,12 +164,12 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         if step not in grads_judged:
             continue
         if grads["max_one_minus_cos"][step] > tol["grad_one_minus_cos"]:
-            worst = compare_sums(records[step]["grads"])[0]
+            worst = compare_sums(records[step].grads)[0]
             problems.append(
                 f"step {step}: gradient {worst.name} 1 - cos = {worst.one_minus_cos:.3g}"
             )
         if tol["grad_rel"] is not None and grads["max_rel_error"][step] > tol["grad_rel"]:
-            worst = max(compare_sums(records[step]["grads"]), key=lambda row: row.rel)
+            worst = max(compare_sums(records[step].grads), key=lambda row: row.rel)
             problems.append(
                 f"step {step}: gradient {worst.name} relative error {worst.rel:.3g}"
                 f" (limit {tol['grad_rel']:.3g})"
@@ -219,8 +218,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         "params": {"max_rel_error": params},
         "time": {
             key: [
-                max(r["steps"][s]["time"].get(key, 0.0) for r in per_rank)
-                for s in range(plan.steps)
+                max(r["steps"][s].time.get(key, 0.0) for r in per_rank) for s in range(plan.steps)
             ]
             for key in ("baseline", "candidate")
         },  # fmt: skip
@@ -231,10 +229,10 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
             "divergence": {"loss_rel": loss_rel, "grad_one_minus_cos": grads["max_one_minus_cos"]},
         },
         "git_commit": git_commit(),
-        "machine": f"{platform.node()} {platform.machine()} torch {torch.__version__}",
+        "machine": machine_line(),
     }
     if floor:
-        report["loss"]["truth"] = [r["loss"]["truth"] for r in records]
+        report["loss"]["truth"] = [r.loss["truth"] for r in records]
         report["eval_loss"]["truth"] = evaluation["truth"]
         report["noise_floor"] = {
             "settings": noise_floor.SETTINGS,
@@ -282,7 +280,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     memory = _memory(per_rank, sides)
     if memory:
         observed = per_rank if plan.count_routing else None
-        _add_estimates(memory, model, parallel, sides, observed, plan.stages)
+        add_estimates(memory, model, parallel, sides, observed, plan.stages)
         report["memory"] = {"ranks": memory}
     return report
 
