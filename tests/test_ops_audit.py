@@ -12,8 +12,10 @@ import math
 import pytest
 import torch
 
-from harness.compare.ops_audit import OpsAudit, _stats
+from harness.compare.op_checks import error_stats
+from harness.compare.ops_audit import OpsAudit
 from harness.compare.planted import planted
+from harness.compare.record import StepRecord
 from optimized.ops import OptimizedOps
 
 HIDDEN, INNER, ROWS = 2048, 768, 256
@@ -23,12 +25,13 @@ def _audited(plant: str | None, calls) -> list[dict]:
     """The audit's rows for ``calls(ops)`` on OptimizedOps, with ``plant`` in place."""
     with planted(plant):
         audit = OpsAudit(OptimizedOps)
+        record = StepRecord()
         with audit.installed():
             audit.start_step()
-            audit.active = True
-            calls(OptimizedOps())
-            audit.active = False
-        return audit.end_step()
+            with audit.region("candidate", "forward-backward", 0):
+                calls(OptimizedOps())
+            audit.end_step(record)
+        return record.ops_audit
 
 
 def _moe(ops) -> None:
@@ -104,10 +107,13 @@ def test_float32_runs_and_inactive_steps_are_not_audited():
     x = torch.randn(8, 2 * INNER)
     assert _audited(None, lambda ops: ops.silu_and_mul(x)) == []
     audit = OpsAudit(OptimizedOps)
+    record = StepRecord()
     with audit.installed():
         audit.start_step()
-        OptimizedOps().silu_and_mul(x.to(torch.bfloat16))  # not active: the baseline's turn
-    assert audit.end_step() == []
+        with audit.region("baseline", "forward-backward", 0):  # not the candidate's turn
+            OptimizedOps().silu_and_mul(x.to(torch.bfloat16))
+        audit.end_step(record)
+    assert record.ops_audit == []
     assert OptimizedOps.silu_and_mul is not None and not hasattr(
         OptimizedOps.silu_and_mul, "__wrapped__"
     )
@@ -120,5 +126,5 @@ def test_the_bias_statistic():
     nearest = truth.to(torch.bfloat16).float()
     bits = truth.view(torch.int32) & -65536
     toward_zero = bits.view(torch.float32)
-    assert abs(_stats(nearest, truth)[1]) < 0.02
-    assert _stats(toward_zero, truth)[1] == pytest.approx(-math.sqrt(3) / 2, abs=0.01)
+    assert abs(error_stats(nearest, truth)[1]) < 0.02
+    assert error_stats(toward_zero, truth)[1] == pytest.approx(-math.sqrt(3) / 2, abs=0.01)

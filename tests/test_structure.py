@@ -1,11 +1,14 @@
 """The tree's shape: imports point one way (between the packages, between `optimized`'s
-subpackages, and from callers into a subpackage rather than its files), each subpackage
-names its modules, no source file past 500 lines, and both stacks report the same schedule
-to their observer."""
+and `harness`'s subpackages, and from callers into a subpackage rather than its files), no
+circle among the project's modules, no module importing another's private name, each
+subpackage names its modules, no source file past 500 lines (no harness file past 350),
+the CLI's subcommands are modules, and both stacks report the same schedule to their
+observer."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pkgutil
 import re
 import subprocess
@@ -18,7 +21,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("models", "reference", "optimized", "harness")
+PROJECT = (*PACKAGES, "benchmarks")
+"""Every folder of the project's source (the benchmarks import the packages too)."""
 MAX_LINES = 500
+HARNESS_MAX_LINES = 350
 
 
 def _loaded_after(statement: str) -> set[str]:
@@ -143,7 +149,7 @@ def test_every_subpackage_says_what_it_may_import():
         expected = {f"optimized.{other}" for other in MAY_IMPORT[package]}
         expected |= LAZY_ONLY.get(package, set())
         assert named == expected, f"optimized.{package}: docstring {named}, table {expected}"
-        modules = [p.stem for p in (ROOT / "optimized" / package).glob("*.py")]
+        modules = [p.stem for p in (ROOT / "optimized" / package).rglob("*.py")]
         unnamed = sorted(m for m in modules if m != "__init__" and f"`{m}`" not in text)
         assert not unnamed, f"optimized.{package}'s docstring does not name {unnamed}"
 
@@ -153,7 +159,7 @@ def test_every_optimized_import_follows_the_subpackage_edges():
     subpackage is an edge its docstring allows; none reaches `reference` or `harness`."""
     wrong = []
     for package in SUBPACKAGES:
-        files = sorted((ROOT / "optimized" / package).glob("*.py"))
+        files = sorted((ROOT / "optimized" / package).rglob("*.py"))
         assert len(files) > 1, f"optimized.{package}: no modules found"
         for path in files:
             for module, line, in_function in imports_of(path):
@@ -167,6 +173,205 @@ def test_every_optimized_import_follows_the_subpackage_edges():
                 if parts[1] not in MAY_IMPORT[package] and not lazy:
                     wrong.append(where + (" (allowed only in a function)" * (not in_function)))
     assert not wrong, "imports against optimized's edges:\n" + "\n".join(wrong)
+
+
+HARNESS_MAY_IMPORT = {
+    "compare": {"memory", "report"},
+    "memory": set(),
+    "report": set(),
+    "history": {"report"},
+}
+"""The other `harness` subpackages each one may import anywhere, as its docstring says."""
+
+
+def _may_import(path: Path) -> tuple[set[str], str]:
+    """The modules a subpackage's docstring allows (its "May import" names, up to
+    "; never"), and the docstring."""
+    text = _docstring(path)
+    assert "May import" in text, f"{path.relative_to(ROOT)}: its docstring names no imports"
+    allowed = re.split(r";\s+never", text.split("May import")[1])[0]
+    return set(re.findall(r"`([\w.]+)`", allowed)), text
+
+
+def test_every_harness_subpackage_says_what_it_may_import():
+    """Each `harness` subpackage's docstring names exactly the `harness` subpackages of the
+    table above, and every module file of the subpackage; the harness's top level holds
+    only its package file and the CLI."""
+    for package, others in HARNESS_MAY_IMPORT.items():
+        named, text = _may_import(ROOT / "harness" / package / "__init__.py")
+        mine = {n for n in named if n.startswith("harness.")}
+        expected = {f"harness.{other}" for other in others}
+        assert mine == expected, f"harness.{package}: docstring {mine}, table {expected}"
+        modules = [p.stem for p in (ROOT / "harness" / package).rglob("*.py")]
+        unnamed = sorted(m for m in modules if m != "__init__" and f"`{m}`" not in text)
+        assert not unnamed, f"harness.{package}'s docstring does not name {unnamed}"
+    top = sorted(p.name for p in (ROOT / "harness").glob("*.py"))
+    assert top == ["__init__.py", "cli.py"], f"harness/ holds {top}: put them in a subpackage"
+    folders = sorted(p.name for p in (ROOT / "harness").iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(HARNESS_MAY_IMPORT), f"harness's subpackages: {folders}"
+
+
+def test_every_harness_import_follows_the_subpackage_edges():
+    """Every import in `harness/<sub>/`, function-level ones and ``module:name`` strings
+    included, of another subpackage or another project package is one its docstring
+    allows."""
+    wrong = []
+    for package in HARNESS_MAY_IMPORT:
+        named, _ = _may_import(ROOT / "harness" / package / "__init__.py")
+        files = sorted((ROOT / "harness" / package).rglob("*.py"))
+        assert len(files) > 1, f"harness.{package}: no modules found"
+        for path in files:
+            for module, line, _ in imports_of(path):
+                parts = module.split(".")
+                if parts[0] not in PROJECT:
+                    continue
+                where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+                if parts[0] != "harness":
+                    if parts[0] not in named:
+                        wrong.append(where)
+                elif len(parts) < 2 or parts[1] not in HARNESS_MAY_IMPORT:
+                    wrong.append(where + " (the harness's top level)")
+                elif parts[1] != package and f"harness.{parts[1]}" not in named:
+                    wrong.append(where)
+    assert not wrong, "imports against harness's edges:\n" + "\n".join(wrong)
+
+
+def test_no_harness_file_over_350_lines():
+    files = sorted((ROOT / "harness").rglob("*.py"))
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in files
+        if (n := len(p.read_text().splitlines())) > HARNESS_MAX_LINES
+    }
+    assert not long, f"split these at their seams (limit {HARNESS_MAX_LINES} lines): {long}"
+
+
+def test_every_subcommand_is_a_module_with_a_command():
+    """Each module string of the CLI's table imports, and has the command's two
+    functions (`harness.cli` imports it only when its subcommand runs)."""
+    from harness.cli import SUBCOMMANDS
+
+    for name, (module, _) in SUBCOMMANDS.items():
+        loaded = importlib.import_module(module)
+        for function in ("add_arguments", "run"):
+            assert callable(getattr(loaded, function, None)), f"{name}: {module}.{function}"
+
+
+PRIVATE_IMPORTS_ALLOWED = {
+    ("optimized/ops/__init__.py", "optimized.ops", "_triton"): (
+        "the Triton switch, a module imported first so that the interpreter is on before "
+        "any kernel module imports triton"
+    ),
+}
+"""(file, module, name) -> why it may import a private name of another module."""
+
+
+def _project_files() -> list[Path]:
+    return sorted(p for folder in PROJECT for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_no_module_imports_another_modules_private_name():
+    """``from X import _name`` with X a project module, anywhere (function-level too): a
+    name several modules share belongs in a small public module."""
+    wrong = []
+    for path in _project_files():
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.module.split(".")[0] not in PROJECT:
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and (name, node.module, alias.name) not in PRIVATE_IMPORTS_ALLOWED:
+                    wrong.append(f"{name}:{node.lineno} imports {alias.name} from {node.module}")
+    assert not wrong, "private names imported across modules:\n" + "\n".join(wrong)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, dict[str, str]]:
+    """module -> {imported project module: where (file:line)}, every import counted
+    (function-level ones and ``module:name`` strings included). An import names the module
+    it loads (``from package import name`` the package, unless ``name`` is a submodule its
+    ``__init__`` does not bind); a package's ``__init__`` running first is not an edge."""
+    files = {_module_name(p): p for p in _project_files()}
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in files.items():
+        edges = graph.setdefault(module, {})
+        for target, line, _ in imports_of(path):
+            parts = target.split(".")
+            while parts and ".".join(parts) not in files:
+                parts.pop()
+            found = ".".join(parts)
+            if parts and found != module:
+                edges.setdefault(found, f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(set(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    cycles = []
+    for component in components:  # a shortest way back to the first member
+        start = min(component)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            for target in sorted(graph[node]):
+                if target == start:
+                    queue, cycle = [], paths[node] + [start]
+                    break
+                if target in component and target not in paths:
+                    paths[target] = paths[node] + [target]
+                    queue.append(target)
+        cycles.append(cycle)
+    return cycles
+
+
+def test_no_import_circle_between_modules():
+    """No circle among the project's modules, function-level imports included: a circle
+    means two modules are one cut in two, or an import order that works by luck."""
+    graph = import_graph()
+    assert len(graph) > 100, "the project's modules were not found"
+    found = []
+    for cycle in _cycles(graph):
+        steps = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+        found.append("\n  ".join(steps))
+    assert not found, "import circles:\n  " + "\n\n  ".join(found)
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:1"}, "d": {"a": "x"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b": "a.py:1"}, "b": {}}) == []
 
 
 DEEP_IMPORTS_ALLOWED = {
