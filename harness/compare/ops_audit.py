@@ -1,12 +1,11 @@
 """The ops audit: each of the candidate's ops, on the inputs the run gave it, against plain
 PyTorch, beside the pipeline verdict.
 
-Why. The pipeline verdict (`harness.compare.noise_floor`) judges a whole step against a float32
-truth, within ``k`` times the reference's own bfloat16 error. At real widths some bugs are
-smaller than a step's bfloat16 noise and pass it: measured on mid-qwen3-moe, a bfloat16
-activation stored toward zero moves one gradient by 0.2-0.3% (0.72-0.77 of its bound), and
-one token of 2,048 computed by the wrong expert moves the loss to 1.82x the reference's
-error (the limit is 2x). At the op that produced them neither is small: truncation shifts
+Why. The pipeline verdict (`harness.compare.noise_floor`) judges a whole step against a
+float32 truth, within ``k`` times the reference's own bfloat16 error. At real widths some
+bugs are smaller than a step's bfloat16 noise and pass it (the README gives the figures at
+mid width): a bfloat16 activation stored toward zero, and one token in a few thousand
+computed by the wrong expert. At the op that produced them neither is small: truncation shifts
 every element of the op's output by half a unit in the last place, always toward zero,
 and a misrouted row is a wrong index, exactly. So the audit looks there.
 

@@ -20,8 +20,7 @@ separate series. Peak memory is read from ``extra_info["peak_bytes"]`` or
 else the first ``extra_info`` key with ``bytes`` in its name.
 
 The data lives in `harness.history.dashboard_data`, the figures in
-`harness.history.dashboard_plots`;
-this module writes the page and runs the command.
+`harness.history.dashboard_plots`; this module writes the page and runs the command.
 """
 
 from __future__ import annotations

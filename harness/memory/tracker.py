@@ -148,8 +148,9 @@ class MemoryTracker:
         Python's cyclic garbage collector runs once before the step and is paused during
         it. Tensors caught in reference cycles are freed only when the collector runs, and
         it runs when its allocation counters say so: left on, the same step measured twice
-        differed by up to 150 KB on a tiny model. Paused, the figure is reproducible (cycles
-        made during the step count as held, as they would on a GPU until a collection).
+        could differ by whatever those cycles held (README: how the peak is measured).
+        Paused, the figure is reproducible (cycles made during the step count as held, as
+        they would on a GPU until a collection).
         """
         state = self._state
         if state.in_step:
