@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from harness.compare.record import StepRecord
+from models.communication import counted_step
+from models.routing import RoutingTape, attach_routing_tape
 
 SIDES = ("baseline", "candidate")
 """The two stacks compared; the float32 truth is a third key where it runs (``truth``)."""
@@ -77,8 +79,6 @@ class CommunicationCount(Instrument):
         if key not in self.steps:
             yield
             return
-        from models.communication import counted_step  # noqa: PLC0415
-
         counts: list = []
         with counted_step(self.layout, counts):
             yield
@@ -110,8 +110,6 @@ class RoutingTapes(Instrument):
 
     def attach(self) -> None:
         """A fresh recording on the recorder, a replay of it on each replayer."""
-        from models.routing import RoutingTape, attach_routing_tape  # noqa: PLC0415
-
         record = RoutingTape()
         attach_routing_tape(self.recorder.part, record)
         self.replays = {key: record.replay() for key in self.replayers}
@@ -120,8 +118,6 @@ class RoutingTapes(Instrument):
 
     def results(self) -> dict[str, Any]:
         """What each replay saw since `attach`; every stack detached."""
-        from models.routing import attach_routing_tape  # noqa: PLC0415
-
         results = {key: tape.result() for key, tape in self.replays.items()}
         for side in self.every:
             attach_routing_tape(side.part, None)

@@ -23,10 +23,12 @@ from harness.compare.instruments import CommunicationCount, Instrument, RoutingT
 from harness.compare.meter import MemoryMeters
 from harness.compare.ops_audit import OpsAudit, ops_class
 from harness.compare.record import StepRecord
+from harness.compare.routing_counts import RoutingCounts
 from harness.compare.spill import LoadedPieces, SpilledGradients, TruthSpill
 from harness.compare.stacks import share_parameters, shares_state, stack_class, storage_bytes
 from models.config import ModelConfig
 from models.distributed import ParallelConfig, make_layout
+from models.routing import BalancedRouting, attach_routing_tape
 from models.training import OptimizerConfig
 
 
@@ -106,35 +108,36 @@ class Rank:
             # be twice what the bf16 stacks hold (`ReferenceDualPipeV.sequential`).
             self.truth.schedule.sequential = True
         if plan.routing == "balanced" and pipelines:
-            from models.routing import BalancedRouting, attach_routing_tape  # noqa: PLC0415
-
             for side in (self.baseline, self.candidate, self.truth):
                 if side is not None:
                     attach_routing_tape(side.part, BalancedRouting())
         self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
         self.counted = pipelines
         """Whether the stacks' communication is counted (two pipeline stacks)."""
-        self.instruments: list[Instrument] = []
         self.tapes = self._routing_tapes(plan.routing == "pinned" and pipelines)
-        if self.tapes is not None:
-            self.instruments.append(self.tapes)
-        sides = {"baseline": self.baseline, "candidate": self.candidate}
         # The float32 truth's step is the harness's too: measured, reported.
-        truth = {"truth": self.truth} if self.truth is not None else {}
-        self.memory = MemoryMeters({**sides, **truth}, plan.track_memory)
-        self.instruments.append(self.memory)
-        if self.counted:
-            self.instruments.append(CommunicationCount(layout))
-        if plan.count_routing and pipelines:
-            from harness.compare.routing_counts import RoutingCounts  # noqa: PLC0415
+        stacks = {"baseline": self.baseline, "candidate": self.candidate, "truth": self.truth}
+        self.memory = MemoryMeters(
+            {k: s for k, s in stacks.items() if s is not None}, plan.track_memory
+        )
+        self.spill = TruthSpill() if self.truth is not None else None
+        self.instruments = self._instruments(pipelines)
 
-            self.instruments.append(RoutingCounts(sides, plan.model.num_experts))
+    def _instruments(self, pipelines: bool) -> list[Instrument]:
+        """Every instrument of the run, in the order their regions nest (see
+        `harness.compare.instruments`)."""
+        plan = self.plan
+        found: list[Instrument | None] = [self.tapes, self.memory]
+        if self.counted:
+            found.append(CommunicationCount(self.layout))
+        if plan.count_routing and pipelines:
+            sides = {"baseline": self.baseline, "candidate": self.candidate}
+            found.append(RoutingCounts(sides, plan.model.num_experts))
         audited = ops_class(plan.candidate)
         if plan.ops_audit and pipelines and audited and plan.parallel.dtype == "bfloat16":
-            self.instruments.append(OpsAudit(audited))
-        self.spill = TruthSpill() if self.truth is not None else None
-        if self.spill is not None:
-            self.instruments.append(self.spill)
+            found.append(OpsAudit(audited))
+        found.append(self.spill)
+        return [instrument for instrument in found if instrument is not None]
 
     def _routing_tapes(self, pinned: bool) -> RoutingTapes | None:
         """Pinned routing: the truth records where it runs (both bfloat16 stacks replay),
