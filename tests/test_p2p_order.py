@@ -18,7 +18,13 @@ rank blocked and fails at once, naming what each waits for; a timeout backs it u
 every message taken (none left over); the reference's loss and every gradient equal, bit
 for bit in float32, to the whole model run one micro-batch at a time in one process (in
 the DualPipeV order, in ``sequential`` mode and forward-only); the optimized stack's
-within the float32 bounds of DESIGN.md of that same truth.
+within the float32 bounds of DESIGN.md of that same truth. A message received into a
+buffer of another shape, dtype or device fails at once; with the reference's parts on the
+meta device, every receive buffer and loss must be made there (the part's device).
+
+Run on the schedules as they were before `models.p2p` (every stream on the default group,
+told apart by tags only), PP 2 passes and PP 3 fails: pp-rank 0's F0 activation and B1
+gradient to pp-rank 1 trade places, and the loss differs from the truth.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -176,10 +182,11 @@ class _Endpoint:
 
         def take() -> None:
             sent = net.sends[key][index]
-            if sent.tensor.shape != tensor.shape or sent.tensor.dtype != tensor.dtype:
+            a, b = sent.tensor, tensor
+            if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
                 net.failure = (
-                    f"{_name(key)} #{index}: sent {tuple(sent.tensor.shape)} "
-                    f"{sent.tensor.dtype}, received into {tuple(tensor.shape)} {tensor.dtype}"
+                    f"{_name(key)} #{index}: sent {tuple(a.shape)} {a.dtype} on {a.device}, "
+                    f"received into {tuple(b.shape)} {b.dtype} on {b.device}"
                 )
                 raise P2PFailure(net.failure)
             tensor.copy_(sent.tensor)
@@ -238,13 +245,14 @@ def build_schedules(stack: str, config, pp: int, weights: dict) -> list:
     return schedules
 
 
-def run_pipeline(schedules: list, batches, mode: str) -> list[dict]:
+def run_pipeline(schedules: list, batches, mode: str, tokens: int | None = None) -> list[dict]:
     """Every pp-rank's ``step()`` as a thread on one `FifoNetwork`; per rank its loss share
     and gradients (``mode``: ``dualpipev``, ``sequential`` or ``forward-only``)."""
     pp = len(schedules)
     network = FifoNetwork(pp)
     results: list[dict | None] = [None] * pp
-    tokens = token_count(torch.stack([labels for _, labels in batches]))
+    if tokens is None:
+        tokens = token_count(torch.stack([labels for _, labels in batches]))
 
     def rank_main(r: int) -> None:
         schedule = schedules[r]
@@ -343,7 +351,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("pp", range(2, 9), ids=lambda pp: f"pp{pp}")
+@pytest.mark.parametrize(
+    "pp",
+    [pytest.param(pp, marks=[pytest.mark.slow] if pp > 5 else []) for pp in range(2, 9)],
+    ids=lambda pp: f"pp{pp}",
+)
 def test_both_schedules_right_under_fifo_matching(pp):
     """M = 2 PP and 2 PP + 3. The reference in the DualPipeV order and ``sequential``, and
     forward-only: the loss and every gradient bit for bit the single-process model's. The
@@ -366,6 +378,29 @@ def test_both_schedules_right_under_fifo_matching(pp):
         for mode in ("dualpipev",) + modes[2:]:
             results = run_pipeline(optimized, batches, mode)
             _check_close(results, expected, f"optimized {mode} M={m}", mode == "forward-only")
+
+
+def test_reference_buffers_and_losses_live_on_the_parts_device():
+    """Receive buffers and loss accumulators are made on the part's device, not the CPU:
+    the reference's parts on the meta device (a dense model: shapes only, no kernels), where
+    a CPU buffer meets a meta tensor and fails (on GPUs NCCL would refuse it)."""
+    pp, m = 3, 6
+    config = replace(_config(pp), mlp_only_layers=list(range(2 * pp)))
+    stages = even_partition(config.num_hidden_layers, 2 * pp)
+    schedules = []
+    for pp_rank in range(pp):
+        chunks = rank_chunks(stages, pp_rank)
+        ops = ReferenceOps()
+        part = build_part(
+            config, SeededWeights(config), chunks[0] + chunks[1], embedding=pp_rank == 0,
+            head=pp_rank == 0, ops=ops, device="meta",
+        )  # fmt: skip
+        schedules.append(ReferenceDualPipeV(part, chunks, _layout(pp_rank, pp), ops))
+    batches = [(ids.to("meta"), labels.to("meta")) for ids, labels in _batches(config, m)]
+    for mode in ("dualpipev", "forward-only"):
+        results = run_pipeline(schedules, batches, mode, tokens=m * 8)
+        assert {r["loss"].device.type for r in results} == {"meta"}, mode
+        assert {g.device.type for r in results for g in r["grads"].values()} <= {"meta"}, mode
 
 
 def test_the_network_matches_in_order_per_pair_ignoring_tags():
