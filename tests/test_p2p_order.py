@@ -156,7 +156,8 @@ class _Work:
 
 
 class _Endpoint:
-    """One rank's `models.p2p.PointToPoint` on the network."""
+    """One rank's `models.p2p.PointToPoint` on the network. A ``tag`` is accepted and
+    ignored, as NCCL ignores it (the schedules pass none; the network's own test does)."""
 
     def __init__(self, network: FifoNetwork, rank: int) -> None:
         self.network, self.rank = network, rank
