@@ -25,8 +25,9 @@ or coming from, other ranks; a broadcast ``(n - 1) * s`` from the source and ``s
 each other rank; a send or receive its tensor. These figures do not depend on the
 backend's algorithm, so a prediction from the config can match them to the byte.
 
-Groups are named from the `Layout` (``pp``, ``dp``, ``ep``, ``expert_replica``) and
-``world`` for the default group; any other group by its ranks (``ranks(0,2)``).
+Groups are named from the `Layout` (``pp``, ``dp``, ``ep``, ``expert_replica``, ``host``, the
+p2p streams ``forward0`` ... ``backward1`` of `models.p2p`) and ``world`` for the default
+group; any other group by its ranks (``ranks(0,2)``).
 """
 
 from __future__ import annotations
@@ -246,11 +247,17 @@ _P2P_BATCH = "batch_isend_irecv"
 
 
 def group_names(layout: Any) -> dict[int, str]:
-    """``id(process group) -> name`` for a `models.distributed.Layout`'s groups."""
+    """``id(process group) -> name`` for a `models.distributed.Layout`'s groups: ``pp``,
+    ``dp``, ``ep``, ``expert_replica``, ``host`` (a gloo group beside NCCL; on a gloo job it
+    is the default group, ``world``) and the p2p streams ``forward0`` ... ``backward1``."""
     names = {}
-    for name in ("pp", "dp", "ep", "expert_replica"):
+    for name in ("pp", "dp", "ep", "expert_replica", "host"):
         group = getattr(layout, f"{name}_group", None)
         if group is not None:
+            names[id(group)] = name
+    streams = getattr(layout, "streams", None)
+    if streams is not None:
+        for name, group in zip(streams._fields, streams, strict=True):
             names[id(group)] = name
     return names
 

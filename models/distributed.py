@@ -30,6 +30,7 @@ from models.launch import (  # noqa: F401
     init_process_group,
     launch,
 )
+from models.p2p import StreamGroups, new_stream_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GRAD_SYNC = ("step", "micro-batch")
@@ -139,6 +140,13 @@ class Layout(NamedTuple):
     dp_group: dist.ProcessGroup | None
     ep_group: dist.ProcessGroup | None
     expert_replica_group: dist.ProcessGroup | None
+    streams: StreamGroups | None = None
+    """This pipeline's point-to-point streams, one group each (`models.p2p`); None at PP 1,
+    where nothing travels point to point."""
+    host_group: dist.ProcessGroup | None = None
+    """A gloo group over the world for host-side values (Python objects, counts kept on the
+    CPU): the default group on a gloo job, a gloo group of its own beside NCCL. Tensors on
+    the rank's device go through the groups above."""
 
     @property
     def expert_parallel(self) -> ExpertParallel:
@@ -157,11 +165,15 @@ def make_layout(parallel: ParallelConfig) -> Layout:
         )
     pp, dp, ep = parallel.pp, parallel.dp, parallel.ep
     pp_rank, dp_rank = divmod(rank, dp)
-    mine: dict[str, dist.ProcessGroup | None] = {}
+    mine: dict[str, Any] = {"streams": None}
     for d in range(dp):
         group = dist.new_group([p * dp + d for p in range(pp)])
         if d == dp_rank:
             mine["pp"] = group
+        if pp > 1:
+            streams = new_stream_groups([p * dp + d for p in range(pp)])
+            if d == dp_rank:
+                mine["streams"] = streams
     for p in range(pp):
         group = dist.new_group([p * dp + d for d in range(dp)])
         if p == pp_rank:
@@ -176,9 +188,11 @@ def make_layout(parallel: ParallelConfig) -> Layout:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine["replica"] = group
+    # The default group carries host tensors where it is gloo; beside NCCL, gloo's own.
+    host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return Layout(
         rank, pp_rank, dp_rank, dp_rank % ep, pp, dp, ep,
-        mine["pp"], mine["dp"], mine["ep"], mine["replica"],
+        mine["pp"], mine["dp"], mine["ep"], mine["replica"], mine["streams"], host,
     )  # fmt: skip
 
 

@@ -10,10 +10,12 @@ reference: an overlapped pair ``F&B`` runs as F, then B; a backward computes
 weight gradients at once, so the W steps have nothing left to do. The step
 structure stays the paper's so that a reader can check it line by line.
 
-Communication: activations and gradients travel point to point, one tagged
-stream per direction and chunk. Sends are posted as soon as a tensor exists and
-waited at the end of the step; receives are posted when the data is needed.
-Because the schedule is a valid DualPipeV order, this never deadlocks.
+Communication: activations and gradients travel point to point, one stream per
+direction and chunk, each its own process group (`models.p2p`: NCCL ignores tags and
+matches sends to receives in order per pair, which one stream per group makes right).
+Sends are posted as soon as a tensor exists and waited at the end of the step;
+receives are posted when the data is needed. Because the schedule is a valid DualPipeV
+order, this never deadlocks. Receive buffers and the loss live on the part's device.
 
 ``sequential = True`` runs the same actions one micro-batch at a time instead (F0 F1 B1
 B0 for each micro-batch on every rank): the same gradients, with one micro-batch per
@@ -27,13 +29,9 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from models.distributed import Layout
-
-# One tag per stream: (direction, chunk).
-TAG_FORWARD = (0, 1)
-TAG_BACKWARD = (2, 3)
+from models.p2p import BACKWARD, FORWARD, PointToPoint, TorchPointToPoint
 
 
 class ReferenceDualPipeV:
@@ -53,6 +51,8 @@ class ReferenceDualPipeV:
         self.gradient_sync = None
         """Optional object told of every backward before it runs (``before_backward(chunk)``):
         FSDP2 (`twinpipe train` can shard this stack too) reduces at the chunk's last one."""
+        self.p2p: PointToPoint = TorchPointToPoint()
+        """How tensors travel to the neighbours, on the layout's stream groups (`models.p2p`)."""
 
     defers_weight_gradients = False
     """A backward computes its weight gradients at once; the W steps complete nothing."""
@@ -183,36 +183,38 @@ class ReferenceDualPipeV:
         if chunk == 1 and self.is_last:
             return self.local_activations.popleft()
         src = self.rank - 1 if chunk == 0 else self.rank + 1
-        return self._recv(src, TAG_FORWARD[chunk])
+        return self._recv(src, FORWARD, chunk)
 
     def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
         if chunk == 0 and self.is_last:
             self.local_activations.append(tensor)
             return
         dst = self.rank + 1 if chunk == 0 else self.rank - 1
-        self._send(tensor, dst, TAG_FORWARD[chunk])
+        self._send(tensor, dst, FORWARD, chunk)
 
     def _receive_gradient(self, chunk: int) -> torch.Tensor:
         if chunk == 0 and self.is_last:
             return self.local_gradients.popleft()
         src = self.rank + 1 if chunk == 0 else self.rank - 1
-        return self._recv(src, TAG_BACKWARD[chunk])
+        return self._recv(src, BACKWARD, chunk)
 
     def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
         if chunk == 1 and self.is_last:
             self.local_gradients.append(tensor)
             return
         dst = self.rank - 1 if chunk == 0 else self.rank + 1
-        self._send(tensor, dst, TAG_BACKWARD[chunk])
+        self._send(tensor, dst, BACKWARD, chunk)
 
-    def _send(self, tensor: torch.Tensor, pp_rank: int, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, pp_rank: int, direction: str, chunk: int) -> None:
         tensor = tensor.contiguous()
-        handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
+        group = self.layout.streams.pick(direction, chunk)
+        handle = self.p2p.isend(tensor, self.layout.global_rank(pp_rank), group)
         self.pending_sends.append((handle, tensor))
 
-    def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
-        tensor = torch.empty(self.activation_shape, dtype=self.dtype)
-        dist.irecv(tensor, self.layout.global_rank(pp_rank), tag=tag).wait()
+    def _recv(self, pp_rank: int, direction: str, chunk: int) -> torch.Tensor:
+        tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        group = self.layout.streams.pick(direction, chunk)
+        self.p2p.irecv(tensor, self.layout.global_rank(pp_rank), group).wait()
         return tensor
 
     # ------------------------------------------------------------ bookkeeping
@@ -222,14 +224,15 @@ class ReferenceDualPipeV:
         self.token_count = token_count
         batch, seq = micro_batches[0][0].shape
         self.activation_shape = (batch, seq, self.part.config.hidden_size)
-        self.dtype = next(self.part.parameters()).dtype
+        parameter = next(self.part.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
         self.forwarded = [0, 0]
         self.backwarded = [0, 0]
         self.saved = (deque(), deque())
         self.local_activations: deque = deque()
         self.local_gradients: deque = deque()
         self.pending_sends: list = []
-        self.loss = torch.zeros((), dtype=torch.float32)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def _end(self) -> torch.Tensor:
         for handle, _ in self.pending_sends:

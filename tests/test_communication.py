@@ -40,8 +40,10 @@ def _every_kind() -> dict:
             peer = layout.global_rank(1 - layout.pp_rank)
             if layout.pp_rank == 0:
                 dist.isend(x, peer, tag=5).wait()
+                dist.isend(x[:2], peer, group=layout.streams.forward0).wait()
             else:
                 dist.irecv(torch.empty(6), peer, tag=5).wait()
+                dist.irecv(torch.empty(2), peer, group=layout.streams.forward0).wait()
             dist.barrier()
         counted = counter.take()
         dist.all_reduce(x.clone())  # installed, not counting
@@ -83,7 +85,10 @@ def test_every_kind_counted_by_the_direct_model():
         assert a2a["bytes_sent"] == (dp_rank + 1) * 8
         assert a2a["bytes_received"] == (2 - dp_rank) * 8
         kind = "send" if root else "recv"
-        assert c[kind]["calls"] == 1 and c[kind]["bytes"] == 24
+        assert c[kind]["calls"] == 2 and c[kind]["bytes"] == 32
+        # A p2p stream's group is named after the stream (`models.p2p`).
+        assert c[kind]["groups"]["world"]["bytes"] == 24
+        assert c[kind]["groups"]["forward0"]["bytes"] == 8
         assert "recv" not in c if root else "send" not in c
         assert c["barrier"]["calls"] == 1 and c["barrier"]["bytes"] == 0
 

@@ -5,9 +5,9 @@ bytes sent and received by the direct model: never a rank's own slice), predicte
 model, the layout and the runner alone, exactly when routing is balanced
 (`models.routing.BalancedRouting`: token ``t`` takes experts ``(t k + i) mod E``):
 
-- **p2p** (``send``/``recv`` on the world group): the DualPipeV messages of
-  `optimized.estimator.schedule.comm_events`, one ``[mbs, seq, hidden]`` activation or
-  gradient each, in the run dtype;
+- **p2p** (``send``/``recv`` on their stream's group, ``forward0`` ... ``backward1`` of
+  `models.p2p`): the DualPipeV messages of `optimized.estimator.schedule.comm_events`, one
+  ``[mbs, seq, hidden]`` activation or gradient each, in the run dtype;
 - **all_to_all** (``ep``, EP > 1): per MoE layer of the rank's two chunks and micro-batch,
   the count exchange (``num_experts`` int64, ``E / EP`` to each peer), then dispatch and
   combine forward and their two backward exchanges; a rank sends the routed copies bound
@@ -49,6 +49,7 @@ from collections.abc import Iterator
 import torch
 
 from models.communication import Counts, Traffic
+from models.p2p import BACKWARD, FORWARD, stream_name
 from optimized.estimator.activations import I64
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.schedule import comm_events, rank_actions
@@ -156,10 +157,12 @@ def fsdp_units(config: EstimateConfig, part, chunks, pp_rank: int) -> list[Unit]
 def _p2p(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
     message = config.tokens * config.model.hidden_size * config.param_bytes
     for event in comm_events(pp_rank, config.pp, config.num_microbatches):
+        direction = FORWARD if event.message.kind == "activation" else BACKWARD
+        stream = stream_name(direction, event.message.chunk)
         if event.op == "send":
-            _add(counts, "send", "world", message, 0)
+            _add(counts, "send", stream, message, 0)
         else:
-            _add(counts, "recv", "world", 0, message)
+            _add(counts, "recv", stream, 0, message)
 
 
 def balanced_rows(config: EstimateConfig) -> list[int]:

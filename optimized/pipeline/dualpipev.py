@@ -17,15 +17,18 @@ so the two can be held side by side. What differs:
   storage (`optimized.pipeline.overlap`), the loss uses the fused in-place
   cross-entropy, experts the padded gather and grouped GEMM of the optimized ops.
 
-Point-to-point traffic: one tagged stream per direction and chunk, sends posted
-at once, receives posted when the data is needed (an overlapped pair receives
-both its inputs first). A send's buffer is freed as soon as the send is known
-complete, and that moment is read off the schedule, not off the timing
+Point-to-point traffic: one stream per direction and chunk, each its own process
+group (`models.p2p`: NCCL matches sends to receives in order per pair and ignores
+tags, so no two streams may share a group), sends posted at once, receives posted
+when the data is needed (an overlapped pair receives both its inputs first). A
+send's buffer is freed as soon as the send is known complete, and that moment is
+read off the schedule, not off the timing
 (`optimized.estimator.schedule.send_completions`): once this rank has received
 a message its peer sent *after* taking ours, ours is done, and waiting it cannot
 block. (gloo's send work reports completion only once waited, so polling would
 hold every send to the end of the step.) Sends with no such reply are waited at
-the end of the step.
+the end of the step. Receive buffers and the loss accumulators live on the part's
+device.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from models.distributed import Layout
 from models.model import IGNORE_INDEX
+from models.p2p import BACKWARD, FORWARD, PointToPoint, TorchPointToPoint
 from optimized.estimator.schedule import send_completions
 from optimized.ops import linear_cross_entropy
 from optimized.pipeline.execution import ExecutionContext
@@ -50,9 +53,6 @@ from optimized.pipeline.overlap import (
     leaf,
     overlapped_layers,
 )
-
-TAG_FORWARD = (0, 1)
-TAG_BACKWARD = (2, 3)
 
 
 class SummedLinearCrossEntropy(NamedTuple):
@@ -129,6 +129,8 @@ class OptimizedDualPipeV:
         self.gradient_sync = None
         """Optional `optimized.pipeline.gradient_sync.GradientSync`, told of every backward
         (before it runs) and every W step (after): FSDP2 reduces at the schedule's marks."""
+        self.p2p: PointToPoint = TorchPointToPoint()
+        """How tensors travel to the neighbours, on the layout's stream groups (`models.p2p`)."""
 
     defers_weight_gradients = True
     """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""
@@ -302,7 +304,7 @@ class OptimizedDualPipeV:
         if chunk == 1 and self.is_last:
             return self.local_activations.popleft()
         src = self.rank - 1 if chunk == 0 else self.rank + 1
-        return self._recv(src, TAG_FORWARD[chunk])
+        return self._recv(src, FORWARD, chunk)
 
     def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
         if chunk == 0 and self.is_last:
@@ -310,34 +312,41 @@ class OptimizedDualPipeV:
             return
         dst = self.rank + 1 if chunk == 0 else self.rank - 1
         # Once sent, the output is only the root of its layer's backward: free it then.
-        self._send(tensor.detach(), dst, TAG_FORWARD[chunk], free_when_sent=True)
+        self._send(tensor.detach(), dst, FORWARD, chunk, free_when_sent=True)
 
     def _receive_gradient(self, chunk: int) -> torch.Tensor:
         if chunk == 0 and self.is_last:
             return self.local_gradients.popleft()
         src = self.rank + 1 if chunk == 0 else self.rank - 1
-        return self._recv(src, TAG_BACKWARD[chunk])
+        return self._recv(src, BACKWARD, chunk)
 
     def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
         if chunk == 1 and self.is_last:
             self.local_gradients.append(tensor)
             return
         dst = self.rank - 1 if chunk == 0 else self.rank + 1
-        self._send(tensor, dst, TAG_BACKWARD[chunk])
+        self._send(tensor, dst, BACKWARD, chunk)
 
     def _send(
-        self, tensor: torch.Tensor, pp_rank: int, tag: int, free_when_sent: bool = False
+        self,
+        tensor: torch.Tensor,
+        pp_rank: int,
+        direction: str,
+        chunk: int,
+        free_when_sent: bool = False,
     ) -> None:
         tensor = tensor.contiguous()
-        handle = dist.isend(tensor, self.layout.global_rank(pp_rank), tag=tag)
+        group = self.layout.streams.pick(direction, chunk)
+        handle = self.p2p.isend(tensor, self.layout.global_rank(pp_rank), group)
         index = len(self.sent)
         self.sent.append(None)
         complete_after = self.completions[index] if index < len(self.completions) else None
         self.pending_sends.append(_Send(handle, tensor, free_when_sent, complete_after))
 
-    def _recv(self, pp_rank: int, tag: int) -> torch.Tensor:
-        tensor = torch.empty(self.activation_shape, dtype=self.dtype)
-        dist.irecv(tensor, self.layout.global_rank(pp_rank), tag=tag).wait()
+    def _recv(self, pp_rank: int, direction: str, chunk: int) -> torch.Tensor:
+        tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        group = self.layout.streams.pick(direction, chunk)
+        self.p2p.irecv(tensor, self.layout.global_rank(pp_rank), group).wait()
         self.received += 1
         self._finish_sends(self.received)
         return tensor
@@ -364,7 +373,8 @@ class OptimizedDualPipeV:
         self.token_count = token_count
         batch, seq = micro_batches[0][0].shape
         self.activation_shape = (batch, seq, self.part.config.hidden_size)
-        self.dtype = next(self.part.parameters()).dtype
+        parameter = next(self.part.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
         self.forwarded = [0, 0]
         self.saved: tuple[deque, deque] = (deque(), deque())
         self.local_activations: deque = deque()
@@ -376,8 +386,8 @@ class OptimizedDualPipeV:
         self.completions: list[int | None] = []  # forward-only: every send waits for the end
         if self.training:
             self.completions = send_completions(self.rank, self.num_ranks, self.num_micro_batches)
-        self.loss = torch.zeros((), dtype=torch.float32)
-        self.z_loss = torch.zeros((), dtype=torch.float32)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.z_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         """This rank's share of the step's mean z-loss (part of ``loss``), for logging."""
 
     def _end(self) -> torch.Tensor:

@@ -223,7 +223,7 @@ class CheckpointSaveError(OSError):
 def _agree(problem: str | None, layout: Layout) -> None:
     """Raise `CheckpointSaveError` on every rank when rank 0 met ``problem``."""
     box = [problem]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=layout.host_group)
     if box[0] is not None:
         raise CheckpointSaveError(box[0])
 
@@ -248,7 +248,7 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
     rng = [None] * dist.get_world_size()
-    dist.all_gather_object(rng, rng_state())
+    dist.all_gather_object(rng, rng_state(), group=layout.host_group)
     problem = None
     if layout.rank == 0:
         try:

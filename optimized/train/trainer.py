@@ -259,7 +259,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
         counter.remove()
         sink.close()
     every_rank: list[dict[str, int]] = [{}] * dist.get_world_size()
-    dist.all_gather_object(every_rank, peaks.peaks)
+    dist.all_gather_object(every_rank, peaks.peaks, group=layout.host_group)
     if layout.rank == 0 and cfg.checkpoint.dir:
         print(format_peaks(every_rank, peaks.source), flush=True)
     return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
@@ -317,7 +317,7 @@ class _Saver:
             if self.rescued is not None:
                 raise
             box = [str(rescue_folder()) if self.layout.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.layout.host_group)
             self.root = self.rescued = box[0]
             path = self._write(self.root, done)
             if self.layout.rank == 0:
@@ -353,7 +353,7 @@ def _claimed(cfg: TrainConfig, plan: RunPlan, layout: Layout) -> str | None:
     if not cfg.checkpoint.dir:
         return None
     box = [claim(cfg, plan) if layout.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=layout.host_group)
     return box[0]
 
 
