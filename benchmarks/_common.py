@@ -67,9 +67,11 @@ def bench(
     setup: Setup,
     op: str,
     implementation: str,
+    flops: float | None = None,
     **info: Any,
 ) -> None:
-    """Time ``run(*setup())`` and record its peak memory and description in extra_info."""
+    """Time ``run(*setup())`` and record its peak memory and description in extra_info;
+    given the ``flops`` one run does, also ``tflops_per_s`` at the median time."""
 
     def timed(*args: Any, **kwargs: Any) -> None:
         run(*args, **kwargs)
@@ -88,3 +90,6 @@ def bench(
         },
     )
     benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    if flops is not None and stats is not None and stats.median > 0:
+        benchmark.extra_info.update(flops=flops, tflops_per_s=flops / stats.median / 1e12)
