@@ -107,6 +107,11 @@ def drive_ops() -> None:
         target = torch.zeros(tokens, dtype=torch.long)
         for reduction in ("sum", "none"):
             linear_cross_entropy(hidden, weight, target, reduction=reduction).sum().backward()
+        # several vocabulary chunks: the statistics carried from chunk to chunk
+        wide = torch.zeros(4096, 64, dtype=dtype, requires_grad=True)
+        for reduction in ("sum", "none"):
+            loss = linear_cross_entropy(hidden, wide, target, reduction=reduction, chunk_vocab=1024)
+            loss.sum().backward()
         x = torch.zeros(tokens, 2 * 48, dtype=dtype, requires_grad=True)
         silu_and_mul(x).sum().backward()
         clamped_swiglu(x).sum().backward()

@@ -214,17 +214,14 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
 
 def weight_step_transients(config: EstimateConfig) -> list[int]:
     """What each deferred expert weight gradient holds while its W step computes it
-    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, and where the
-    parameter is used through a transposed view (all families but GPT-OSS, whose experts
-    are stored ``[E, in, out]``) a zero-filled parameter-sized copy laid out like the
-    parameter, which is added into ``.grad`` (or becomes it, the first time). Down
-    projection first, then gate/up."""
+    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, computed in the
+    parameter's own layout (also where the parameter is used through a transposed view),
+    so it becomes ``.grad`` the first time and is added into it in place after that, with
+    no staging copy. Down projection first, then gate/up."""
     m, b = config.model, config.param_bytes
     local = max(m.num_experts // config.ep, 1)
     inner = m.moe_intermediate_size // config.etp
-    copies = 1 if m.model_type == "gpt_oss" else 2
-    down, gate_up = local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b
-    return [copies * down, copies * gate_up]
+    return [local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b]
 
 
 def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
