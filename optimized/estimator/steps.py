@@ -297,11 +297,12 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     experts += row_groups
     # The high point: gathering the output into the received order (the down projection's
     # output beside everything kept); with GPT-OSS's biases, or adding the down
-    # projection's bias before that: its product, the gathered bias rows and their sum.
+    # projection's bias before that: its product and the gathered bias rows (added into the
+    # product in place).
     gather = experts + grouped * hidden * b
     bias_add = 0
     if row_groups:
-        bias_add = experts - expert_out + 3 * grouped * hidden * b + (local + 1) * hidden * b
+        bias_add = experts - expert_out + 2 * grouped * hidden * b + (local + 1) * hidden * b
     fwd["experts_forward"] = Step(
         "experts_forward", experts - freed_input, max(gather, bias_add) + received * I64 + 64
     )

@@ -43,6 +43,7 @@ block. ``accumulate_dtype=<the hidden's dtype>`` sums in bfloat16 instead, in on
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -159,8 +160,8 @@ def _gradient_pass(
     gradient (times ``upstream`` per row when given) and folded into ``gradients =
     (grad_hidden, grad_weight)``. ``grad_weight[chunk]`` is written by the first block and
     added to by the others; ``grad_hidden[block]`` is summed over chunks in the float32
-    accumulator carved from ``buffer`` when the plan has one, each chunk's product landing
-    first in ``grad_hidden[block]`` itself (free until the block ends)."""
+    accumulator carved from ``buffer`` when the plan has one (`_accumulate_product`; its
+    16-bit scratch is ``grad_hidden[block]`` itself, free until the block ends)."""
     grad_hidden, grad_weight = gradients
     vocab = weight.shape[0]
     accumulator = None
@@ -188,17 +189,49 @@ def _gradient_pass(
                     grad_weight[start:end].addmm_(logits.t(), block)
             if block_grad is None:
                 continue
-            if accumulator is None and start > 0:
-                block_grad.addmm_(logits, weight[start:end])
-                continue
-            torch.mm(logits, weight[start:end], out=block_grad)
             if accumulator is not None:
-                if start == 0:
-                    accumulator[:rows].copy_(block_grad)
-                else:
-                    accumulator[:rows].add_(block_grad)
+                _accumulate_product(accumulator[:rows], logits, weight[start:end], start == 0,
+                                    scratch=block_grad)  # fmt: skip
+            elif start == 0:
+                torch.mm(logits, weight[start:end], out=block_grad)
+            else:
+                block_grad.addmm_(logits, weight[start:end])
         if accumulator is not None:
             block_grad.copy_(accumulator[:rows])
+
+
+@functools.cache
+def _float32_addmm_into(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` runs on ``device``
+    for 16-bit ``a``, ``b`` and a float32 ``acc``: one matmul whose epilogue adds into the
+    float32 sum (CUDA builds whose `addmm.dtype_out` takes a float32 ``self``). Tried once
+    on a 2 x 2 case."""
+    if device.type != "cuda":
+        return False
+    accumulator = torch.zeros((2, 2), dtype=torch.float32, device=device)
+    factor = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(accumulator, factor, factor, out_dtype=torch.float32, out=accumulator)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _accumulate_product(accumulator: torch.Tensor, logits: torch.Tensor,
+                        weight_chunk: torch.Tensor, first: bool,
+                        scratch: torch.Tensor) -> None:  # fmt: skip
+    """``accumulator (float32) = (first ? 0 : accumulator) + logits @ weight_chunk``: fused
+    into the matmul where the device allows it (`_float32_addmm_into`), else the product
+    rounded once into ``scratch`` (16-bit, free) and added in float32."""
+    if _float32_addmm_into(accumulator.device):
+        torch.addmm(accumulator, logits, weight_chunk, beta=0 if first else 1,
+                    out_dtype=torch.float32, out=accumulator)  # fmt: skip
+        return
+    torch.mm(logits, weight_chunk, out=scratch)
+    if first:
+        accumulator.copy_(scratch)
+    else:
+        accumulator.add_(scratch)
 
 
 def _gradient_buffers(
