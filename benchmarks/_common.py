@@ -16,6 +16,7 @@ on the CPU interpreter they take minutes per op, but the memory figures are the 
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -61,15 +62,36 @@ def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
     return tracker.peak_bytes
 
 
+def peak_above_inputs_bytes(run: Callable[..., Any], setup: Setup) -> int:
+    """Peak memory of one run beyond its tensor inputs and the gradients they received
+    (how the issue's loss figures count: 1.00x the logits for an in-place cross-entropy)."""
+    args, kwargs = setup()
+    synchronize()
+    tracker = MemoryTracker(DEVICE)
+    with tracker.step():
+        run(*args, **kwargs)
+        synchronize()
+    inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+    held = sum(t.nbytes + (t.grad.nbytes if t.grad is not None else 0) for t in inputs)
+    return tracker.peak_bytes - held
+
+
+def liger_installed() -> bool:
+    """Whether Liger-Kernel can be compared against: installed, and a GPU to run it on."""
+    return ON_CUDA and importlib.util.find_spec("liger_kernel") is not None
+
+
 def bench(
     benchmark: Any,
     run: Callable[..., Any],
     setup: Setup,
     op: str,
     implementation: str,
+    flops: float | None = None,
     **info: Any,
 ) -> None:
-    """Time ``run(*setup())`` and record its peak memory and description in extra_info."""
+    """Time ``run(*setup())`` and record its peak memory and description in extra_info;
+    given the ``flops`` one run does, also ``tflops_per_s`` at the median time."""
 
     def timed(*args: Any, **kwargs: Any) -> None:
         run(*args, **kwargs)
@@ -88,3 +110,6 @@ def bench(
         },
     )
     benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    if flops is not None and stats is not None and stats.median > 0:
+        benchmark.extra_info.update(flops=flops, tflops_per_s=flops / stats.median / 1e12)

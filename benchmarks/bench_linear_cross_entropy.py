@@ -1,4 +1,10 @@
-"""Chunked linear cross-entropy vs ``F.cross_entropy(hidden @ W.T)``."""
+"""Linear cross-entropy fused over vocabulary chunks vs ``F.cross_entropy(hidden @ W.T)``,
+and vs Liger-Kernel's fused linear cross-entropy where it is installed (on CUDA).
+
+Each records, beside the time, ``peak_above_inputs_bytes`` (the peak beyond hidden,
+weight, target and their gradients) and ``logits_multiple``: that peak in units of one
+``[tokens, vocab]`` logits buffer (the fused op: one chunk, 1/32 of it; plain: about 2.5).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import DEVICE, bench, pick
+from benchmarks._common import DEVICE, bench, liger_installed, peak_above_inputs_bytes, pick
 from optimized.ops import linear_cross_entropy
 
 TOKENS, VOCAB, HIDDEN = pick(gpu=(4096, 102400, 2048), cpu=(64, 4096, 64))
 DTYPE = torch.bfloat16
+LOGITS_BYTES = TOKENS * VOCAB * DTYPE.itemsize
+FLOPS = 3 * 2 * TOKENS * VOCAB * HIDDEN
+"""The plain path's three matmuls (the fused op runs a fourth: it makes the logits twice)."""
 
 
 def setup():
@@ -31,26 +40,43 @@ def plain(hidden, weight, target):
 
 
 def optimized_options(hidden, weight, target):
-    """reduction="none" (gradients recomputed chunk by chunk in backward), smoothing, z-loss."""
+    """reduction="none" (gradients made chunk by chunk in backward), smoothing, z-loss."""
     linear_cross_entropy(
         hidden, weight, target, reduction="none", label_smoothing=0.1, lse_square_scale=1e-4
     ).mean().backward()
 
 
-IMPLEMENTATIONS = {"optimized": optimized, "plain": plain, "optimized_options": optimized_options}
+def liger(hidden, weight, target):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
+
+    LigerFusedLinearCrossEntropyLoss()(weight, hidden, target).backward()
+
+
+IMPLEMENTATIONS = {
+    "optimized": optimized,
+    "plain": plain,
+    "optimized_options": optimized_options,
+    "liger": liger,
+}
 
 
 @pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 def test_linear_cross_entropy(benchmark, implementation):
+    if implementation == "liger" and not liger_installed():
+        pytest.skip("Liger-Kernel is not installed, or no GPU to run it")
     run = IMPLEMENTATIONS[implementation]
+    above = peak_above_inputs_bytes(run, setup)
     bench(
         benchmark,
         run,
         setup,
         "linear_cross_entropy",
         implementation,
+        flops=FLOPS,
         tokens=TOKENS,
         vocab=VOCAB,
         hidden=HIDDEN,
         dtype=DTYPE,
+        peak_above_inputs_bytes=above,
+        logits_multiple=above / LOGITS_BYTES,
     )

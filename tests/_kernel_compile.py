@@ -84,7 +84,13 @@ def _vocabularies() -> list[int]:
 
 def drive_ops() -> None:
     """Call every public op the way the stacks do (no kernel runs: launches are recorded)."""
-    from optimized.ops import clamped_swiglu, cross_entropy, linear_cross_entropy, silu_and_mul
+    from optimized.ops import (
+        clamped_swiglu,
+        cross_entropy,
+        grouped_linear,
+        linear_cross_entropy,
+        silu_and_mul,
+    )
 
     tokens = 16
     for dtype in (*TRAINING_DTYPES, torch.float16):
@@ -101,9 +107,17 @@ def drive_ops() -> None:
         target = torch.zeros(tokens, dtype=torch.long)
         for reduction in ("sum", "none"):
             linear_cross_entropy(hidden, weight, target, reduction=reduction).sum().backward()
+        # several vocabulary chunks: the statistics carried from chunk to chunk
+        wide = torch.zeros(4096, 64, dtype=dtype, requires_grad=True)
+        for reduction in ("sum", "none"):
+            loss = linear_cross_entropy(hidden, wide, target, reduction=reduction, chunk_vocab=1024)
+            loss.sum().backward()
         x = torch.zeros(tokens, 2 * 48, dtype=dtype, requires_grad=True)
         silu_and_mul(x).sum().backward()
         clamped_swiglu(x).sum().backward()
+        weight = torch.zeros(2, 2 * 48, 64, dtype=dtype, requires_grad=True)
+        offsets = torch.tensor([4, tokens], dtype=torch.int32)
+        grouped_linear(x, weight, offsets).sum().backward()  # zeroes the rows past the groups
 
 
 def compile_launches(kernels: dict[str, JITFunction]) -> dict:

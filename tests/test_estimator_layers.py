@@ -199,15 +199,24 @@ def test_optimized_walk_peaks_pinned_to_the_tracker(name):
 def test_fused_loss_transient_matches_tracker():
     """The optimized loss stage (final norm, chunked linear cross-entropy) holds, at its peak,
     what it keeps for the backward plus `fused_loss_transient`: the norm's output, the
-    per-token losses and z-losses and one chunk of logits ``[min(chunk, tokens), vocab]``
-    (a large vocabulary makes the buffer dominate: 2 MB here, 32.8 MB at mid width)."""
-    from optimized.estimator.memory import fused_loss_transient, loss_chunk_tokens
-    from optimized.ops.linear_cross_entropy import default_chunk_tokens
+    per-token losses, z-losses and softmax statistics, and one buffer of ``[tokens, chunk]``
+    logits (262 KB here, 1/32 of the 8.2 MB of logits; 2.1 MB at mid width)."""
+    from optimized.estimator.memory import (
+        fused_loss_transient,
+        loss_buffer_elements,
+        loss_chunk_vocab,
+    )
+    from optimized.ops.linear_cross_entropy import chunk_plan, default_chunk_vocab
     from optimized.pipeline.dualpipev import SummedLinearCrossEntropy
     from optimized.pipeline.overlap import leaf
 
-    for hidden in (7, 64, 100, 2048, 7168):
-        assert loss_chunk_tokens(hidden) == default_chunk_tokens(hidden)
+    for vocab, hidden in ((512, 64), (32000, 64), (32000, 2048), (102400, 2048), (3, 7)):
+        chunk = default_chunk_vocab(vocab, hidden)
+        assert loss_chunk_vocab(vocab, hidden) == chunk
+        for tokens in (0, 1, 100, 128, 4096):
+            for size, accumulator in ((2, 4), (4, 0)):
+                plan = chunk_plan(tokens, vocab, hidden, chunk, size, accumulator)
+                assert loss_buffer_elements(tokens, vocab, hidden, size) == plan.buffer_elements
     model = preset("tiny-qwen3-moe", vocab_size=32000)
     config = EstimateConfig(
         model, micro_batch_size=BATCH, seq_len=64, dtype="bfloat16", stack="optimized"
@@ -236,15 +245,18 @@ def test_fused_loss_transient_matches_tracker():
 
 # The optimized stack's per-action peaks at PP1 DP1 EP1 (micro-batch size 2, M=2, seq 64,
 # bf16, step 1) of tiny-qwen3-moe with a 32000 vocabulary, measured by the harness's tracker
-# (`harness.compare.lockstep.run_rank`, seed 0) when this test was added. At PP1 the loss stage's
+# (`harness.compare.lockstep.run_rank`, seed 0; each region's `MemoryTracker.timeline`), last when
+# the fused loss went to vocabulary chunks (F1: 34.54 -> 32.76 MB, its 2.05 MB buffer of 32
+# token rows now 262 KB of 1024 vocabulary columns) and the deferred expert gradients lost
+# their staging copy (W: 35.35 -> 35.28 MB). At PP1 the loss stage's
 # forward overlaps the embedding's backward (F1&B0): the walk used to miss the fused loss's
 # logits buffer (F1: -2.04 MB) and to drop the last layer's late-held tensors before the
 # embedding backward instead of at the action's end (F1&B0 -193 KB, B0 -181 KB).
 BIG_VOCAB_MOMENTS = {
-    ("nF0F1:F0", 0): 26_908_708, ("nF0F1:F1", 0): 34_541_832,
-    ("nF0B1F1B0:F0", 1): 33_313_704, ("nF0B1F1B0:B1", 0): 33_278_952,
-    ("nF0B1F1B0:F1&B0", 1): 41_395_848, ("nB1B0:B1", 1): 41_165_460,
-    ("nB1B0:B0", 1): 39_545_636, ("nW:W", None): 35_350_308,
+    ("nF0F1:F0", 0): 26_908_772, ("nF0F1:F1", 0): 32_758_088,
+    ("nF0B1F1B0:F0", 1): 33_313_768, ("nF0B1F1B0:B1", 0): 33_279_016,
+    ("nF0B1F1B0:F1&B0", 1): 41_395_912, ("nB1B0:B1", 1): 41_165_524,
+    ("nB1B0:B0", 1): 39_545_700, ("nW:W", None): 35_284_836,
 }  # fmt: skip
 
 

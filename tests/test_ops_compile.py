@@ -39,8 +39,13 @@ def compiled() -> dict:
 
 def test_every_kernel_compiles_for_sm80_and_sm90(compiled):
     kernels = compiled["kernels"]
-    assert "optimized.ops.cross_entropy:_cross_entropy_kernel" in kernels
-    assert len(kernels) >= 5  # cross-entropy and the four activation kernels today
+    for name in (
+        "cross_entropy_kernels:_row_stats_kernel",
+        "cross_entropy_kernels:_row_grad_kernel",
+        "grouped_linear:_zero_tail_rows_kernel",
+    ):
+        assert f"optimized.ops.{name}" in kernels
+    assert len(kernels) >= 7  # and the four activation kernels today
     failures = [entry for entry in compiled["compiled"] if "cubin_bytes" not in entry]
     assert not failures, "\n\n".join(f"{e['kernel']} {e['target']}: {e['error']}" for e in failures)
     for kernel in kernels:
@@ -53,27 +58,35 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compiled):
         assert {"*fp32", "*bf16"} <= pointer_types, (kernel, pointer_types)
 
 
-def test_cross_entropy_constexpr_combinations(compiled):
-    """Both gradient modes at both vocabulary blocks (tiny presets: 512, published: 8192),
-    in float32, bfloat16 and float16 logits."""
-    combos = {
-        (
-            e["signature"]["logits_ptr"],
-            e["constexprs"]["BLOCK"],
-            e["constexprs"]["WRITE_GRAD"],
-            e["target"],
-        )
+def _combos(compiled, kernel: str, *names: str) -> set[tuple[str, ...]]:
+    return {
+        (e["signature"]["logits_ptr"], *(e["constexprs"][n] for n in names), e["target"])
         for e in compiled["compiled"]
-        if e["kernel"].endswith(":_cross_entropy_kernel")
+        if e["kernel"].endswith(f":{kernel}")
     }
-    expected = {
-        (dtype, block, write, target)
-        for dtype in ("*fp32", "*bf16", "*fp16")
-        for block in ("512", "8192")
-        for write in ("True", "False")
-        for target in TARGETS
-    }
-    assert expected <= combos, sorted(expected - combos)
+
+
+def test_cross_entropy_constexpr_combinations(compiled):
+    """Whole rows (the cross-entropy) at both vocabulary blocks (tiny presets: 512, published
+    32000 to 201088: 32768) in float32, bfloat16 and float16; vocabulary chunks (the linear
+    cross-entropy: first, middle, last) in the training dtypes; the gradient with and
+    without a per-row upstream."""
+    dtypes, training = ("*fp32", "*bf16", "*fp16"), ("*fp32", "*bf16")
+    whole = {
+        (dtype, block, "True", "True", target)
+        for dtype in dtypes for block in ("512", "32768") for target in TARGETS
+    }  # fmt: skip
+    chunked = {
+        (dtype, "1024", first, last, target)
+        for dtype in training for target in TARGETS
+        for first, last in (("True", "False"), ("False", "False"), ("False", "True"))
+    }  # fmt: skip
+    stats = _combos(compiled, "_row_stats_kernel", "BLOCK", "FIRST", "LAST")
+    assert whole | chunked <= stats, sorted((whole | chunked) - stats)
+    grads = _combos(compiled, "_row_grad_kernel", "BLOCK", "UPSTREAM")
+    expected = {(d, b, "True", t) for d in dtypes for b in ("512", "32768") for t in TARGETS}
+    expected |= {(d, "1024", u, t) for d in training for u in ("True", "False") for t in TARGETS}
+    assert expected <= grads, sorted(expected - grads)
 
 
 def test_discovery_sees_every_decorator_form():

@@ -203,7 +203,7 @@ def test_linear_cross_entropy_options_match_float64(
     options = {"label_smoothing": label_smoothing, "lse_square_scale": lse_square_scale}
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, z_loss = linear_cross_entropy(
-        h, w, target, reduction=reduction, chunk_tokens=7, return_z_loss=True, **options
+        h, w, target, reduction=reduction, chunk_vocab=64, return_z_loss=True, **options
     )
     upstream = upstream_for(loss, seed=41)
     loss.backward(upstream)
@@ -225,7 +225,7 @@ def test_linear_none_keeps_leading_dimensions_and_one_gradient():
     hidden, weight, target = linear_case(torch.float32, seed=42)
     w = weight.clone().requires_grad_()
     loss = linear_cross_entropy(
-        hidden.view(5, 10, 24), w, target.view(5, 10), reduction="none", chunk_tokens=16
+        hidden.view(5, 10, 24), w, target.view(5, 10), reduction="none", chunk_vocab=16
     )
     assert loss.shape == (5, 10)
     upstream = upstream_for(loss, seed=43)

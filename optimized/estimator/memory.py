@@ -127,33 +127,50 @@ def embedding_grad_bytes(config: EstimateConfig) -> int:
     return whole if config.model.tie_word_embeddings else whole // grad_divisor(config)
 
 
-LOSS_MIN_CHUNK_TOKENS = 16
-"""`optimized.ops.linear_cross_entropy.MIN_CHUNK_TOKENS` (the estimator imports no op)."""
+LOSS_CHUNKS_PER_VOCABULARY, LOSS_CHUNK_VOCAB_MULTIPLE, LOSS_MIN_CHUNK_VOCAB = 32, 128, 1024
+"""`optimized.ops.linear_cross_entropy`'s chunk rule constants (the estimator imports no op)."""
+LOSS_STATS_ROWS = 4
+"""Float32 values a token the fused loss keeps per row while it runs (softmax statistics)."""
 
 
-def loss_chunk_tokens(hidden_size: int) -> int:
-    """Tokens per chunk of the fused loss's logits: the op's `default_chunk_tokens` (the
-    largest power of two <= hidden / 2, at least `LOSS_MIN_CHUNK_TOKENS`), which the
-    optimized stack's `SummedLinearCrossEntropy` uses."""
-    chunk = LOSS_MIN_CHUNK_TOKENS
-    while chunk * 2 <= hidden_size // 2:
-        chunk *= 2
-    return chunk
+def loss_chunk_vocab(vocab_size: int, hidden_size: int) -> int:
+    """Vocabulary columns per chunk of the fused loss: the op's `default_chunk_vocab`,
+    ``max(vocab / 32, hidden, 1024)`` rounded up to a multiple of 128, at most the
+    vocabulary."""
+    widest = max(-(-vocab_size // LOSS_CHUNKS_PER_VOCABULARY), hidden_size, LOSS_MIN_CHUNK_VOCAB)
+    multiple = LOSS_CHUNK_VOCAB_MULTIPLE
+    return min(vocab_size, -(-widest // multiple) * multiple)
+
+
+def loss_buffer_elements(tokens: int, vocab: int, hidden_size: int, element_size: int) -> int:
+    """The fused loss's one flat buffer, in elements of the hidden's dtype: the op's
+    `chunk_plan`. ``[tokens, chunk]`` logits; for 16-bit inputs over several chunks, pass 2
+    takes the tokens in the fewest equal blocks whose ``[block, chunk]`` logits plus a
+    float32 ``[block, hidden]`` accumulator (from a 16-byte boundary) fit in that buffer."""
+    chunk = loss_chunk_vocab(vocab, hidden_size)
+    logits = tokens * chunk
+    if element_size >= F32 or tokens == 0 or chunk == vocab:
+        return logits
+    most = max(1, logits * element_size // (chunk * element_size + hidden_size * F32))
+    block = -(-tokens // -(-tokens // most))
+    align = 16 // element_size
+    offset = -(-block * chunk // align) * align
+    return max(logits, offset + block * hidden_size * F32 // element_size)
 
 
 def fused_loss_transient(config: EstimateConfig) -> int:
     """What the optimized loss stage (`OptimizedDualPipeV._loss_sum`) holds while the linear
-    cross-entropy's chunked pass runs (`optimized.ops.linear_cross_entropy._chunked_pass`),
-    beyond what the walk's ``head`` keeps to the backward (the norm's saved tensors,
-    ``grad_hidden``, ``grad_weight``): the final norm's output (the op's input, not saved),
-    the per-token float32 losses and z-losses (``empty`` / ``empty_like``) and the one reused
-    logits buffer, ``new_empty((min(chunk, tokens), vocab))`` in the hidden's dtype, into
-    which each chunk's logits are written and turned into their gradient in place. All
-    die when the loss stage returns. At mid width (hidden 2048: chunks of 1024 tokens) a
-    512-token micro-batch's buffer is the whole ``[512, 32000]``: 32.8 MB in bf16."""
+    cross-entropy's two passes run (`optimized.ops.linear_cross_entropy`), beyond what the
+    walk's ``head`` keeps to the backward (the norm's saved tensors, ``grad_hidden``,
+    ``grad_weight``): the final norm's output (the op's input, not saved), the per-token
+    float32 losses and z-losses, the float32 softmax statistics ``[4, tokens]``, and the
+    one flat buffer (`loss_buffer_elements`) in the hidden's dtype, in which each chunk's
+    logits are written and turned into their gradient in place. All die when the loss stage
+    returns. At mid width (hidden 2048, vocabulary 32000: chunks of 2048 words) a 512-token
+    micro-batch's buffer is ``[512, 2048]``: 2.1 MB in bf16."""
     m, tokens, b = config.model, config.tokens, config.param_bytes
-    rows = min(loss_chunk_tokens(m.hidden_size), tokens)
-    return tokens * m.hidden_size * b + 2 * tokens * F32 + rows * m.vocab_size * b
+    buffer = loss_buffer_elements(tokens, m.vocab_size, m.hidden_size, b)
+    return tokens * m.hidden_size * b + (2 + LOSS_STATS_ROWS) * tokens * F32 + buffer * b
 
 
 def head_weight_numel(config: EstimateConfig, stages) -> int:

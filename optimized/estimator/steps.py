@@ -214,17 +214,14 @@ def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
 
 def weight_step_transients(config: EstimateConfig) -> list[int]:
     """What each deferred expert weight gradient holds while its W step computes it
-    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, and where the
-    parameter is used through a transposed view (all families but GPT-OSS, whose experts
-    are stored ``[E, in, out]``) a zero-filled parameter-sized copy laid out like the
-    parameter, which is added into ``.grad`` (or becomes it, the first time). Down
-    projection first, then gate/up."""
+    (`optimized.ops.grouped_linear`): the ``[E_local, in, out]`` gradient, computed in the
+    parameter's own layout (also where the parameter is used through a transposed view),
+    so it becomes ``.grad`` the first time and is added into it in place after that, with
+    no staging copy. Down projection first, then gate/up."""
     m, b = config.model, config.param_bytes
     local = max(m.num_experts // config.ep, 1)
     inner = m.moe_intermediate_size // config.etp
-    copies = 1 if m.model_type == "gpt_oss" else 2
-    down, gate_up = local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b
-    return [copies * down, copies * gate_up]
+    return [local * inner * m.hidden_size * b, local * 2 * inner * m.hidden_size * b]
 
 
 def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
@@ -300,11 +297,12 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     experts += row_groups
     # The high point: gathering the output into the received order (the down projection's
     # output beside everything kept); with GPT-OSS's biases, or adding the down
-    # projection's bias before that: its product, the gathered bias rows and their sum.
+    # projection's bias before that: its product and the gathered bias rows (added into the
+    # product in place).
     gather = experts + grouped * hidden * b
     bias_add = 0
     if row_groups:
-        bias_add = experts - expert_out + 3 * grouped * hidden * b + (local + 1) * hidden * b
+        bias_add = experts - expert_out + 2 * grouped * hidden * b + (local + 1) * hidden * b
     fwd["experts_forward"] = Step(
         "experts_forward", experts - freed_input, max(gather, bias_add) + received * I64 + 64
     )

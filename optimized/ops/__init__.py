@@ -3,8 +3,9 @@
 - `activations`: SiLU-and-multiply and GPT-OSS's clamped SwiGLU, fused (Triton);
 - `attention`: fused causal attention keeping O(S) statistics, GPT-OSS's sinks as a
   virtual key, sliding windows banded (`flash_attention`);
-- `cross_entropy`: one kernel pass, the gradient written over the logits;
-- `linear_cross_entropy`: the output layer and the cross-entropy fused over token chunks;
+- `cross_entropy`: one kernel pass in forward, the gradient written over the logits in backward;
+- `cross_entropy_kernels`: the two row kernels both losses run (softmax statistics, gradient);
+- `linear_cross_entropy`: the output layer and the cross-entropy fused over vocabulary chunks;
 - `gather`: row gather and scatter-add that save only the index;
 - `expert_order`: token rows grouped by expert, each group padded for the grouped GEMM;
 - `grouped_linear`: the grouped expert linear, its weight gradient deferrable to a W step;

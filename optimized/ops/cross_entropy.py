@@ -1,13 +1,18 @@
-"""Fused cross-entropy: one kernel pass, the gradient written over the logits.
+"""Fused cross-entropy: one read of the logits in forward, the gradient written over them
+in backward.
 
 `F.cross_entropy` on ``[tokens, vocab]`` logits keeps the logits for backward,
 makes a softmax of the same size, and in backward a gradient of the same size
-again (and a float32 upcast of the logits doubles each of those). Here one
-Triton program per row (a block of rows on the CPU interpreter) runs an online
-softmax in float32 over vocabulary blocks, then writes the gradient of the row's
-loss (already scaled for ``mean``) into the logits buffer itself. Backward only
-multiplies that buffer by the incoming gradient (a scalar, or one value per row
-for ``reduction="none"``) and hands it on: no logits-sized tensor is ever made.
+again (and a float32 upcast of the logits doubles each of those). Here the forward is
+one Triton pass over each row (one program per row; a block of rows on the CPU
+interpreter) that keeps an online softmax in float32: the row's maximum ``m``, the sum
+``d`` of ``exp(x - m)``, and what the objective needs, and writes the row's loss. Only
+``m`` and ``d`` (8 bytes a row) wait for backward, which is one more pass that writes
+the gradient of the loss, already times the incoming gradient (a scalar, or one value
+per row for ``reduction="none"``), into the logits buffer itself and hands it on: no
+logits-sized tensor is ever made, and the logits are read twice and written once
+(Liger-Kernel's CE reads them twice and writes once too, in its forward, then multiplies
+the whole gradient by the incoming one unless that is 1).
 
 The objective (`LossOptions`) is what training users of fused losses ask for:
 
@@ -18,12 +23,16 @@ The objective (`LossOptions`) is what training users of fused losses ask for:
 - ``reduction``: ``mean`` over non-ignored rows, ``sum``, or ``none`` (one loss per row).
 
 The gradient of a row is ``p * (1 + 2 s lse) - (1 - eps) * onehot - eps / V`` with
-``p = exp(x - m) / d`` (``m`` the row maximum, ``d`` the sum of ``exp(x - m)``). The
-probabilities are never formed as ``exp(x - lse)``: ``lse = m + log d`` rounded to
-float32 carries half an ulp of ``|lse|`` (1.9e-6 at ``|lse|`` ~ 40), and that absolute
-error in the exponent became the relative error of every gradient in the row; it put
-170 of 4.5 M float32 gradients (3 x 47 x 32000, logits scale 10) 2x outside Liger's
-``rtol=1e-6`` against float64. Dividing by ``d`` adds half an ulp, relative.
+``p = exp(x - m) / d``. The probabilities are never formed as ``exp(x - lse)``:
+``lse = m + log d`` rounded to float32 carries half an ulp of ``|lse|`` (1.9e-6 at
+``|lse|`` ~ 40), and that absolute error in the exponent became the relative error of
+every gradient in the row; it put 170 of 4.5 M float32 gradients (3 x 47 x 32000, logits
+scale 10) 2x outside Liger's ``rtol=1e-6`` against float64. Dividing by ``d`` adds half
+an ulp, relative.
+
+The two kernels also take a slice of the vocabulary (``col_start``, the full ``vocab``):
+`optimized.ops.linear_cross_entropy` runs them chunk by chunk, carrying the statistics
+from one chunk to the next.
 
 The price of the in-place gradient is that the logits are consumed. The forward
 bumps their autograd version counter, so any other autograd node that saved them
@@ -36,113 +45,25 @@ destroyed). Without grad (evaluation), nothing is written.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, cast_rne, launch, tl, triton
+from optimized.ops.cross_entropy_kernels import (
+    VALID_REDUCTIONS,
+    LossOptions,
+    launch_row_grad,
+    launch_row_stats,
+)
 
-VALID_REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK = 8192
-"""Largest vocabulary block one program loads at a time."""
-
-
-@dataclass(frozen=True, slots=True)
-class LossOptions:
-    """The objective both fused losses compute, checked once."""
-
-    ignore_index: int = -100
-    """Target value whose row gets no loss and no gradient."""
-    reduction: str = "mean"
-    """``mean`` (over non-ignored rows; 0 when there are none), ``sum`` or ``none``."""
-    label_smoothing: float = 0.0
-    """``eps`` in [0, 1]: the target distribution is ``(1 - eps) * onehot + eps / V``."""
-    lse_square_scale: float = 0.0
-    """z-loss weight ``s`` >= 0: ``s * logsumexp(x)**2`` is added to each row's loss."""
-
-    def __post_init__(self) -> None:
-        if self.reduction not in VALID_REDUCTIONS:
-            raise ValueError(
-                f"reduction={self.reduction!r} is not supported; valid: {VALID_REDUCTIONS}"
-            )
-        eps = self.label_smoothing
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0.0 <= eps <= 1.0):
-            raise ValueError(f"label_smoothing={eps!r} is invalid: must be a number in [0, 1]")
-        scale = self.lse_square_scale
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= 0.0):
-            raise ValueError(f"lse_square_scale={scale!r} is invalid: must be a finite number >= 0")
-
-
-@triton.jit
-def _cross_entropy_kernel(
-    logits_ptr,
-    stride_row,
-    stride_col,
-    target_ptr,
-    loss_ptr,
-    z_loss_ptr,
-    grad_scale_ptr,
-    n_rows,
-    n_cols,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
-    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
-    valid = row_mask & (target != ignore_index)
-    row_ptrs = logits_ptr + rows[:, None] * stride_row
-    offsets = tl.arange(0, BLOCK)
-
-    # Pass 1: running max, running sum of exponentials and the plain sum per row, in
-    # float32. An ignored row is read like any other and its results are dropped.
-    running_max = tl.full([ROWS], float("-inf"), tl.float32)
-    running_sum = tl.zeros([ROWS], tl.float32)
-    logit_sum = tl.zeros([ROWS], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offsets
-        col_mask = cols[None, :] < n_cols
-        x = tl.load(row_ptrs + cols[None, :] * stride_col, mask=row_mask[:, None] & col_mask,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        logit_sum += tl.sum(x, axis=1)  # masked columns load as 0
-        x = tl.where(col_mask, x, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(x, axis=1))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
-            tl.exp(x - new_max[:, None]), axis=1
-        )
-        running_max = new_max
-    log_sum_exp = running_max + tl.log(running_sum)
-    target_logit = tl.load(logits_ptr + rows * stride_row + target * stride_col, mask=valid,
-                           other=0.0).to(tl.float32)  # fmt: skip
-    z_loss = lse_square_scale * log_sum_exp * log_sum_exp
-    # eps * mean(x) only when smoothing: 0 * (-inf) would be NaN for a row with -inf logits.
-    smooth = tl.where(label_smoothing > 0.0, label_smoothing * (logit_sum / n_cols), 0.0)
-    loss = log_sum_exp - (1.0 - label_smoothing) * target_logit - smooth + z_loss
-    tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
-    tl.store(z_loss_ptr + rows, tl.where(valid, z_loss, 0.0), mask=row_mask)
-
-    # Pass 2: d loss / d logits = (p * (1 + 2 s lse) - (1 - eps) onehot - eps / V) * scale,
-    # written in place (zeros on an ignored row), with p = exp(x - m) / d: see the module
-    # docstring for why not exp(x - lse).
-    if WRITE_GRAD:
-        scale = tl.load(grad_scale_ptr)
-        probability_scale = 1.0 + 2.0 * lse_square_scale * log_sum_exp
-        uniform = label_smoothing / n_cols
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offsets
-            mask = row_mask[:, None] & (cols[None, :] < n_cols)
-            ptrs = row_ptrs + cols[None, :] * stride_col
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            probability = tl.exp(x - running_max[:, None]) / running_sum[:, None]
-            grad = probability * probability_scale[:, None] - uniform
-            grad -= tl.where(cols[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
-            grad = tl.where(valid[:, None], grad * scale, 0.0)
-            tl.store(ptrs, cast_rne(grad, logits_ptr.dtype.element_ty), mask=mask)
+__all__ = [
+    "VALID_REDUCTIONS",
+    "FusedCrossEntropy",
+    "LossOptions",
+    "check_inputs",
+    "check_targets",
+    "cross_entropy",
+    "grad_scale_for",
+    "reduce_rows",
+]
 
 
 def check_inputs(logits: torch.Tensor, target: torch.Tensor) -> None:
@@ -187,92 +108,39 @@ def reduce_rows(rows: torch.Tensor, reduction: str, grad_scale: torch.Tensor) ->
     return total * grad_scale if reduction == "mean" else total
 
 
-def _rows_per_program(tokens: int, block: int) -> int:
-    """One row per program when compiled; on the interpreter as many rows as fit in
-    `INTERPRETER_ELEMENTS` per vocabulary block (every row is still reduced on its own)."""
-    if not INTERPRETED:
-        return 1
-    return max(1, min(triton.next_power_of_2(tokens), INTERPRETER_ELEMENTS // block))
-
-
-def launch_cross_entropy_kernel(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    losses: torch.Tensor,
-    z_losses: torch.Tensor,
-    grad_scale: torch.Tensor,
-    options: LossOptions,
-    write_grad: bool,
-) -> None:
-    """Per-row losses (z-loss included) into ``losses`` and z-losses into ``z_losses``;
-    with ``write_grad`` the logits become the gradient of ``sum(losses) * grad_scale``."""
-    tokens, vocab = logits.shape
-    if tokens == 0:
-        return
-    block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
-    rows = _rows_per_program(tokens, block)
-    launch(
-        _cross_entropy_kernel,
-        (triton.cdiv(tokens, rows),),
-        logits,
-        logits.stride(0),
-        logits.stride(1),
-        target,
-        losses,
-        z_losses,
-        grad_scale,
-        tokens,
-        vocab,
-        options.ignore_index,
-        float(options.label_smoothing),
-        float(options.lse_square_scale),
-        ROWS=rows,
-        BLOCK=block,
-        WRITE_GRAD=write_grad,
-        num_warps=8 if block >= 4096 else 4,
-    )
-
-
-def cross_entropy_forward_(
-    logits: torch.Tensor, target: torch.Tensor, options: LossOptions, write_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel on ``logits`` (overwritten with the gradient when ``write_grad``).
-
-    Returns the float32 loss and z-loss, reduced as ``options.reduction`` asks; the
-    gradient written is that of the loss (for ``none``: of the sum of the rows).
-    """
-    target = target.contiguous()
-    check_targets(target, options.ignore_index, logits.shape[1])
-    grad_scale = grad_scale_for(target, options)
-    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+def _losses_and_stats(
+    logits: torch.Tensor, target: torch.Tensor, options: LossOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row losses (z-loss included), z-losses and the ``[2, rows]`` softmax statistics
+    (row max, sum of exp(x - max)) the gradient needs: one pass over the logits."""
+    tokens = logits.shape[0]
+    losses = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     z_losses = torch.empty_like(losses)
-    launch_cross_entropy_kernel(logits, target, losses, z_losses, grad_scale, options, write_grad)
-    reduction = options.reduction
-    return reduce_rows(losses, reduction, grad_scale), reduce_rows(z_losses, reduction, grad_scale)
-
-
-def scale_by_upstream_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
-    """``gradient`` (rows of d loss / d x) times the incoming gradient, in place: a scalar,
-    or one value per row for ``reduction="none"``."""
-    if grad_loss.dim() == 0:
-        return gradient.mul_(grad_loss)
-    return gradient.mul_(grad_loss.unsqueeze(-1))
+    stats = torch.empty((2, tokens), dtype=torch.float32, device=logits.device)
+    launch_row_stats(logits, target, stats, losses, z_losses, options)
+    return losses, z_losses, stats
 
 
 class FusedCrossEntropy(torch.autograd.Function):
-    """Loss in forward, gradient in the logits buffer; backward only scales it."""
+    """Loss and softmax statistics in forward; backward writes the gradient (times the
+    incoming one) over the logits buffer and hands the buffer on."""
 
     @staticmethod
     def forward(ctx, logits, target, options):
-        write_grad = ctx.needs_input_grad[0]
-        loss, z_loss = cross_entropy_forward_(logits, target, options, write_grad)
+        target = target.contiguous()
+        check_targets(target, options.ignore_index, logits.shape[1])
+        grad_scale = grad_scale_for(target, options)
+        losses, z_losses, stats = _losses_and_stats(logits, target, options)
+        loss = reduce_rows(losses, options.reduction, grad_scale)
+        z_loss = reduce_rows(z_losses, options.reduction, grad_scale)
         ctx.mark_non_differentiable(z_loss)
-        if write_grad:
-            # The logits now hold the gradient: let autograd see the in-place change,
-            # so any other node that saved them fails loudly when it unpacks them.
-            torch.autograd.graph.increment_version(logits)
-            ctx.grad_buffer = logits.detach()
-            ctx.version = logits._version
+        # The logits are consumed (backward writes the gradient over them): let autograd
+        # see it now, so any other node that saved them fails loudly when it unpacks them.
+        torch.autograd.graph.increment_version(logits)
+        ctx.grad_buffer = logits.detach()
+        ctx.version = logits._version
+        ctx.options = options
+        ctx.save_for_backward(target, stats, grad_scale)
         return loss, z_loss
 
     @staticmethod
@@ -284,11 +152,13 @@ class FusedCrossEntropy(torch.autograd.Function):
         del ctx.grad_buffer
         if buffer._version != ctx.version:
             raise RuntimeError(
-                "fused cross_entropy: the logits buffer, which holds the gradient after the "
-                f"forward, was modified in place (version {ctx.version} -> {buffer._version}); "
+                "fused cross_entropy: the logits buffer, which backward overwrites with the "
+                f"gradient, was modified in place (version {ctx.version} -> {buffer._version}); "
                 "the logits are consumed by this loss and must not be reused"
             )
-        return scale_by_upstream_(buffer, grad_loss), None, None
+        target, stats, grad_scale = ctx.saved_tensors
+        launch_row_grad(buffer, target, stats, grad_scale, ctx.options, upstream=grad_loss)
+        return buffer, None, None
 
 
 def cross_entropy(
@@ -308,8 +178,8 @@ def cross_entropy(
     z-loss ``s * logsumexp**2`` per row, which ``return_z_loss`` also returns on its own,
     reduced the same way and without gradient, for logging: ``(loss, z_loss)``.
 
-    When the logits require grad, their storage is overwritten with the gradient (see
-    the module docstring): do not use them after this call.
+    When the logits require grad, backward overwrites their storage with the gradient
+    (see the module docstring): do not use them after this call.
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, lse_square_scale)
     check_inputs(logits, target)
@@ -323,5 +193,10 @@ def cross_entropy(
         loss, z_loss = FusedCrossEntropy.apply(logits, target, options)
     else:
         with torch.no_grad():
-            loss, z_loss = cross_entropy_forward_(logits, target, options, False)
+            target = target.contiguous()
+            check_targets(target, options.ignore_index, logits.shape[1])
+            grad_scale = grad_scale_for(target, options)
+            losses, z_losses, _ = _losses_and_stats(logits, target, options)
+            loss = reduce_rows(losses, reduction, grad_scale)
+            z_loss = reduce_rows(z_losses, reduction, grad_scale)
     return (loss, z_loss) if return_z_loss else loss

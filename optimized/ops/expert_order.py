@@ -38,8 +38,11 @@ def aligned_empty(rows: int, cols: int, like: torch.Tensor, zero: bool = False) 
 def expert_layout(
     expert_ids: torch.Tensor, num_experts: int, alignment: int = GROUPED_GEMM_ROW_ALIGNMENT
 ) -> ExpertLayout:
-    """Padded group ends and the padded-buffer row of every routed row."""
-    counts = torch.bincount(expert_ids, minlength=num_experts)
+    """Padded group ends and the padded-buffer row of every routed row (no host sync)."""
+    # A scatter-add, not `torch.bincount`: on CUDA bincount reads the largest id on the
+    # host to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
     padded_counts = (counts + alignment - 1) // alignment * alignment
     offsets = torch.cumsum(padded_counts, 0)
     order = torch.argsort(expert_ids, stable=True)
@@ -88,10 +91,15 @@ def scatter_for_grouped_gemm(
         )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got {num_experts}")
-    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
-        raise ValueError(f"expert_ids must lie in [0, {num_experts})")
-    layout = expert_layout(expert_ids.long(), num_experts, alignment)
-    total_rows = int(layout.offsets[-1])
+    expert_ids = expert_ids.long()
+    # The buffer's row count and the ids' validity come back to the host in one read (the
+    # op's one synchronisation); the layout is built from clamped ids so that a bad id
+    # cannot index out of bounds on the device before it is reported.
+    out_of_range = ((expert_ids < 0) | (expert_ids >= num_experts)).sum()
+    layout = expert_layout(expert_ids.clamp(0, num_experts - 1), num_experts, alignment)
+    total_rows, bad = torch.stack([layout.offsets[-1].long(), out_of_range]).tolist()
+    if bad:
+        raise ValueError(f"expert_ids must lie in [0, {num_experts}); {bad} do not")
     grouped = _ScatterToGroups.apply(tokens, layout.positions, total_rows)
     return grouped, layout
 

@@ -7,11 +7,23 @@ into the store instead, returns no weight gradient, and the closure adds the
 gradient into the parameter's ``.grad`` when the store pops its group. Expert
 biases (GPT-OSS) always get their gradient at once: it is a cheap column sum.
 
+Nothing runs around the GEMMs that torch's own autograd of `torch._grouped_mm` does not
+run (held by ``tests/test_ops_grouped_linear_overhead.py``):
+
+- the weight gradient is computed in the weight's own layout, as torch's backward does:
+  for a weight used through a transpose (``param.transpose(1, 2)``, DeepSeek-V2 and
+  Qwen3) it is ``grouped_mm(grad_out.T, x).T``, whose transpose back is the parameter's
+  contiguous layout, so autograd's accumulation takes the buffer as ``.grad`` instead of
+  copying a transposed weight-sized tensor into a fresh one (and a deferred gradient is
+  added in place, with no zeroed staging buffer);
+- `F.grouped_mm` leaves the rows past ``offsets[-1]`` unwritten; only those rows are
+  zeroed (`zero_rows_past_groups_`), not the whole output through a mask. In the
+  pipeline there are none: the expert-order buffer ends at ``offsets[-1]``.
+
 `F.grouped_mm` wants int32 offsets, float32/bfloat16/float16 operands whose
-non-unit strides are multiples of 16 bytes, and leaves the rows past
-``offsets[-1]`` unwritten. Operands that break the stride rule (odd sizes) are
-copied into padded buffers, other dtypes fall back to a loop of matmuls, and
-the tail rows are zeroed, so every shape gives the plain per-group result.
+non-unit strides are multiples of 16 bytes. Operands that break the stride rule (odd
+sizes) are copied into padded buffers, other dtypes fall back to a loop of matmuls, so
+every shape gives the plain per-group result.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from optimized.ops._triton import INTERPRETED, launch, tl, triton
 from optimized.ops.expert_order import GROUPED_GEMM_STRIDE_BYTES
 from optimized.ops.gather import round_up
 
@@ -115,11 +128,61 @@ def _row_groups(rows: int, offsets: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(row_index, offsets.long(), right=True)
 
 
-def _zero_tail_rows(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Zero the rows past ``offsets[-1]`` (no host sync)."""
-    if out.shape[0] and offsets.numel():
-        rows = torch.arange(out.shape[0], device=out.device)
-        out.masked_fill_((rows >= offsets[-1]).unsqueeze(1), 0)
+TAIL_BLOCK_ROWS, TAIL_BLOCK_COLS = 16, 256
+"""Rows and columns of one tile of `_zero_tail_rows_kernel` (compiled)."""
+
+
+@triton.jit
+def _zero_tail_rows_kernel(
+    out_ptr, stride_row, offsets_ptr, last_group, n_rows, n_cols,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    """Zero rows ``offsets[last_group]`` onwards; a program whose rows all lie before
+    that end (every program, when the groups fill the tensor) stores nothing."""
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    end = tl.load(offsets_ptr + last_group).to(tl.int64)
+    if first_row + BLOCK_ROWS > end:
+        rows = first_row + tl.arange(0, BLOCK_ROWS)
+        row_mask = (rows >= end) & (rows < n_rows)
+        zeros = tl.zeros([BLOCK_ROWS, BLOCK_COLS], out_ptr.dtype.element_ty)
+        for start in range(0, n_cols, BLOCK_COLS):
+            cols = start + tl.arange(0, BLOCK_COLS)
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            tl.store(out_ptr + rows[:, None] * stride_row + cols[None, :], zeros, mask=mask)
+
+
+def launch_zero_tail_rows(out: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Zero ``out``'s rows from ``offsets[-1]`` on with one kernel that reads the end where
+    it lives (no host sync). ``out`` must have unit column stride."""
+    rows, cols = out.shape
+    if rows == 0 or cols == 0 or offsets.numel() == 0:
+        return
+    if out.stride(1) != 1:
+        raise ValueError(f"out must have unit column stride; got strides {out.stride()}")
+    launch(
+        _zero_tail_rows_kernel,
+        (triton.cdiv(rows, TAIL_BLOCK_ROWS),),
+        out, out.stride(0), offsets, offsets.numel() - 1, rows, cols,
+        BLOCK_ROWS=TAIL_BLOCK_ROWS, BLOCK_COLS=TAIL_BLOCK_COLS,
+    )  # fmt: skip
+
+
+def zero_rows_past_groups_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of ``out`` past ``offsets[-1]``, which `F.grouped_mm` leaves unwritten.
+
+    Compiled (GPU), `launch_zero_tail_rows` reads the end on the device. Under the Triton
+    interpreter with the offsets in host memory, the end is read from that memory as it
+    is (through numpy: no aten op, nothing to synchronise) and only the tail is sliced and
+    zeroed (an interpreted launch costs milliseconds of Python).
+    """
+    if out.shape[0] == 0 or offsets.numel() == 0:
+        return out
+    if not INTERPRETED or offsets.device.type != "cpu":
+        launch_zero_tail_rows(out, offsets)
+        return out
+    end = int(offsets.numpy()[-1])
+    if end < out.shape[0]:
+        out[end:].zero_()
     return out
 
 
@@ -133,17 +196,34 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
             out[start:end] = a[start:end] @ b[group]
         return out
     out = F.grouped_mm(_aligned(a), _aligned(b), offs=offsets)
-    return _zero_tail_rows(out, offsets)
+    return zero_rows_past_groups_(out, offsets)
 
 
-def grouped_weight_grad(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor):
-    """``grad_weight[g] = x[rows of g].T @ grad_out[rows of g]``, shape ``[E, in, out]``."""
+def is_column_major(matrix: torch.Tensor) -> bool:
+    """Whether each ``[rows, cols]`` matrix of ``matrix`` is stored column by column (a
+    transposed view of a contiguous parameter), as torch's `_grouped_mm` backward asks."""
+    return matrix.stride(-2) == 1 and matrix.stride(-1) >= max(1, matrix.shape[-2])
+
+
+def grouped_weight_grad(
+    x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor, column_major: bool = False
+) -> torch.Tensor:
+    """``grad_weight[g] = x[rows of g].T @ grad_out[rows of g]``, shape ``[E, in, out]``.
+
+    With ``column_major`` (the weight is a transposed view) it is computed as
+    ``(grad_out[rows of g].T @ x[rows of g]).T``: stored like the weight, so its transpose
+    back is a contiguous parameter-shaped gradient (torch's own backward does the same).
+    """
     num_groups = offsets.shape[0]
     if x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
         grad = x.new_zeros((num_groups, x.shape[1], grad_out.shape[1]))
+        if column_major:
+            grad = grad.transpose(1, 2).contiguous().transpose(1, 2)
         for group, (start, end) in enumerate(_group_bounds(offsets)):
             grad[group] = x[start:end].t() @ grad_out[start:end]
         return grad
+    if column_major:
+        return F.grouped_mm(_aligned(grad_out).t(), _aligned(x), offs=offsets).transpose(1, 2)
     return F.grouped_mm(_aligned(x).t(), _aligned(grad_out), offs=offsets)
 
 
@@ -183,24 +263,41 @@ def _no_destination(weight_grad_fn: str) -> ValueError:
     )
 
 
-def _accumulate_into(destination: _GradDestination, grad_view: torch.Tensor) -> None:
-    """Add ``grad_view`` (laid out like the weight view) into ``leaf.grad``."""
+def _leaf_shaped(destination: _GradDestination, grad_view: torch.Tensor) -> torch.Tensor | None:
+    """``grad_view`` re-viewed as the whole leaf's gradient when the weight view covers the
+    leaf and ``grad_view`` is laid out exactly like it (no copy); None otherwise."""
     leaf = destination.leaf
     if (
-        leaf.is_contiguous()
-        and destination.size == tuple(leaf.shape)
-        and (destination.stride == tuple(leaf.stride()))
+        grad_view.dtype != leaf.dtype
+        or tuple(grad_view.stride()) != destination.stride
+        or grad_view.numel() != leaf.numel()
+        or destination.storage_offset != 0
+        or not leaf.is_contiguous()
     ):
-        grad = grad_view.to(leaf.dtype)
-    else:
+        return None
+    return grad_view.as_strided(leaf.shape, leaf.stride(), grad_view.storage_offset())
+
+
+def _accumulate_into(destination: _GradDestination, grad_view: torch.Tensor) -> None:
+    """Add ``grad_view`` (laid out like the weight view) into ``leaf.grad``: in place when a
+    gradient of the leaf's layout exists, as the gradient itself when it can be re-viewed as
+    one, through a zeroed leaf-shaped buffer only otherwise."""
+    leaf = destination.leaf
+    existing = leaf.grad
+    if existing is not None and tuple(existing.stride()) == tuple(leaf.stride()):
+        offset = existing.storage_offset() + destination.storage_offset
+        existing.as_strided(destination.size, destination.stride, offset).add_(grad_view)
+        return
+    grad = _leaf_shaped(destination, grad_view)
+    if grad is None:
         grad = torch.zeros_like(leaf, memory_format=torch.preserve_format)
         grad.as_strided(destination.size, destination.stride, destination.storage_offset).copy_(
             grad_view
         )
-    if leaf.grad is None:
+    if existing is None:
         leaf.grad = grad
     else:
-        leaf.grad.add_(grad)
+        existing.add_(grad)
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -213,8 +310,9 @@ class GroupedLinear(torch.autograd.Function):
         if bias is not None:
             row_groups = _row_groups(x.shape[0], offsets)
             padded_bias = torch.cat([bias, bias.new_zeros((1, bias.shape[1]))])
-            out = out + padded_bias.index_select(0, row_groups)
+            out.add_(padded_bias.index_select(0, row_groups))
         ctx.save_for_backward(x, weight, offsets, row_groups)
+        ctx.column_major = is_column_major(weight)
         # Whether to defer is the backward's choice (a schedule enables the store around
         # a zero-bubble backward, long after the forward): keep where the gradient goes.
         ctx.store = store if ctx.needs_input_grad[1] else None
@@ -249,12 +347,15 @@ class GroupedLinear(torch.autograd.Function):
             # grad_fn, and through it the stage's leaves and their gradients) must not.
             x = x.detach()
 
+            column_major = ctx.column_major
+
             def weight_grad_work() -> None:
-                _accumulate_into(destination, grouped_weight_grad(x, grad_out, offsets))
+                grad = grouped_weight_grad(x, grad_out, offsets, column_major)
+                _accumulate_into(destination, grad)
 
             ctx.store.put(weight_grad_work)
         elif ctx.needs_input_grad[1]:
-            grad_weight = grouped_weight_grad(x, grad_out, offsets)
+            grad_weight = grouped_weight_grad(x, grad_out, offsets, ctx.column_major)
         return grad_x, grad_weight, None, grad_bias, None
 
 
