@@ -233,9 +233,11 @@ def test_estimate_cli_counts_fsdp(capsys):
         "64",
         "--micro-batches",
         "2",
+        "--dtype",
+        "bfloat16",
         "--json",
     ]
-    assert cli_main(args) == 0
+    assert cli_main([*args, "--no-fsdp"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert cli_main([*args, "--fsdp", "--reshard-after-forward"]) == 0
     resharded = json.loads(capsys.readouterr().out)
@@ -247,8 +249,8 @@ def test_estimate_cli_counts_fsdp(capsys):
     sharded = json.loads(capsys.readouterr().out)
     gathered = sharded["ranks"][0]["weights_bytes"] - resharded["ranks"][0]["weights_bytes"]
     assert gathered == 2 * 117_440
-    # The trainer's optimizer precision comes with --fsdp: float32 moments and masters of
-    # the bfloat16 parameters, 12 bytes per sharded parameter instead of 4.
+    # The trainer's optimizer precision is the default: float32 moments and masters of the
+    # bfloat16 parameters, 12 bytes per sharded parameter instead of 4.
     assert (
         cli_main([*args, "--fsdp", "--optimizer-state-dtype", "param", "--no-master-weights"]) == 0
     )

@@ -97,7 +97,10 @@ def test_layouts_are_the_valid_ones():
     assert keys == expected
     for config in found:
         assert config.dp * config.num_microbatches * config.micro_batch_size == 8
-        assert config.shard_optimizer and config.master_weights
+        # The trainer's AdamW: float32 masters, and state sharded with FSDP2 only (the
+        # trainer has no optimizer sharding without it).
+        assert config.shard_optimizer == config.fsdp and config.master_weights
+        assert config.optimizer_state_dtype == "float32"
 
 
 def test_plan_sorts_fitting_by_bubble_then_traffic():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from harness.cli import main
 from models import build_model, preset, save_pretrained
+from optimized.train import TrainConfig
 from optimized.train.preparation import prepare_data
 from optimized.train.tokenizers import ByteTokenizer
 
@@ -221,8 +222,9 @@ def test_estimate_and_plan_refuse_a_sequence_beyond_the_positions(capsys):
     plan = ["plan", "--model", "tiny-deepseek-v2", "--gpus", "2", "--gpu-memory", "1GiB",
             "--global-batch", "4", "--seq-len"]  # fmt: skip
     refused([*plan, "1000000000"], capsys, "--seq-len=1000000000 is invalid")
-    assert main(["estimate", "--model", "tiny-deepseek-v2"]) == 0  # the default fits: 256
-    assert "seq=256" in capsys.readouterr().out
+    # The default is `twinpipe train`'s sequence length, which fits.
+    assert main(["estimate", "--model", "tiny-deepseek-v2"]) == 0
+    assert f"seq={TrainConfig().data.seq_len} " in capsys.readouterr().out
 
 
 def test_export_refuses_what_is_no_checkpoint(files, capsys):

@@ -70,7 +70,7 @@ def test_the_checks_themselves(where):
     assert sorted(p.name for p in where.iterdir()) == ["data", "file", "folder", "text.txt"]
 
 
-@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--tensorboard-dir"])
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--tensorboard-dir", "--profile"])
 def test_train_checks_its_folders_before_training(where, capsys, flag):
     for path, needle in bad_dirs(where):
         refused([*TRAIN, "--data", str(where / "data"), flag, str(path)], capsys, needle)

@@ -80,9 +80,10 @@ MAY_IMPORT = {
     "train": {"ops", "estimator", "pipeline"},
 }
 """The other `optimized` subpackages each one may import anywhere, as its docstring says."""
-LAZY_ONLY = {"estimator": {"optimized.pipeline.partition"}}
+LAZY_ONLY = {"estimator": {"optimized.pipeline.partition", "optimized.train.sizing"}}
 """Modules a subpackage may import only inside a function: the estimator asks the pipeline
-which partition a run would use (the cycle `optimized`'s docstring states)."""
+which partition a run would use, and its commands ask the trainer what a run of its config
+holds (the cycles `optimized`'s docstring states)."""
 NEVER = ("reference", "harness")
 
 

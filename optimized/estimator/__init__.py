@@ -19,12 +19,15 @@ Modules:
   place of balanced routing), `megatron` (the published formulas);
 - beside memory: `communication` (every collective and point-to-point call of a step),
   `sync_marks` (where each chunk's gradients are complete in the walk), `bubble` (the
-  pipeline bubble, timed from the walk), `plan` (which layouts fit which GPUs);
+  pipeline bubble, timed from the walk), `plan` (which layouts fit which GPUs), `flops`
+  (a step's FLOPs per token and the GPUs' peak rates: MFU);
 - commands: `cli` (``twinpipe estimate``) and `plan_cli` (``twinpipe plan``).
 
-May import `models` only, and `optimized.pipeline.partition` inside functions (never at
-module level), to ask which partition the stack would run: the one edge against the
-order, a cycle at call time that `optimized` states; never `reference` or `harness`.
+May import `models` only, and inside functions (never at module level) two modules
+against the order, cycles at call time that `optimized` states: `optimized.pipeline.partition`
+to ask which partition the stack would run, and `optimized.train.sizing` where the
+commands and the planner size a `twinpipe train` run (the trainer's defaults, read from its
+config); never `reference` or `harness`.
 
 The API keeps the names and the meaning of Megatron's ``theoretical_memory_utils``, with
 twinpipe's exact counts behind them (``config`` is an `EstimateConfig`):
@@ -44,6 +47,15 @@ from typing import Any
 from models.config import ModelConfig
 from optimized.estimator.communication import predict_ranks, predict_traffic, runner_partition
 from optimized.estimator.config import EstimateConfig
+from optimized.estimator.flops import (
+    GPU_PEAKS,
+    ForwardFlops,
+    TrainingFlops,
+    attended_keys,
+    forward_flops,
+    peak_tflops,
+    training_flops,
+)
 from optimized.estimator.megatron import megatron_figures
 from optimized.estimator.memory import RankEstimate, layer_profile, rank_params, static_bytes
 from optimized.estimator.params import BUCKETS, active_params, model_params
@@ -54,7 +66,14 @@ from optimized.estimator.schedule import send_completions, walk
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 __all__ = [
+    "GPU_PEAKS",
     "EstimateConfig",
+    "ForwardFlops",
+    "TrainingFlops",
+    "attended_keys",
+    "forward_flops",
+    "peak_tflops",
+    "training_flops",
     "ObservedRouting",
     "RankEstimate",
     "estimate_rank",

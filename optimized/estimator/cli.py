@@ -1,4 +1,13 @@
-"""`twinpipe estimate`: per-rank memory of a DualPipeV layout from the configs alone."""
+"""`twinpipe estimate`: per-rank memory of a DualPipeV layout from the configs alone.
+
+Its defaults are `twinpipe train`'s, read from the trainer's config
+(`optimized.train.sizing`, imported when the command runs): ``twinpipe estimate --model X``
+with the same layout and batch flags as ``twinpipe train --model X`` sizes that run --
+its dtype, batch, FSDP2 and optimizer sharding at each DP, AdamW's float32 moments and
+masters, gradient sync and recomputation. The estimator's own choices (``--stack
+reference``, ``--optimizer-state-dtype param``: torch's AdamW as `twinpipe compare` runs it,
+``--shard-optimizer`` without FSDP, ``--tp``/``--etp``) are there for planning.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +20,17 @@ from optimized.estimator import EstimateConfig, estimate
 GIB = 1024**3
 
 
+TRAINER = "as `twinpipe train`"
+"""How a default that is the trainer's is named in the help (the value is read at run time)."""
+
+
 def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--stack``, as `twinpipe estimate` and `twinpipe plan` take them."""
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
-        default="bfloat16",
-        help="parameter and activation dtype",
+        default=None,
+        help=f"parameter and activation dtype (default: {TRAINER}, its dtype)",
     )
     parser.add_argument(
         "--stack",
@@ -30,72 +43,78 @@ def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name or a HF config.json / folder")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 * pp stages)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp)")
+    parser.add_argument("--pp", type=int, default=None, help=f"pipeline ranks, 2 * pp "
+                        f"stages (default: {TRAINER})")  # fmt: skip
+    parser.add_argument("--dp", type=int, default=None, help=f"data-parallel ranks (default: "
+                        f"{TRAINER})")  # fmt: skip
+    parser.add_argument("--ep", type=int, default=None, help=f"expert-parallel ranks, divides "
+                        f"dp (default: {TRAINER})")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (planning only)")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel (planning only)")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=None,
-        help="tokens per sequence, at most the model's max_position_embeddings (default: "
-        "4096, or max_position_embeddings when smaller)",
-    )
+        "--micro-batch-size", type=int, default=None,
+        help=f"sequences per micro-batch (default: {TRAINER})",
+    )  # fmt: skip
     parser.add_argument(
-        "--micro-batches", type=int, default=None, help="micro-batches per step (default: 2 * pp)"
-    )
+        "--seq-len", type=int, default=None,
+        help=f"tokens per sequence, at most the model's max_position_embeddings (default: "
+        f"{TRAINER})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--micro-batches", type=int, default=None,
+        help=f"micro-batches per step (default: {TRAINER}, or 2 * pp where that is more: "
+        "the least DualPipeV runs)",
+    )  # fmt: skip
     add_dtype_and_stack(parser)
     parser.add_argument(
         "--shard-optimizer",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="shard optimizer state over DP (default: on when dp > 1, as the trainer's FSDP2)",
+        help="shard optimizer state over DP (default: with FSDP2, as the trainer; on without "
+        "FSDP2 sizes a ZeRO-1 optimizer the trainer does not have)",
     )
     parser.add_argument(
         "--fsdp",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="count FSDP2 sharding of non-expert parameters, gradients and optimizer state "
-        "over DP, as `twinpipe train` does at dp > 1",
+        default=None,
+        help=f"FSDP2 sharding of parameters, gradients and optimizer state over DP (default: "
+        f"{TRAINER}, on when dp > 1)",
     )
     parser.add_argument(
         "--optimizer-state-dtype",
         choices=("param", "float32", "bfloat16"),
         default=None,
-        help="AdamW moments' dtype (default: float32 with --fsdp, as `twinpipe train`'s "
-        "ShardedAdamW keeps them unless given --optimizer-state-dtype bfloat16; else the "
-        "parameters' dtype, as torch's AdamW)",
+        help=f"AdamW moments' dtype (default: {TRAINER}'s ShardedAdamW; param: the "
+        "parameters' dtype, as torch's AdamW in `twinpipe compare`)",
     )
     parser.add_argument(
         "--master-weights",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a float32 master copy of 16-bit parameters (default: on with --fsdp, as "
-        "`twinpipe train` keeps one unless given --no-master-weights)",
+        help=f"a float32 master copy of 16-bit parameters (default: {TRAINER})",
     )
     parser.add_argument(
         "--grad-sync",
         choices=("step", "micro-batch"),
-        default="step",
-        help="with --fsdp: gradients reduced once per step (held unsharded across the "
-        "micro-batches until the chunk's last backward) or after every backward",
+        default=None,
+        help="with FSDP2: gradients reduced once per step (held unsharded across the "
+        "micro-batches until the chunk's last backward) or after every backward (default: "
+        f"{TRAINER})",
     )
     parser.add_argument(
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with --fsdp: free gathered parameters after each forward (2 M all-gathers a "
-        "step); the default, --no-reshard-after-forward, holds the part's parameters gathered "
-        "from the first forward to the last backward (as `twinpipe train`)",
+        default=None,
+        help="with FSDP2: free gathered parameters after each forward (2 M all-gathers a "
+        "step), or hold the part's parameters gathered from the first forward to the last "
+        f"backward (default: {TRAINER})",
     )
     parser.add_argument(
         "--recompute",
         choices=("on", "off"),
-        default="on",
-        help="optimized stack: recompute each attention block in backward (on, as `twinpipe "
-        "train` runs by default) or keep its activations (off)",
+        default=None,
+        help="optimized stack: recompute each attention block in backward, or keep its "
+        f"activations (default: {TRAINER})",
     )
     parser.add_argument(
         "--layers-per-stage",
@@ -118,52 +137,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _config(args: argparse.Namespace) -> EstimateConfig:
+def config_from_args(args: argparse.Namespace) -> EstimateConfig:
+    """The trainer's run of these flags (`optimized.train.sizing`), then the estimator's
+    own choices on top."""
     from models.presets import resolve_model
+    from optimized.train.sizing import estimate_config, trainer_default, training_run
 
     model = resolve_model(args.model)
-    if args.seq_len is None:
-        args.seq_len = min(4096, model.max_position_embeddings)
-    if args.seq_len > model.max_position_embeddings:
+    micro_batches = args.micro_batches
+    if micro_batches is None:  # the trainer's, raised to the least DualPipeV runs
+        pp = args.pp if args.pp is not None else trainer_default("parallel.pp")
+        micro_batches = max(trainer_default("data.micro_batches"), 2 * pp)
+    state_dtype = args.optimizer_state_dtype
+    run = training_run({
+        "parallel.pp": args.pp, "parallel.dp": args.dp, "parallel.ep": args.ep,
+        "parallel.fsdp": args.fsdp, "parallel.grad_sync": args.grad_sync,
+        "parallel.reshard_after_forward": args.reshard_after_forward,
+        "parallel.recompute": None if args.recompute is None else args.recompute == "on",
+        "data.micro_batch_size": args.micro_batch_size, "data.seq_len": args.seq_len,
+        "data.micro_batches": micro_batches, "dtype": args.dtype,
+        "optim.state_dtype": None if state_dtype == "param" else state_dtype,
+        "optim.master_weights": args.master_weights,
+    })  # fmt: skip
+    if run.data.seq_len > model.max_position_embeddings:
         raise ValueError(
-            f"--seq-len={args.seq_len} is invalid: {args.model} has "
+            f"--seq-len={run.data.seq_len} is invalid: {args.model} has "
             f"max_position_embeddings={model.max_position_embeddings}; expected 1.."
             f"{model.max_position_embeddings}"
         )
-    shard = args.shard_optimizer if args.shard_optimizer is not None else args.dp > 1
-    # --fsdp asks for the trainer's layout, so its optimizer's precision comes with it.
-    state_dtype = args.optimizer_state_dtype or ("float32" if args.fsdp else "param")
-    master = args.master_weights if args.master_weights is not None else args.fsdp
-    return EstimateConfig(
-        model,
-        pp=args.pp,
-        dp=args.dp,
-        ep=args.ep,
-        tp=args.tp,
-        etp=args.etp,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len,
-        num_microbatches=args.micro_batches if args.micro_batches is not None else 2 * args.pp,
-        dtype=args.dtype,
-        stack=args.stack,
-        shard_optimizer=shard,
-        fsdp=args.fsdp,
-        optimizer_state_dtype=state_dtype,
-        master_weights=master,
-        layers_per_stage=args.layers_per_stage,
+    config = estimate_config(
+        run, model, args.stack, tp=args.tp, etp=args.etp, layers_per_stage=args.layers_per_stage,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         context_parallel_size=args.context_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         moe_latent_size=args.moe_latent_size,
-        grad_sync=args.grad_sync,
-        reshard_after_forward=args.reshard_after_forward,
-        recompute=args.recompute == "on",
-    )
+    )  # fmt: skip
+    changes = {}
+    if state_dtype == "param":
+        changes["optimizer_state_dtype"] = "param"
+    if args.shard_optimizer is not None:
+        changes["shard_optimizer"] = args.shard_optimizer
+    return config.replace(**changes) if changes else config
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = _config(args)
+        config = config_from_args(args)
         report = estimate(config, with_partitions=True)
     except (ValueError, OSError, TypeError) as error:
         print(f"twinpipe estimate: error: {error}", file=sys.stderr)

@@ -86,18 +86,25 @@ class PlanRequest:
     """Whose memory: ``optimized`` (what `twinpipe train` runs) or ``reference``."""
     margin: float = 0.1
     """Share of the GPU memory kept free (allocator fragmentation, buffers not modelled)."""
-    dtype: str = "bfloat16"
-    """Parameter and activation dtype."""
+    dtype: str | None = None
+    """Parameter and activation dtype; None: `twinpipe train`'s (its ``dtype`` default)."""
     optimizer: str = "train"
-    """``train``: `twinpipe train`'s AdamW (float32 moments and masters, state sharded over
-    DP); ``adamw``: torch's AdamW, unsharded, moments in the parameter dtype (what `twinpipe
-    compare` runs for the plain stacks), FSDP off."""
+    """``train``: `twinpipe train`'s AdamW, as the trainer's config has it by default
+    (`optimized.train.sizing`: float32 moments and masters, state sharded over DP with FSDP2
+    and not without); ``adamw``: torch's AdamW, unsharded, moments in the parameter dtype
+    (what `twinpipe compare` runs for the plain stacks), FSDP off."""
     fsdp: str = "auto"
     """``auto`` tries FSDP2 on and off (off only with ``optimizer="adamw"``, which runs
     unsharded), ``on`` / ``off`` only that."""
     recompute: str = "auto"
     """Attention recomputation in the optimized stack: ``auto`` tries on and off, ``on`` /
     ``off`` only that. The reference stack never recomputes (``auto`` or ``off``)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            from optimized.train.sizing import trainer_default
+
+            self.dtype = trainer_default("dtype")
 
     def validate(self) -> None:
         def bad(name: str, value: Any, valid: str) -> ValueError:
@@ -172,27 +179,35 @@ def layouts(request: PlanRequest) -> list[EstimateConfig]:
                 for fsdp in fsdp_options(request):
                     if fsdp and dp == 1:
                         continue
-                    train = request.optimizer == "train"
                     for recompute in recompute_options(request):
-                        out.append(
-                            EstimateConfig(
-                                m,
-                                pp=pp,
-                                dp=dp,
-                                ep=ep,
-                                micro_batch_size=mbs,
-                                seq_len=request.seq_len,
-                                num_microbatches=micro_batches,
-                                dtype=request.dtype,
-                                stack=request.stack,
-                                fsdp=fsdp,
-                                shard_optimizer=train and dp > 1,
-                                optimizer_state_dtype="float32" if train else "param",
-                                master_weights=train,
-                                recompute=recompute,
-                            )  # fmt: skip
-                        )
+                        batch = (pp, dp, ep, mbs, micro_batches)
+                        out.append(_layout(request, batch, fsdp, recompute))
     return out
+
+
+def _layout(
+    request: PlanRequest, batch: tuple[int, ...], fsdp: bool, recompute: bool
+) -> EstimateConfig:
+    """One layout: ``batch`` is (PP, DP, EP, micro-batch size, M). With the trainer's
+    optimizer it is the trainer's run of those settings (`optimized.train.sizing`, its
+    defaults for the rest); with torch's AdamW, `twinpipe compare`'s unsharded stacks."""
+    pp, dp, ep, mbs, micro_batches = batch
+    if request.optimizer == "train":
+        from optimized.train.sizing import estimate_config, training_run
+
+        run = training_run({
+            "parallel.pp": pp, "parallel.dp": dp, "parallel.ep": ep, "parallel.fsdp": fsdp,
+            "parallel.recompute": recompute, "data.micro_batch_size": mbs,
+            "data.micro_batches": micro_batches, "data.seq_len": request.seq_len,
+            "dtype": request.dtype,
+        })  # fmt: skip
+        return estimate_config(run, request.model, request.stack)
+    return EstimateConfig(
+        request.model, pp=pp, dp=dp, ep=ep, micro_batch_size=mbs, seq_len=request.seq_len,
+        num_microbatches=micro_batches, dtype=request.dtype, stack=request.stack, fsdp=False,
+        shard_optimizer=False, optimizer_state_dtype="param", master_weights=False,
+        recompute=recompute,
+    )  # fmt: skip
 
 
 def static_lower_bound(config: EstimateConfig) -> int:

@@ -10,8 +10,11 @@
   the run it plans;
 - `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
   (the optimized runner only) and the z-loss for the log; `metrics`: a step's figures,
-  its log line, the JSON-lines and TensorBoard sink; `phases`: the peak memory of each
-  phase (load, train, save);
+  its log line with TFLOP/s and MFU, the JSON-lines and TensorBoard sink; `phases`: the
+  peak memory of each phase (load, train, save); `profiling`: torch.profiler traces and
+  top-op tables of chosen steps (``--profile``), reusable around any region;
+- `sizing`: a training config as the memory estimator's question (the defaults of
+  ``twinpipe estimate`` and ``twinpipe plan``);
 - `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
   (``twinpipe export``).
 
@@ -48,6 +51,8 @@ from optimized.train.preparation import (
     resolve_inputs,
     token_dtype,
 )
+from optimized.train.profiling import StepProfiler, profile_region, top_ops_table
+from optimized.train.sizing import estimate_config, training_run
 from optimized.train.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.trainer import runner_class, train
 
@@ -86,6 +91,11 @@ __all__ = [
     "prepare_data",
     "read_index",
     "runner_class",
+    "StepProfiler",
+    "estimate_config",
+    "profile_region",
+    "top_ops_table",
+    "training_run",
     "save_checkpoint",
     "train",
     "validate_config",

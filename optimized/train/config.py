@@ -98,6 +98,12 @@ class ParallelSection:
     def use_fsdp(self) -> bool:
         return self.dp > 1 if self.fsdp is None else self.fsdp
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the run shards parameters, gradients and optimizer state (FSDP2 and
+        `ShardedAdamW`): ``use_fsdp`` where there is more than one DP rank to shard over."""
+        return self.use_fsdp and self.dp > 1
+
 
 @dataclass(slots=True)
 class OptimSection:
@@ -171,6 +177,17 @@ class LoggingSection:
     """JSON-lines file that gets one record per logged step; unset: none."""
     tensorboard_dir: str | None = None
     """TensorBoard event folder; unset: no TensorBoard."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device, the denominator of the logged MFU; unset: the GPU's dense
+    bf16 (or float32/TF32) peak from `optimized.estimator.flops.GPU_PEAKS`, and on a CPU or
+    an unknown GPU no MFU (TFLOP/s only)."""
+    profile_dir: str | None = field(default=None, metadata={"flag": "profile"})
+    """Folder for a torch.profiler trace of ``profile_steps`` on every rank
+    (``rank{r}.trace.json``, for Perfetto or chrome://tracing) and a table of its top
+    kernels and host ops (``rank{r}.top_ops.md``); unset: no profiling."""
+    profile_steps: str | None = None
+    """Steps to profile, 1-based: ``N`` or ``A-B``; unset: two steady-state steps (the
+    second and third this run does, or its last two when it does fewer)."""
 
 
 @dataclass(slots=True)
@@ -373,6 +390,19 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")
     check(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    peak = cfg.logging.peak_tflops
+    check(
+        peak is None or (finite(peak) and peak > 0),
+        "logging.peak_tflops",
+        "must be a number > 0 (TFLOP/s of one device), or unset for the GPU table's",
+    )
+    if cfg.logging.profile_steps is not None:
+        from optimized.train.profiling import parse_steps
+
+        try:
+            parse_steps(cfg.logging.profile_steps, 0, cfg.steps)
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         raise ValueError("invalid training config:\n  " + "\n  ".join(problems))
     return cfg

@@ -1,6 +1,13 @@
 """The metrics of `twinpipe train`: one `StepMetrics` per step, its log line, and the
 `MetricsSink` that writes each step once to the JSON-lines file and TensorBoard (on resume,
 records past the resumed step are dropped from the file before the steps run again).
+
+`Throughput` turns tokens per second into TFLOP/s per device and MFU: the FLOPs per token
+come from the model config (`optimized.estimator.flops`: every matrix product, 3x the
+forward for forward and backward, attention over the keys a query sees under the causal
+mask or window; HFU adds the recomputed attention), the peak from ``--peak-tflops`` or the
+GPU's dense peak in the dtype the step multiplies in. On a CPU, or a GPU the table does not
+know, there is no peak: TFLOP/s only.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from models.communication import KINDS, Counts
+from models.config import ModelConfig
+from optimized.estimator.flops import TrainingFlops, known_gpu, training_flops
 from optimized.train.config import TrainConfig
 
 
@@ -44,6 +53,19 @@ class StepMetrics:
     optimizer_state_bytes: int | None = None
     """Max over ranks: bytes of the AdamW state a rank holds after the step, its moments (in
     ``optim.state_dtype``) and the float32 masters kept apart from the parameters."""
+    tflops: float | None = None
+    """Model TFLOP/s per device: tokens per second x the model FLOPs per token (6N plus the
+    attention, `optimized.estimator.flops`) / devices (ranks) / 1e12."""
+    mfu: float | None = None
+    """``tflops`` over the device's peak (``peak_tflops``); None without a peak (CPU)."""
+    hardware_tflops: float | None = None
+    """TFLOP/s per device with the recomputed attention counted (HFU's numerator)."""
+    hfu: float | None = None
+    """``hardware_tflops`` over the peak; None without a peak."""
+    model_flops_per_token: float | None = None
+    """The model FLOPs of one token's forward and backward (`TrainingFlops.model`)."""
+    peak_tflops: float | None = None
+    """The peak TFLOP/s of one device the MFU divides by; None on a CPU or an unknown GPU."""
 
     def line(self) -> str:
         cross_entropy, z_loss = self.loss, ""
@@ -55,9 +77,72 @@ class StepMetrics:
             f"learning-rate {self.learning_rate:.6e} | "
             f"gradient-norm {self.gradient_norm:.4f} | "
             f"tokens-per-second {self.tokens_per_second:,.0f} | "
+            f"{self._throughput()}"
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
         )
         return text + (" | skipped (non-finite)" if self.skipped else "")
+
+    def _throughput(self) -> str:
+        if self.tflops is None:
+            return ""
+        mfu = "" if self.mfu is None else f" | mfu {self.mfu:.1%}"
+        return f"tflops-per-device {self.tflops:.4g}{mfu} | "
+
+
+class Throughput:
+    """TFLOP/s per device and MFU from tokens per second (see the module docstring)."""
+
+    def __init__(self, flops: TrainingFlops, devices: int, peak: float | None, source: str):
+        self.flops, self.devices, self.peak, self.source = flops, devices, peak, source
+
+    @classmethod
+    def of(
+        cls, cfg: TrainConfig, model: ModelConfig, device: torch.device, recompute: bool
+    ) -> Throughput:
+        """For a run of ``cfg`` on ranks computing on ``device``; ``recompute``: whether
+        the runner reruns the attention blocks in backward."""
+        flops = training_flops(model, cfg.data.seq_len, recompute)
+        devices = cfg.parallel.world_size
+        if cfg.logging.peak_tflops is not None:
+            return cls(flops, devices, cfg.logging.peak_tflops, "logging.peak_tflops")
+        if device.type != "cuda":
+            return cls(flops, devices, None, f"the ranks compute on the {device.type}")
+        name = torch.cuda.get_device_name(device)
+        gpu = known_gpu(name)
+        if gpu is None:
+            return cls(flops, devices, None, f"{name} is not in the GPU peak table "
+                       "(--peak-tflops gives one)")  # fmt: skip
+        precision = _matmul_precision(cfg.dtype)
+        return cls(flops, devices, getattr(gpu, precision),
+                   f"{gpu.name}'s dense {precision} peak, GPU_PEAKS")  # fmt: skip
+
+    def describe(self) -> str:
+        """One line for the log's start."""
+        text = f"throughput: {self.flops.model / 1e9:.4g} GFLOP per token"
+        if self.flops.recompute:
+            text += f" ({self.flops.hardware / 1e9:.4g} with the recomputed attention)"
+        if self.peak is None:
+            return f"{text}; TFLOP/s only, no MFU: {self.source}"
+        return f"{text}; MFU against {self.peak:g} TFLOP/s per device ({self.source})"
+
+    def figures(self, tokens_per_second: float) -> dict[str, float | None]:
+        """`StepMetrics`' throughput fields for a step at ``tokens_per_second``."""
+        model = tokens_per_second * self.flops.model / self.devices / 1e12
+        hardware = tokens_per_second * self.flops.hardware / self.devices / 1e12
+        ratio = (lambda value: value / self.peak) if self.peak else (lambda value: None)
+        return {
+            "tflops": model, "mfu": ratio(model), "hardware_tflops": hardware,
+            "hfu": ratio(hardware), "model_flops_per_token": self.flops.model,
+            "peak_tflops": self.peak,
+        }  # fmt: skip
+
+
+def _matmul_precision(dtype: str) -> str:
+    """The peak a step's matrix products run at: bf16, or for float32 TF32 when torch
+    allows it (``torch.set_float32_matmul_precision("high")``) and the CUDA cores if not."""
+    if dtype == "bfloat16":
+        return "bfloat16"
+    return "float32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
@@ -102,7 +187,8 @@ class MetricsSink:
             self.file.write(json.dumps(asdict(m)) + "\n")
             self.file.flush()
         if self.writer:
-            for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second"):
+            for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second",
+                        "tflops", "mfu"):  # fmt: skip
                 if getattr(m, key) is not None:
                     self.writer.add_scalar(key, getattr(m, key), m.step)
         if self.bar:

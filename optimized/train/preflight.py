@@ -13,7 +13,8 @@ configs, headers and indexes and checks:
 - the data: a prepared folder, enough tokens for one global batch, no token id beyond the
   model's vocabulary;
 - the objective: ``loss.z_loss`` and ``loss.label_smoothing`` need the optimized runner;
-- every output path: the checkpoint dir, the metrics file, the TensorBoard dir;
+- every output path: the checkpoint dir, the metrics file, the TensorBoard dir, the
+  profile dir;
 - the checkpoint dir's owner: a folder belongs to one run (``run.json``). Resuming picks
   its newest complete checkpoint; a folder whose every checkpoint is corrupt is an error,
   not a fresh start; ``--no-resume`` into another run's folder needs ``--overwrite``; a
@@ -226,6 +227,8 @@ def _outputs(cfg: TrainConfig) -> None:
         check_output_dir(cfg.checkpoint.dir, "checkpoint.dir")
     if cfg.logging.metrics_file:
         check_output_file(cfg.logging.metrics_file, "logging.metrics_file")
+    if cfg.logging.profile_dir:
+        check_output_dir(cfg.logging.profile_dir, "logging.profile_dir")
     if cfg.logging.tensorboard_dir:
         check_output_dir(cfg.logging.tensorboard_dir, "logging.tensorboard_dir")
         try:

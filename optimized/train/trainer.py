@@ -54,11 +54,12 @@ from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import TokenDataset, TokenLoader
-from optimized.train.metrics import MetricsSink, StepMetrics, step_traffic
+from optimized.train.metrics import MetricsSink, StepMetrics, Throughput, step_traffic
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
 from optimized.train.preflight import RunPlan, claim, plan_run, runner_class
+from optimized.train.profiling import StepProfiler, parse_steps
 
 
 class NonFiniteError(RuntimeError):
@@ -151,7 +152,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     peaks = PhasePeaks(device)
     peaks.begin()  # load: the part built from the checkpoint, the optimizer state read
     resume = plan.resume
-    fsdp = cfg.parallel.use_fsdp and layout.dp > 1
+    fsdp = cfg.parallel.sharded
     sharded: set[str] = set()
 
     def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
@@ -181,6 +182,10 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     start = _resume(resume, optimizer, loader, layout)
     peaks.end("load")
     sink = MetricsSink(cfg, enabled=layout.rank == 0, start=start)
+    throughput = Throughput.of(cfg, model_config, device, runner.part.ops.recompute_attention)
+    profiler = _profiler(cfg, start, layout, device)
+    if layout.rank == 0:
+        print(throughput.describe(), flush=True)
     saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
@@ -190,6 +195,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
+            profiler.begin(step + 1)
             peaks.begin()
             counter.start()
             batch = next(loader)
@@ -238,8 +244,10 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                     traffic,
                     z_loss,
                     int(shared[3]),
+                    **throughput.figures(tokens_per_step / max(float(shared[0]), 1e-9)),
                 )
             )
+            profiler.end(step + 1)
             done = step + 1
             stopping = int(shared[2])
             every = cfg.checkpoint.save_every
@@ -256,13 +264,28 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                 result.update(stopped_at=done, signal=stopping)
                 break
     finally:
+        profiler.close()
         counter.remove()
         sink.close()
+    if layout.rank == 0 and profiler.written:
+        print(f"profile of steps {profiler.steps.start}-{profiler.steps[-1]}: "
+              f"{Path(profiler.written[0]).parent}/rank*.trace.json, rank*.top_ops.md",
+              flush=True)  # fmt: skip
     every_rank: list[dict[str, int]] = [{}] * dist.get_world_size()
     dist.all_gather_object(every_rank, peaks.peaks, group=layout.host_group)
     if layout.rank == 0 and cfg.checkpoint.dir:
         print(format_peaks(every_rank, peaks.source), flush=True)
     return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
+
+
+def _profiler(cfg: TrainConfig, start: int, layout: Layout, device) -> StepProfiler:
+    """``logging.profile_steps`` of this run on this rank (none without ``profile_dir``)."""
+    folder = cfg.logging.profile_dir
+    steps = parse_steps(cfg.logging.profile_steps, start, cfg.steps) if folder else range(0)
+    if folder and steps.stop <= start + 1 and layout.rank == 0:
+        print(f"warning: logging.profile_steps = {cfg.logging.profile_steps}: this run starts "
+              f"after step {start}, nothing is profiled", file=sys.stderr, flush=True)  # fmt: skip
+    return StepProfiler(folder, steps, layout.rank, device)
 
 
 def _device(cfg: TrainConfig) -> torch.device:
