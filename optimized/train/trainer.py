@@ -45,6 +45,7 @@ import torch.distributed as dist
 from models.checkpoint import CheckpointWeights
 from models.communication import CommunicationCounter, group_names
 from models.config import ModelConfig
+from models.device import rank_device
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.inputs import rescue_folder
 from models.progress import ProgressLine
@@ -150,7 +151,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
     one, rank 0 makes it here."""
     stop = _StopFlag()
-    device = _device(cfg)
+    device = rank_device()  # what the launcher handed this rank (`models.device`)
     plan = _shared_plan(cfg, plan)
     model_config = plan.model
     parallel = parallel_config(cfg, model_config)
@@ -273,13 +274,6 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     if layout.rank == 0 and cfg.checkpoint.dir:
         print(format_peaks(every_rank, peaks.source), flush=True)
     return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
-
-
-def _device(cfg: TrainConfig) -> torch.device:
-    """``cuda:LOCAL_RANK`` when asked for or (``auto``) available, else the CPU."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def _inject(kind: str, step: int, layout: Layout, cfg_dir: str | None) -> None:
