@@ -38,9 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank_main(cfg, plan=None) -> dict:
+    import torch  # noqa: PLC0415
+
+    from models.bf16_gemm import bf16_gemm, float32_products  # noqa: PLC0415
+    from models.device import rank_device  # noqa: PLC0415
     from optimized.train.trainer import train  # noqa: PLC0415
 
-    return train(cfg, plan)
+    dtype, device = getattr(torch, cfg.dtype), rank_device()
+    widened, why = float32_products(dtype, device)
+    if widened and os.environ.get("RANK", "0") == "0":
+        print(f"note: {why}", file=sys.stderr, flush=True)
+    with bf16_gemm(dtype, device):  # CPUs without native bfloat16 GEMM (models.bf16_gemm)
+        return train(cfg, plan)
 
 
 def _error(message: str) -> int:
