@@ -9,19 +9,18 @@ and shapes are small; with CUDA, or with ``--gpu-shapes``, they are the seed's
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
 import pytest
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from models.device import choose_triton_mode  # noqa: E402  (after the path is set)
+
+choose_triton_mode()  # a process that computes on the CPU interprets Triton kernels
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

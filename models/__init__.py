@@ -1,15 +1,15 @@
 """Model math written once: configs, presets, layers as five stages, weight sources, HF
 checkpoints."""
 
-import os as _os
+# ruff: noqa: E402  (the Triton mode is chosen before the imports below)
 
-import torch as _torch
+from models.device import choose_triton_mode as _choose_triton_mode
 
-# Without CUDA, Triton kernels run through Triton's interpreter, which must be chosen
-# before anything imports `triton` -- and torch imports it lazily on its own (the first
-# AdamW step does). Every twinpipe process imports `models` first, so choose here.
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+# A process that computes on the CPU runs Triton kernels through Triton's interpreter,
+# which must be chosen before anything imports `triton` -- and torch imports it lazily on
+# its own (the first AdamW step does). Every twinpipe process imports `models` first, so
+# choose here (a rank's launcher has chosen already: `models.device`).
+_choose_triton_mode()
 
 from models.checkpoint import (
     CheckpointError,

@@ -1,8 +1,9 @@
 """Local ranks: spawn them, forward the launcher's signals to them, and name the one that
 failed first.
 
-`launch` runs a function on N local processes joined by gloo (or NCCL); `torchrun` is the
-other way in (`init_process_group` joins its rendezvous). Two things a launcher must get
+`launch` runs a function on N local processes joined by gloo (or NCCL, one GPU each, when
+the caller's `models.device.DevicePlan` says CUDA); `torchrun` is the other way in
+(`init_process_group` joins its rendezvous). Two things a launcher must get
 right, and `torch.multiprocessing`'s own join does not:
 
 - **Signals.** ``kill PID``, ``docker stop`` and systemd send SIGTERM to the launcher
@@ -34,13 +35,16 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from models.device import DevicePlan, rank_device, resolve_device
 
 DEFAULT_TIMEOUT_S = 120.0
 PEER_GRACE_S = 20.0
@@ -49,14 +53,21 @@ their tracebacks) before they are killed."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
-def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the job from the environment (torchrun or `launch`): NCCL on GPU, gloo on CPU."""
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join the job from the environment (torchrun or `launch`); return this rank's device.
+
+    A rank on a GPU takes ``cuda:LOCAL_RANK`` and joins with NCCL for CUDA tensors and gloo
+    for CPU ones (one group serves both: host-side scalars and objects need no group of
+    their own); a CPU rank joins with gloo."""
+    device = rank_device()
     if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return device
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
 
 
 def _free_port() -> int:
@@ -82,8 +93,9 @@ def _worker(
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    init_process_group(timeout_s)
     try:
+        # Inside the try: a rank that cannot take its GPU reports why, with its traceback.
+        init_process_group(timeout_s)
         result = fn(*args)
     except BaseException:
         # Note when and how this rank failed: once one rank dies, its peers fail too
@@ -175,8 +187,14 @@ def launch(
     world_size: int,
     args: tuple = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    device: DevicePlan | str = "cpu",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes; return each rank's result.
+
+    ``device`` is where the ranks compute (`models.device.resolve_device`'s plan, or
+    ``cpu`` / ``cuda`` / ``auto`` resolved here): each rank starts with it and its Triton
+    mode in its environment, and a CUDA rank ``i`` takes GPU ``i``. The default is the CPU,
+    so that a caller gets a GPU only by asking for one.
 
     A rank that fails ends every rank: its peers get `PEER_GRACE_S` to fail on their
     own, then are killed, and `RankFailed` names the root cause. SIGTERM and SIGINT sent
@@ -184,16 +202,19 @@ def launch(
     every rank raises `RankFailed` with ``signal`` set. A rank stuck in a collective
     times out after ``timeout_s``.
     """
+    if isinstance(device, str):
+        device = resolve_device(device, world_size)
     for key, value in MALLOC_ENV.items():  # read by each spawned rank's glibc at start
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
-        context = mp.start_processes(
-            _worker,
-            args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
+        with _environment(device.rank_environment()):  # each rank's, before it imports
+            context = mp.start_processes(
+                _worker,
+                args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
         processes = context.processes
         received: list[int] = []
 
@@ -225,6 +246,21 @@ def launch(
                 message = f"stopped by {_signal_name(received[0])}: {message}"
             raise RankFailed(message, received[0] if received else 0)
         return [torch.load(r, weights_only=False) for r in results]
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the block runs (spawned children inherit it)."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _join(processes: list) -> set[int]:

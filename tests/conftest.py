@@ -1,14 +1,42 @@
-"""Shared test setup: import from the checkout, run Triton through its interpreter on CPU."""
+"""Shared test setup: import from the checkout, choose the Triton mode, and the device the
+in-process kernel tests compute on.
 
-import os
+The same ``pytest`` runs on a CPU machine and on a machine with a GPU. This process
+compiles Triton kernels when it has a GPU and interprets them otherwise
+(`models.device.choose_triton_mode`); kernel tests take their tensors on `compute_device`,
+so they run compiled on CUDA and through the interpreter elsewhere. Multi-process tests
+start their ranks on the CPU unless they ask for CUDA (`models.distributed.launch`), and
+each CPU rank interprets whatever this process chose. Tests marked ``gpu`` need CUDA and
+are skipped, with the reason, where there is none.
+"""
+
 import pathlib
 import sys
 
-import torch
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from models.device import cuda_support, triton_device  # noqa: E402  (after the path is set)
+
+DEVICE = triton_device()
+"""Where this process's Triton kernels take their tensors: ``cuda`` when it compiles them,
+else the CPU (the interpreter)."""
+
+
+@pytest.fixture
+def compute_device():
+    """The device an in-process kernel test puts its tensors on (`DEVICE`)."""
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    support = cuda_support()
+    if support.gpus:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {support.why_none}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

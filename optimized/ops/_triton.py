@@ -1,9 +1,10 @@
 """The one place that imports Triton for `optimized.ops`.
 
-On a machine without CUDA, Triton kernels run through its interpreter, which
-must be switched on (``TRITON_INTERPRET=1``) before `triton` is first imported.
-Every kernel module imports ``triton`` and ``tl`` from here, so the variable is
-set once, early, and a user's explicit setting is left alone.
+In a process that computes on the CPU, Triton kernels run through its interpreter,
+which must be switched on (``TRITON_INTERPRET=1``) before `triton` is first imported.
+A rank's launcher sets it (`models.device`); every kernel module imports ``triton``
+and ``tl`` from here, so any other process chooses once, early, and a user's explicit
+setting is left alone.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import gc
 import os
 
-import torch
+from models.device import choose_triton_mode
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+choose_triton_mode()
 
-import triton
-import triton.language as tl
+import triton  # noqa: E402  (after the mode is chosen)
+import triton.language as tl  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU tensors)."""

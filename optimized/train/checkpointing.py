@@ -248,7 +248,9 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
     rng = [None] * dist.get_world_size()
-    dist.all_gather_object(rng, rng_state(), group=layout.host_group)
+    dist.all_gather_object(
+        rng, rng_state(optimizer.shards[0].param.device), group=layout.host_group
+    )
     problem = None
     if layout.rank == 0:
         try:
@@ -448,15 +450,16 @@ class TrainingCheckpointWeights:
 
 
 # ------------------------------------------------------------------ RNG
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """Every generator this rank draws from: the host's, and ``device``'s when a GPU."""
     import random  # noqa: PLC0415
 
     import numpy as np  # noqa: PLC0415
 
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": np.random.get_state()}  # fmt: skip
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
@@ -468,5 +471,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():  # a CUDA rank's own generator
         torch.cuda.set_rng_state(state["cuda"])

@@ -7,8 +7,9 @@ already trained as far as asked exits 0 saying so.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process checks, then
 joins the environment's rendezvous (NCCL on GPUs, gloo on CPU). Otherwise the ranks are
-spawned on this machine with `models.distributed.launch` (gloo on CPU), which forwards
-SIGTERM and SIGINT to them: they save and stop at the end of the step.
+spawned on this machine with `models.distributed.launch`, on the device ``device`` resolves
+to (`models.device`: one GPU per rank, else the CPU), and it forwards SIGTERM and SIGINT to
+them: they save and stop at the end of the step.
 
 Exit codes: 0 trained to ``steps`` (or nothing to do); 2 bad input; 3 a rank failed (its
 traceback, or the signal that killed it), a non-finite loss stopped the run, or a
@@ -37,9 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rank_main(cfg, plan=None) -> dict:
+    import torch  # noqa: PLC0415
+
+    from models.bf16_gemm import bf16_gemm, float32_products  # noqa: PLC0415
+    from models.device import rank_device  # noqa: PLC0415
     from optimized.train.trainer import train  # noqa: PLC0415
 
-    return train(cfg, plan)
+    dtype, device = getattr(torch, cfg.dtype), rank_device()
+    widened, why = float32_products(dtype, device)
+    if widened and os.environ.get("RANK", "0") == "0":
+        print(f"note: {why}", file=sys.stderr, flush=True)
+    with bf16_gemm(dtype, device):  # CPUs without native bfloat16 GEMM (models.bf16_gemm)
+        return train(cfg, plan)
 
 
 def _error(message: str) -> int:
@@ -64,6 +74,29 @@ def _outcome(result: dict, steps: int) -> int:
         )
         return 128 + int(result["signal"])
     return 0
+
+
+def _resolve_device(cfg, nproc: int, under_torchrun: bool):
+    """The ranks' device (`models.device.resolve_device`), before any rank starts. Under
+    torchrun this process is a rank: its device goes into its environment, where
+    `models.launch.init_process_group` reads it, and must match the Triton mode this
+    process already chose (``TWINPIPE_DEVICE=cpu`` in torchrun's environment chooses the
+    CPU from the start)."""
+    from models.device import DEVICE_ENV, DeviceError, resolve_device  # noqa: PLC0415
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_torchrun else nproc
+    layout = f"PP {cfg.parallel.pp} x DP {cfg.parallel.dp}"
+    device = resolve_device(cfg.device, local, layout)
+    if under_torchrun:
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if interpreted != device.interpreted:
+            raise DeviceError(
+                f"device: this rank computes on {device.kind} but started with "
+                f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; start torchrun "
+                f"with {DEVICE_ENV}={device.kind} in its environment"
+            )
+        os.environ[DEVICE_ENV] = device.kind
+    return device
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,9 +131,15 @@ def run(args: argparse.Namespace) -> int:
         if speaks:
             print(f"twinpipe train: {done}")
         return 0
+    try:
+        device = _resolve_device(cfg, nproc, under_torchrun)
+    except ValueError as error:
+        return _error(str(error)) if speaks else EXIT_BAD_INPUT
     if speaks:
         for note in plan.notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)
+        if device.note:
+            print(device.note, file=sys.stderr, flush=True)
     from models.distributed import RankFailed, init_process_group, launch  # noqa: PLC0415
 
     if under_torchrun:
@@ -111,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return _outcome(result, cfg.steps)
     try:
-        results = launch(_rank_main, world, (cfg, plan))
+        results = launch(_rank_main, world, (cfg, plan), device=device)
     except RankFailed as error:
         print(f"twinpipe train: a rank failed:\n{error}", file=sys.stderr)
         return 128 + error.signal if error.signal else EXIT_CRASH

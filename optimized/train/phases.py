@@ -94,11 +94,10 @@ def format_peaks(per_rank: list[dict[str, int]], source: str) -> str:
     return "\n".join(lines)
 
 
-def peak_memory(peaks: PhasePeaks | None = None) -> tuple[int, str]:
+def peak_memory(peaks: PhasePeaks) -> tuple[int, str]:
     """This process's peak memory in bytes and how it was measured (``peaks``: the run's
     phases reset the high-water mark, and keep the lifetime peak)."""
-    if torch.cuda.is_available():
-        value = peaks.lifetime() if peaks else torch.cuda.max_memory_allocated()
-        return value, "cuda-max-memory-allocated"
+    if peaks.cuda:
+        return peaks.lifetime(), "cuda-max-memory-allocated"
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return max(kib * 1024, peaks.lifetime() if peaks else 0), "max-rss"
+    return max(kib * 1024, peaks.lifetime()), "max-rss"

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from models.checkpoint import CheckpointWeights
 from models.communication import CommunicationCounter, group_names
 from models.config import ModelConfig
+from models.device import rank_device
 from models.distributed import Layout, ParallelConfig, make_layout
 from models.inputs import rescue_folder
 from models.progress import ProgressLine
@@ -141,7 +142,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
     one, rank 0 makes it here."""
     stop = _StopFlag()
-    device = _device(cfg)
+    device = rank_device()  # what the launcher handed this rank (`models.device`)
     plan = _shared_plan(cfg, plan)
     model_config = plan.model
     parallel = parallel_config(cfg, model_config)
@@ -286,13 +287,6 @@ def _profiler(cfg: TrainConfig, start: int, layout: Layout, device) -> StepProfi
         print(f"warning: logging.profile_steps = {cfg.logging.profile_steps}: this run starts "
               f"after step {start}, nothing is profiled", file=sys.stderr, flush=True)  # fmt: skip
     return StepProfiler(folder, steps, layout.rank, device)
-
-
-def _device(cfg: TrainConfig) -> torch.device:
-    """``cuda:LOCAL_RANK`` when asked for or (``auto``) available, else the CPU."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def _inject(kind: str, step: int, layout: Layout, cfg_dir: str | None) -> None:
