@@ -144,9 +144,10 @@ class Layout(NamedTuple):
     """This pipeline's point-to-point streams, one group each (`models.p2p`); None at PP 1,
     where nothing travels point to point."""
     host_group: dist.ProcessGroup | None = None
-    """A gloo group over the world for host-side values (Python objects, counts kept on the
-    CPU): the default group on a gloo job, a gloo group of its own beside NCCL. Tensors on
-    the rank's device go through the groups above."""
+    """A group over the world with gloo for host-side values (Python objects, counts kept on
+    the CPU): the default group where it has gloo (every job `models.launch` starts), a gloo
+    group of its own beside NCCL alone. Tensors on the rank's device go through the groups
+    above."""
 
     @property
     def expert_parallel(self) -> ExpertParallel:
@@ -188,8 +189,10 @@ def make_layout(parallel: ParallelConfig) -> Layout:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine["replica"] = group
-    # The default group carries host tensors where it is gloo; beside NCCL, gloo's own.
-    host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    # The default group carries host tensors where it has gloo (a CPU job, or the launcher's
+    # ``cpu:gloo,cuda:nccl``); a job that joined with NCCL alone gets a gloo group of its own.
+    has_gloo = "gloo" in str(dist.get_backend())
+    host = dist.group.WORLD if has_gloo else dist.new_group(backend="gloo")
     return Layout(
         rank, pp_rank, dp_rank, dp_rank % ep, pp, dp, ep,
         mine["pp"], mine["dp"], mine["ep"], mine["replica"], mine["streams"], host,
