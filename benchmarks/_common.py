@@ -67,9 +67,11 @@ def bench(
     setup: Setup,
     op: str,
     implementation: str,
+    flops: int | None = None,
     **info: Any,
 ) -> None:
-    """Time ``run(*setup())`` and record its peak memory and description in extra_info."""
+    """Time ``run(*setup())`` and record its peak memory and description in extra_info;
+    with ``flops`` (the work of one run) also ``tflop_per_s`` at the mean time."""
 
     def timed(*args: Any, **kwargs: Any) -> None:
         run(*args, **kwargs)
@@ -88,3 +90,8 @@ def bench(
         },
     )
     benchmark.pedantic(timed, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    stats = getattr(benchmark, "stats", None)
+    if flops is not None:
+        benchmark.extra_info["flops"] = flops
+        if stats is not None and stats.stats.mean > 0:  # None under --benchmark-disable
+            benchmark.extra_info["tflop_per_s"] = flops / stats.stats.mean / 1e12
