@@ -25,7 +25,7 @@ import torch
 from models.model import build_model
 from models.presets import preset
 from optimized.ops import FlashAttention, OptimizedOps
-from optimized.ops.attention import flash_attention
+from optimized.ops.attention import flash_attention, sdpa_attention
 from optimized.ops.attention_blocks import Blocks
 from reference.ops import ReferenceOps
 
@@ -141,6 +141,22 @@ def test_gpt_oss_shape_in_bfloat16_within_flex_error():
         )
         assert out <= 2.8e-3 and dsinks <= 3.1e-3, (window, out, dsinks)
         assert max(dq, dk, dv) <= 1e-2, (window, dq, dk, dv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_sdpa_route_for_wide_heads_matches_float64(dtype):
+    """CUDA sends MLA's 192 / 128 heads to SDPA (`sdpa_attention`, values padded); the same
+    code on CPU tensors against float64."""
+    q, k, v, _, grad = draw_inputs(2, 4, 4, 24, 192, 128, dtype, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa_attention(*leaves, 192**-0.5)
+    out.backward(grad)
+    references = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*references, 192**-0.5)
+    expected.backward(grad.double())
+    errors = [rel_error(out, expected)]
+    errors += [rel_error(a.grad, b.grad) for a, b in zip(leaves, references)]
+    assert max(errors) <= TOLERANCE[dtype], errors
 
 
 def test_blocks_and_packing_do_not_change_the_result():

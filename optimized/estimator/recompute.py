@@ -26,6 +26,9 @@ against a storage tracker on real layers), relative to the level when the step s
   the normalised value, through the rsqrt, the mean's expand and pow's two factors)
   beside its float input;
 - the window and the sinks change nothing here: the same kernel, no mask, no copies.
+  (On CUDA, MLA's wide heads go to SDPA instead, `optimized.ops.attention.sdpa_attention`,
+  which keeps zero-padded values and a padded output and copies the output once more: not
+  modelled here, where the estimate is held to the CPU's measurements.)
 
 With recompute off (`EstimateConfig.recompute`, `OptimizedOps.recompute_attention`) the
 forward keeps the block's saved tensors (`kept_block`: those the recompute would make;

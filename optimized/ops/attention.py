@@ -24,9 +24,11 @@ before the gradients exist), then the gradients in their inputs' layouts.
 
 How the kernels are launched (interpreter, GPUs, block sizes, autotuning) is
 `optimized.ops.attention_blocks`. On CUDA, MLA's wide heads (query/key wider than 128, no
-sinks, no window) go to `F.scaled_dot_product_attention`, whose cuDNN kernel serves
-192 / 128; that path keeps SDPA's own tensors and copies its output into
-``[B, S, h * Dv]``.
+sinks, no window) go to `F.scaled_dot_product_attention` as before this kernel
+(`sdpa_attention`: values padded to the query width, cuDNN's kernel on an H100); that path
+keeps SDPA's own tensors (the padded values, a padded output) and copies its output into
+``[B, S, h * Dv]``, which the memory estimator, held to the CPU's measurements, does not
+model.
 """
 
 from __future__ import annotations
@@ -195,11 +197,18 @@ def _check(q, k, v, window, sinks, blocks) -> None:
         blocks.check()
 
 
-def _sdpa(q, k, v, scaling: float) -> torch.Tensor:
-    """Causal SDPA (CUDA, wide heads): ``[B, S, h * Dv]``."""
+def sdpa_attention(q, k, v, scaling: float) -> torch.Tensor:
+    """Causal `F.scaled_dot_product_attention` as `flash_attention` returns it, ``[B, S, h *
+    Dv]``: what CUDA runs for MLA's wide heads. Values narrower than the queries are
+    zero-padded to their width, which the fused backends want (zeros change nothing), and
+    the padding is dropped from the output, as the stack did before its own kernel: the
+    path measured on an H100 (GPU.md)."""
+    value_dim = v.shape[-1]
+    if value_dim < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - value_dim))
     gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, scale=scaling, is_causal=True, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    return out[..., :value_dim].transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
 def flash_attention(
@@ -221,7 +230,7 @@ def flash_attention(
     no_band = window is None or window >= seq
     if q.device.type == "cuda" and blocks is None:
         if qk_dim >= SDPA_MIN_WIDTH and no_band and sinks is None:
-            return _sdpa(q, k, v, scaling)
+            return sdpa_attention(q, k, v, scaling)
     if blocks is None and INTERPRETED:
         blocks = interpreter_blocks(seq)
     elif blocks is None and q.dtype == torch.float32:
