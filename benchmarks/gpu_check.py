@@ -204,7 +204,7 @@ def summarize_benchmarks(document: dict) -> list[dict]:
             "implementation": info.get("implementation", bench.get("name")),
             "shape": info.get("shape"),
             "median_ms": bench["stats"]["median"] * 1e3,
-            "tflops": info.get("tflop_per_s") or info.get("tflops_per_s"),
+            "tflops": info.get("tflops_per_s"),
             "peak_bytes": info.get("peak_bytes"),
             "logits_multiple": info.get("logits_multiple"),
         })  # fmt: skip

@@ -9,12 +9,14 @@ subprocess); prints one JSON object.
    choose their GPU launch parameters (one row per program, 1024-element blocks, ...),
    and ``JITFunction.run`` is replaced by a recorder, so each public op is driven on CPU
    tensors (every dtype the stacks train in, with and without gradients, at every preset's
-   vocabulary) and each launch's arguments are kept instead of run. Triton's own binder
+   vocabulary) and each launch's arguments are kept instead of run. An autotuned kernel
+   (the attention's, in bfloat16) is recorded at its first configuration: the autotuner
+   skips, on the device, a configuration that does not compile or fit. Triton's own binder
    turns them into the signature, constexprs and specialisation a GPU launch would
    compile, for each target.
 3. Each distinct (kernel, signature, constexprs, options) is compiled with
    ``triton.compile`` for sm_80 and sm_90 (triton ships its own ptxas); the cubin's size
-   is reported, or the error.
+   and the shared memory it needs are reported, or the error.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +79,10 @@ def _record(self: JITFunction, *args, grid, warmup, **kwargs):
     LAUNCHES.append((self, args, kwargs))
 
 
+def _record_first_config(self: Autotuner, *args, **kwargs):
+    self.fn.run(*args, **kwargs, **self.configs[0].all_kwargs())
+
+
 def _vocabularies() -> list[int]:
     from models.presets import PRESET_NAMES, preset
 
@@ -118,6 +125,24 @@ def drive_ops() -> None:
         weight = torch.zeros(2, 2 * 48, 64, dtype=dtype, requires_grad=True)
         offsets = torch.tensor([4, tokens], dtype=torch.int32)
         grouped_linear(x, weight, offsets).sum().backward()  # zeroes the rows past the groups
+    drive_attention()
+
+
+def drive_attention() -> None:
+    """The attention at GPT-OSS's head width 64 (sinks, a window; no sinks) and at 128 in
+    bfloat16, and at 64 with sinks in float32: 8 query heads over 2 KV heads."""
+    from optimized.ops import flash_attention
+
+    for dtype, width, sinks, window in (
+        (torch.bfloat16, 64, True, 128),
+        (torch.bfloat16, 64, False, None),
+        (torch.bfloat16, 128, False, 128),
+        (torch.float32, 64, True, 128),
+    ):
+        q = torch.zeros(1, 8, 256, width, dtype=dtype, requires_grad=True)
+        k, v = (torch.zeros(1, 2, 256, width, dtype=dtype, requires_grad=True) for _ in "kv")
+        sink_logits = torch.zeros(8, requires_grad=True) if sinks else None
+        flash_attention(q, k, v, width**-0.5, window, sink_logits).sum().backward()
 
 
 def compile_launches(kernels: dict[str, JITFunction]) -> dict:
@@ -152,6 +177,7 @@ def compile_launches(kernels: dict[str, JITFunction]) -> dict:
                     options=options.__dict__,
                 )
                 entry["cubin_bytes"] = len(compiled.asm["cubin"])
+                entry["shared_bytes"] = compiled.metadata.shared
             except Exception:  # noqa: BLE001 - reported, the test fails on it
                 entry["error"] = traceback.format_exc(limit=3)
             results.append(entry)
@@ -163,6 +189,7 @@ def main() -> None:
         raise SystemExit("run with TRITON_INTERPRET=0: the interpreter must be off to compile")
     kernels = discover_kernels()
     JITFunction.run = _record
+    Autotuner.run = _record_first_config
     drive_ops()
     json.dump(compile_launches(kernels), sys.stdout)
 

@@ -45,7 +45,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compiled):
         "grouped_linear:_zero_tail_rows_kernel",
     ):
         assert f"optimized.ops.{name}" in kernels
-    assert len(kernels) >= 7  # and the four activation kernels today
+    assert len(kernels) >= 11  # and the four activation and four attention kernels today
     failures = [entry for entry in compiled["compiled"] if "cubin_bytes" not in entry]
     assert not failures, "\n\n".join(f"{e['kernel']} {e['target']}: {e['error']}" for e in failures)
     for kernel in kernels:
@@ -56,6 +56,46 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compiled):
         # every training dtype reaches every kernel
         pointer_types = {t for e in entries for t in e["signature"].values() if t.startswith("*")}
         assert {"*fp32", "*bf16"} <= pointer_types, (kernel, pointer_types)
+
+
+SHARED_MEMORY_LIMIT = {"sm_80": 166_912, "sm_90": 232_448}
+"""Bytes of shared memory one block may use: A100 (163 KiB), H100 (227 KiB)."""
+ATTENTION_KERNELS = (
+    "attention_forward_kernel", "attention_backward_preprocess_kernel",
+    "attention_backward_kv_kernel", "attention_backward_q_kernel",
+)  # fmt: skip
+
+
+def _attention_launches(compiled: dict) -> set[tuple]:
+    """(kernel, target, its first pointer's dtype, value width, HAS_SINKS or None)."""
+    seen = set()
+    for entry in compiled["compiled"]:
+        name = entry["kernel"].split(":")[1]
+        if name in ATTENTION_KERNELS:
+            pointer = next(t for t in entry["signature"].values() if t.startswith("*"))
+            constexprs = entry["constexprs"]
+            seen.add((name, entry["target"], pointer, constexprs["V_DIM"],
+                      constexprs.get("HAS_SINKS")))  # fmt: skip
+    return seen
+
+
+def test_attention_kernels_compile_at_head_widths_64_and_128(compiled):
+    """Forward (with and without sinks), preprocess, dK/dV and dQ, at widths 64 and 128 in
+    bfloat16 (and 64 in float32), for both targets, within each target's shared memory."""
+    expected = set()
+    driven = [("*bf16", "64", "True"), ("*bf16", "64", "False"), ("*bf16", "128", "False"),
+              ("*fp32", "64", "True")]  # fmt: skip
+    for target in TARGETS:
+        for dtype, width, sinks in driven:
+            expected.add((ATTENTION_KERNELS[0], target, dtype, width, sinks))
+            expected |= {(name, target, dtype, width, None) for name in ATTENTION_KERNELS[1:]}
+    seen = _attention_launches(compiled)
+    assert expected <= seen, sorted(expected - seen)
+    too_big = [
+        (e["kernel"], e["target"], e["shared_bytes"]) for e in compiled["compiled"]
+        if e.get("shared_bytes", 0) > SHARED_MEMORY_LIMIT[e["target"]]
+    ]  # fmt: skip
+    assert not too_big, too_big
 
 
 def _combos(compiled, kernel: str, *names: str) -> set[tuple[str, ...]]:

@@ -79,8 +79,9 @@ def test_attention_matches_plain_attention(heads, kv_heads, qk_dim, v_dim, windo
 
 
 def test_attention_saves_no_square_probabilities():
+    # 48 tokens: the output [B, S, heads * 16] is not square either.
     q, k, v = leaves(
-        random(2, 4, 64, 24, seed=1), random(2, 4, 64, 24, seed=2), random(2, 4, 64, 16, seed=3)
+        random(2, 4, 48, 24, seed=1), random(2, 4, 48, 24, seed=2), random(2, 4, 48, 16, seed=3)
     )
     shapes = []
 
@@ -90,7 +91,7 @@ def test_attention_saves_no_square_probabilities():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         OptimizedOps().attention(q, k, v, 0.2)
-    assert shapes and all(shape[-2:] != (64, 64) for shape in shapes), shapes
+    assert shapes and all(shape[-2:] != (48, 48) for shape in shapes), shapes
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])

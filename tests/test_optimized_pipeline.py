@@ -35,10 +35,18 @@ def _launch(names, parallel, dtypes, repeat_optimized=()):
     return launch(_compare_worker, parallel.world_size, args)
 
 
-def _run(pipeline, model, parallel) -> dict:
+def _run(pipeline, model, parallel, baseline=None) -> dict:
     """Training steps and one evaluation: losses, gradients, and the optimized stack's store
     and free records of its last *training* step (the evaluation after it runs in a fresh
-    context, forward only: what it frees says nothing of a training step's frees)."""
+    context, forward only: what it frees says nothing of a training step's frees).
+
+    With ``baseline`` (the reference pipeline, already run) the evaluation starts from the
+    baseline's parameters after its step (lockstep, DESIGN.md): AdamW's first step moves
+    each parameter by ``lr * g / (|g| + eps)``, so a gradient element within a few ``eps``
+    of zero, where two stacks' roundings differ by their whole size, moves its parameter
+    by up to ``lr`` more in one stack than in the other. The evaluation would measure that,
+    not its own arithmetic (tiny-gpt-oss, float32, PP 2: router scores 5e-6 and, after the
+    attention kernel changed, 2e-5 apart, from gradients within 1e-6 of each other)."""
     steps, records = [], {}
     for step in range(STEPS):
         ids, labels = synthetic_batch(model, parallel, step)
@@ -52,6 +60,11 @@ def _run(pipeline, model, parallel) -> dict:
                 "freed": [(what, t.untyped_storage().nbytes()) for what, t in context.freed],
             }
         pipeline.optimizer_step()
+    if baseline is not None:
+        parameters = dict(baseline.part.named_parameters())
+        with torch.no_grad():
+            for name, parameter in pipeline.part.named_parameters():
+                parameter.copy_(parameters[name])
     evaluation = pipeline.evaluate(*synthetic_batch(model, parallel, 7))
     return {"steps": steps, "eval": evaluation, **records}
 
@@ -79,7 +92,7 @@ def _compare_worker(names, parallel, states, repeat_optimized):
                 optimized.schedule.record_frees = True
                 replay = tape.replay()
                 attach_routing_tape(optimized.part, replay)
-                runs.append(_run(optimized, model, at_dtype))
+                runs.append(_run(optimized, model, at_dtype, baseline=reference))
                 runs[-1]["routing"] = replay.result()
             results[dtype, name, "optimized"] = runs
     return results

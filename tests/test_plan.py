@@ -173,6 +173,7 @@ def test_top_layouts_run_and_fit():
         parallel = ParallelConfig(
             pp=c.pp, dp=c.dp, ep=c.ep, micro_batches=c.num_microbatches,
             micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, dtype=c.dtype,
+            recompute=c.recompute,
         )  # fmt: skip
         # Free-running, each stack routing on its own: the optimized stack's step as
         # `twinpipe compare` measures it, with its own expert choices counted.
@@ -192,6 +193,7 @@ def test_top_layouts_run_and_fit():
             seq_len=c.seq_len,
             num_microbatches=c.num_microbatches,
             dtype=c.dtype,
+            recompute=c.recompute,
         )
         observed = estimate_for_compare(model, layout, "optimized", routing=loads)
         for rank, result in enumerate(per_rank):

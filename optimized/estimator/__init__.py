@@ -12,11 +12,11 @@ Modules:
 - memory: `config` (`EstimateConfig`), `params` (parameter counts), `activations` (what a
   layer saves), `reference_layer` (what the reference's layer holds beyond that), `steps`
   (the optimized stage functions' transients), `recompute` (the optimized attention's
-  recomputed backward), `sink_attention` (GPT-OSS's sinks as the fused kernel holds them),
-  `schedule` (the DualPipeV walk), `memory` (what both walks share), `reference_walk` and
-  `optimized_walk`, `sharded_step` (the FSDP2 runner's units and `ShardedAdamW`'s step as
-  it runs), `ranks` (per-rank estimates), `routing` (the routing a run saw, in
-  place of balanced routing), `megatron` (the published formulas);
+  recomputed backward, GPT-OSS's sinks and windows included), `schedule` (the DualPipeV
+  walk), `memory` (what both walks share), `reference_walk` and `optimized_walk`,
+  `sharded_step` (the FSDP2 runner's units and `ShardedAdamW`'s step as it runs), `ranks`
+  (per-rank estimates), `routing` (the routing a run saw, in place of balanced routing),
+  `megatron` (the published formulas);
 - beside memory: `communication` (every collective and point-to-point call of a step),
   `sync_marks` (where each chunk's gradients are complete in the walk), `bubble` (the
   pipeline bubble, timed from the walk), `plan` (which layouts fit which GPUs), `flops`

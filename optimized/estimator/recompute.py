@@ -14,22 +14,26 @@ against a storage tracker on real layers), relative to the level when the step s
   experts), which is kept to the step's end;
 - the recomputed block: the input norm (its float copy in 16-bit; in float32 the block's
   input itself), the q / kv projections' norms, the rotary tables, ``q``, ``k``, ``v``
-  (MLA pads the values to the query width), the fused attention's output and its
-  float32 log-sum-exp;
-- the fused attention's backward: the output's gradient (padded), and the gradients of
-  ``q``, ``k``, ``v``; beside them the gradient of the block's output (``[T, H]``);
+  as the fused attention saves them (views: MLA's values keep the whole key/value
+  projection they are a slice of), the fused attention's output (which is also the
+  output projection's input) and its float32 log-sum-exp;
+- the fused attention's backward: the output's gradient, the float32 ``delta`` (``dO .
+  O`` per row), and the gradients of ``q``, ``k``, ``v``; beside them the gradient of the
+  block's output (``[T, H]``). GPT-OSS's sinks add one more float32 ``[B, h, S]`` before
+  the gradients exist (the sink's probabilities for its gradient), below this;
 - Qwen3's q norm backward, after the key branch (k norm, rotary) is done: five float32
   ``[T, heads, head_dim]`` temporaries of the RMSNorm's backward (the gradient through
   the normalised value, through the rsqrt, the mean's expand and pow's two factors)
   beside its float input;
-- GPT-OSS (sinks as a virtual key of the fused kernel, sliding layers banded): the
-  kernels' saved tensors and gradients, or the recompute's own forward high point
-  (`sink_backward`, `optimized.estimator.sink_attention`).
+- the window and the sinks change nothing here: the same kernel, no mask, no copies.
+  (On CUDA, MLA's wide heads go to SDPA instead, `optimized.ops.attention.sdpa_attention`,
+  which keeps zero-padded values and a padded output and copies the output once more: not
+  modelled here, where the estimate is held to the CPU's measurements.)
 
 With recompute off (`EstimateConfig.recompute`, `OptimizedOps.recompute_attention`) the
-forward keeps the block's saved tensors (`kept_block`: those the recompute would make,
-and the output projection's input, a copy of the attention's output in ``[T, h * v]``)
-from the forward to the backward, and the step's high point is the highest of
+forward keeps the block's saved tensors (`kept_block`: those the recompute would make;
+the output projection's input is the attention's output) from the forward to the
+backward, and the step's high point is the highest of
 (`kept_attention_backward`):
 
 - each moment above less the block's kept tensors (they exist from the step's start);
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 from optimized.estimator.activations import F32, Saved, attention_saved, layer_saved
 from optimized.estimator.config import EstimateConfig
-from optimized.estimator.sink_attention import backward_grads, forward_peak, sink_tensors
 
 
 def _sum(items: list[Saved], *prefixes: str) -> int:
@@ -55,12 +58,11 @@ def _sum(items: list[Saved], *prefixes: str) -> int:
 
 
 def _shapes(config: EstimateConfig) -> tuple[int, int, int, int]:
-    """(query heads, key/value heads, query/key width, padded width) of the fused attention."""
+    """(query heads, key/value heads, query/key width, value width) of the fused attention."""
     m = config.model
     heads = m.num_attention_heads // config.tp
     if m.model_type == "deepseek_v2":
-        width = m.qk_nope_head_dim + m.qk_rope_head_dim
-        return heads, heads, width, max(width, m.v_head_dim)
+        return heads, heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     return heads, m.num_key_value_heads // config.tp, m.head_dim, m.head_dim
 
 
@@ -88,13 +90,15 @@ def recomputed_block(config: EstimateConfig, layer: int) -> tuple[list[Saved], l
         # In float32 the input norm's float input is the block's input itself.
         and not (b == F32 and item.name == "input_layernorm.float_input")
     ]  # fmt: skip
-    heads, kv_heads, _, padded = _shapes(config)
-    rows = config.micro_batch_size * config.seq_len
+    heads, kv_heads, qk_dim, v_dim = _shapes(config)
+    m, rows = config.model, config.tokens
+    # The values are a view of their projection: MLA's holds the keys' no-rope part too.
+    v_storage = m.qk_nope_head_dim + v_dim if m.model_type == "deepseek_v2" else v_dim
     fused = [
-        Saved("q", rows * heads * padded * b),
-        Saved("k", rows * kv_heads * padded * b),
-        Saved("v", rows * kv_heads * padded * b),
-        Saved("out", rows * heads * padded * b),
+        Saved("q", rows * heads * qk_dim * b),
+        Saved("k", rows * kv_heads * qk_dim * b),
+        Saved("v", rows * kv_heads * v_storage * b),
+        Saved("out", rows * heads * v_dim * b),
         Saved("logsumexp", rows * heads * F32),
     ]
     return norms, fused
@@ -103,14 +107,14 @@ def recomputed_block(config: EstimateConfig, layer: int) -> tuple[list[Saved], l
 def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) -> int:
     """The ``attention_backward`` step's high point above its start (flash path)."""
     m, b = config.model, config.param_bytes
-    if m.model_type == "gpt_oss":
-        return sink_backward(config, layer, is_moe)
     rows = config.tokens
     th = rows * m.hidden_size * b
-    heads, kv_heads, width, padded = _shapes(config)
+    heads, kv_heads, qk_dim, v_dim = _shapes(config)
     norms, fused = recomputed_block(config, layer)
     freed = freed_before(config, layer, is_moe)
-    grads = rows * (2 * heads + 2 * kv_heads) * padded * b  # output, q, k, v
+    # The output's gradient, delta, and the q, k, v gradients (dense, the inputs' sizes).
+    grads = rows * (heads * (v_dim + qk_dim) + kv_heads * (qk_dim + v_dim)) * b
+    grads += rows * heads * F32
     fused_moment = _sum(norms) + _sum(fused) + grads + th - freed
     moments = [fused_moment]
     if m.model_type == "qwen3_moe":
@@ -118,52 +122,17 @@ def attention_backward_rise(config: EstimateConfig, layer: int, is_moe: bool) ->
         # normalised value and rsqrt are gone; the keys' and values' gradients wait.
         q_norm = _sum(norms, "q_norm.float_input")
         others = _sum(norms) - _sum(norms, "q_norm.", "k_norm.", "rotary.")
-        temporaries = 5 * rows * heads * width * F32
-        moments.append(others + q_norm + temporaries + th + 2 * rows * kv_heads * width * b - freed)
+        temporaries = 5 * rows * heads * qk_dim * F32
+        waiting = 2 * rows * kv_heads * qk_dim * b
+        moments.append(others + q_norm + temporaries + th + waiting - freed)
     return max(moments)
-
-
-def sink_backward(config: EstimateConfig, layer: int, is_moe: bool) -> int:
-    """GPT-OSS's recomputed attention (`optimized.estimator.sink_attention`): the higher of
-    the recompute's forward high point and the fused backward, beside the recomputed input
-    norm, rotary tables and the rotated ``q``, ``k`` and the values' projection, and the
-    block output's gradient."""
-    m, b = config.model, config.param_bytes
-    rows = config.tokens
-    th = rows * m.hidden_size * b
-    heads, kv_heads = m.num_attention_heads // config.tp, m.num_key_value_heads // config.tp
-    items = attention_saved(config.replace(stack="reference"), layer)
-    norm = _sum(items, "input_layernorm.")
-    if b == F32:  # the block's input itself
-        norm -= _sum(items, "input_layernorm.float_input")
-    rotary = 3 * config.seq_len * (m.head_dim // 2) * F32  # cos, sin, their scaled product
-    projections = rows * (heads + 2 * kv_heads) * m.head_dim * b
-    around = norm + rotary + projections + th - freed_before(config, layer, is_moe)
-    saved = _sum(sink_tensors(config, layer)["saved"])
-    return around + max(forward_peak(config, layer), saved + backward_grads(config, layer))
-
-
-def _output_projection_input(config: EstimateConfig) -> int:
-    m = config.model
-    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
-    return config.tokens * (m.num_attention_heads // config.tp) * v_dim * config.param_bytes
 
 
 def kept_block(config: EstimateConfig, layer: int) -> int:
     """Bytes the attention block keeps from forward to backward without recompute: what the
-    recompute would save (GPT-OSS: the input norm, the rotary tables and the sink kernels'
-    tensors) and the output projection's input."""
-    m, b = config.model, config.param_bytes
-    if m.model_type == "gpt_oss":
-        items = attention_saved(config.replace(stack="reference"), layer)
-        kept = _sum(items, "input_layernorm.", "rotary.")
-        if b == F32:  # the block's input itself
-            kept -= _sum(items, "input_layernorm.float_input")
-        kept += _sum(sink_tensors(config, layer)["saved"])
-    else:
-        norms, fused = recomputed_block(config, layer)
-        kept = _sum(norms) + _sum(fused)
-    return kept + _output_projection_input(config)
+    recompute would save (the attention's output is the output projection's input)."""
+    norms, fused = recomputed_block(config, layer)
+    return _sum(norms) + _sum(fused)
 
 
 def mlp_backward_moments(config: EstimateConfig, width: int) -> list[tuple[int, int]]:
@@ -197,12 +166,7 @@ def kept_attention_backward(
         float_input = _sum(items, "post_attention_layernorm.float_input")
     rows = config.tokens
     moments = [(5 * rows * m.hidden_size * F32 - freed + float_input, "post_norm")]
-    if m.model_type == "gpt_oss":
-        block = rows * m.hidden_size * config.param_bytes + backward_grads(config, layer)
-        block -= freed + _output_projection_input(config)
-        moments.append((block, "block"))
-    else:
-        moments.append((attention_backward_rise(config, layer, is_moe) - kept, "block"))
+    moments.append((attention_backward_rise(config, layer, is_moe) - kept, "block"))
     width = config.shared_expert_width if is_moe else m.intermediate_size
     width //= config.tp
     if width:
@@ -210,19 +174,7 @@ def kept_attention_backward(
     return moments
 
 
-def sink_forward(config: EstimateConfig, layer: int) -> int:
-    """GPT-OSS's attention block in the forward (nothing saved: it runs under checkpoint):
-    its high point, the input norm's output, the rotary tables, the rotated ``q``, ``k``
-    and the values' projection beside the attention function's own peak."""
-    m, b = config.model, config.param_bytes
-    rows = config.tokens
-    heads, kv_heads = m.num_attention_heads // config.tp, m.num_key_value_heads // config.tp
-    rotary = 3 * config.seq_len * (m.head_dim // 2) * F32
-    projections = rows * (heads + 2 * kv_heads) * m.head_dim * b
-    return rows * m.hidden_size * b + rotary + projections + forward_peak(config, layer)
-
-
 __all__ = [
     "attention_backward_rise", "freed_before", "kept_attention_backward", "kept_block",
-    "mlp_backward_moments", "recomputed_block", "sink_backward", "sink_forward",
+    "mlp_backward_moments", "recomputed_block",
 ]  # fmt: skip

@@ -23,7 +23,7 @@ the tracker by ``tests/test_estimator_activations.py``:
   gathered output and the positions.
 
 Every transient is derived from the code; the attention block's recompute in backward
-(and GPT-OSS's eager attention with sinks) is `optimized.estimator.recompute`, as is the
+is `optimized.estimator.recompute`, as is the
 block kept without recompute (``EstimateConfig.recompute`` off: its saved tensors join
 stage 1's kept bytes and its backward reruns nothing), and a W
 step's weight gradients `weight_step_transients`. Everything is as measured with the
@@ -50,9 +50,7 @@ from optimized.estimator.recompute import (
     attention_backward_rise,
     kept_attention_backward,
     kept_block,
-    sink_forward,
 )
-from optimized.estimator.sink_attention import sliding
 
 
 @dataclass(slots=True)
@@ -204,9 +202,9 @@ def attention_backward_step(config: EstimateConfig, layer: int, is_moe: bool, de
 
 
 def step_profile(config: EstimateConfig, layer: int) -> StepProfile:
-    """One layer's fourteen steps (computed once per layer kind per config: dense or MoE,
-    and for GPT-OSS banded sliding or full attention)."""
-    key = ("step_profile", config.moe_layers()[layer], sliding(config, layer))
+    """One layer's fourteen steps (computed once per layer kind per config: dense or MoE;
+    a sliding window changes no memory of the fused attention)."""
+    key = ("step_profile", config.moe_layers()[layer])
     if key not in config.cache:
         config.cache[key] = _step_profile(config, layer)
     return config.cache[key]
@@ -242,8 +240,6 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     for name in bnames:
         bwd[name] = Step(name)
     kept = _names(items, ("post_attention_layernorm.",))
-    # GPT-OSS's sinks ride the fused kernel as a virtual key: its forward high point.
-    eager = sink_forward(config, layer) if m.model_type == "gpt_oss" else 0
     # Without recompute the attention block's saved tensors stay from here to the backward.
     block = 0 if config.recompute else kept_block(config, layer)
     if not is_moe:
@@ -252,7 +248,7 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
         # in 16-bit ``h`` (the norm saved a float32 copy of it: `reference_layer`).
         adds = (2 if b == F32 else 3) * th
         fwd["attention_forward"] = Step(
-            "attention_forward", kept + th + block, max(kept + th + adds + block, eager)
+            "attention_forward", kept + th + block, kept + th + adds + block
         )
         # The MLP's and the recomputed attention block's backward (`recompute`).
         bwd["attention_backward"] = attention_backward_step(
@@ -283,7 +279,7 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     top_k_weights = tokens * m.num_experts_per_tok * F32
     attention += block
     fwd["attention_forward"] = Step(
-        "attention_forward", attention, max(attention + outputs + top_k_weights, eager)
+        "attention_forward", attention, attention + outputs + top_k_weights
     )
     rows_in = received * hidden * b
     if ep:

@@ -1,8 +1,10 @@
 """Optimized ops: each a unit of kernel, autograd Function and public function.
 
 - `activations`: SiLU-and-multiply and GPT-OSS's clamped SwiGLU, fused (Triton);
-- `attention`: fused causal attention keeping O(S) statistics, GPT-OSS's sinks as a
-  virtual key, sliding windows banded (`flash_attention`);
+- `attention`: fused causal attention (FlashAttention-2) keeping O(S) statistics, with
+  GPT-OSS's sinks and their exact gradient, sliding windows banded (`flash_attention`,
+  `FlashAttention`); its Triton kernels are `attention_kernels`, their launch parameters
+  (blocks, packing, autotuning) `attention_blocks`;
 - `cross_entropy`: one kernel pass in forward, the gradient written over the logits in backward;
 - `cross_entropy_kernels`: the two row kernels both losses run (softmax statistics, gradient);
 - `linear_cross_entropy`: the output layer and the cross-entropy fused over vocabulary chunks;
@@ -20,7 +22,7 @@ May import `models` only; never another `optimized` subpackage, `reference` or `
 from models.distributed import all_to_all
 from optimized.ops import _triton  # noqa: F401  (must precede every kernel import)
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
-from optimized.ops.attention import flash_attention
+from optimized.ops.attention import FlashAttention, flash_attention
 from optimized.ops.cross_entropy import cross_entropy
 from optimized.ops.expert_order import (
     GROUPED_GEMM_ROW_ALIGNMENT,
@@ -33,6 +35,7 @@ from optimized.ops.linear_cross_entropy import linear_cross_entropy
 from optimized.ops.optimized_ops import OptimizedOps
 
 __all__ = [
+    "FlashAttention",
     "GATHER_ROW_ALIGNMENT",
     "GROUPED_GEMM_ROW_ALIGNMENT",
     "OptimizedOps",

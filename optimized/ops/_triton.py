@@ -22,6 +22,70 @@ import triton.language as tl  # noqa: E402
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU tensors)."""
 
+_BLAS_THREAD_SETTERS = (
+    "scipy_openblas_set_num_threads64_",  # numpy >= 2 wheels
+    "scipy_openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+    "openblas_set_num_threads",
+)
+
+
+def single_threaded_numpy_blas() -> bool:
+    """Make numpy's OpenBLAS, which the interpreter's ``tl.dot`` calls, use one thread;
+    True when it could be found.
+
+    The interpreter runs programs one at a time on small tiles, and the CPU suite runs
+    several ranks on a few cores: there OpenBLAS's threads wait on each other (measured on
+    2 shared cores: a 256 x 16 x 256 product in 30 ms, 0.03 ms on one thread). Torch keeps
+    its own thread pool; only numpy's BLAS is touched. The library numpy loaded is found
+    in the process's memory map, as threadpoolctl does."""
+    import ctypes  # noqa: PLC0415
+
+    import numpy  # noqa: F401, PLC0415  (its BLAS must be loaded to be found)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _BLAS_THREAD_SETTERS:
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter(1)
+                return True
+    return False
+
+
+def skip_unused_overflow_checks() -> bool:
+    """Stop the interpreter from computing integer-overflow checks it then drops; True when
+    it did.
+
+    The interpreter's builder sanitizes every 32-bit integer add, subtract and multiply
+    (index arithmetic) by redoing it in int64 and comparing, then hands the result to
+    ``device_assert``, which does nothing unless the builder's ``debug`` option is on (it
+    is off: the interpreter's options are fixed at import). That check was a third of an
+    attention kernel's time on the tiny presets. With ``debug`` on it is left alone."""
+    import dataclasses  # noqa: PLC0415
+
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    builder = interpreter.interpreter_builder
+    options = getattr(builder, "options", None)
+    if options is None or options.debug or not getattr(options, "sanitize_overflow", False):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
+
+
+if INTERPRETED:
+    single_threaded_numpy_blas()
+    skip_unused_overflow_checks()
+
 INTERPRETER_ELEMENTS = 1 << 16
 """Elements one program handles on the interpreter. There each program costs milliseconds
 of Python whatever its size while numpy does the arithmetic, so kernels give a program
@@ -39,14 +103,21 @@ def _cast_rne(x, dtype: tl.constexpr):
     on both paths (on CUDA the same rounding happens twice, which changes nothing).
     """
     if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = round_to_bfloat16(x)
     return x.to(dtype)
 
 
-# The interpreter runs kernels as Python, so it calls the helper as a plain function: as a
-# jit device function it would re-patch triton.language on every call (about 1 ms each).
+def _round_to_bfloat16(x):
+    """``x`` (float32) rounded to the nearest bfloat16 value, to nearest even, kept in
+    float32 (finite values and infinities)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+# The interpreter runs kernels as Python, so it calls the helpers as plain functions: as jit
+# device functions they would re-patch triton.language on every call (about 1 ms each).
+round_to_bfloat16 = _round_to_bfloat16 if INTERPRETED else triton.jit(_round_to_bfloat16)
 cast_rne = _cast_rne if INTERPRETED else triton.jit(_cast_rne)
 
 
@@ -74,4 +145,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         gc.collect(0)
 
 
-__all__ = ["INTERPRETED", "INTERPRETER_ELEMENTS", "cast_rne", "launch", "tl", "triton"]
+__all__ = [
+    "INTERPRETED", "INTERPRETER_ELEMENTS", "cast_rne", "launch", "round_to_bfloat16",
+    "single_threaded_numpy_blas", "skip_unused_overflow_checks", "tl", "triton",
+]  # fmt: skip

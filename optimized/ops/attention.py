@@ -1,154 +1,214 @@
-"""Fused causal attention: keep O(S) statistics for backward, not the ``S x S`` probabilities.
+"""Fused causal attention with GPT-OSS's sinks and sliding windows, O(S) memory (Triton).
 
-The plain attention of `reference` saves its ``[B, h, S, S]`` softmax for backward;
-at 2 x 128 tokens that is the largest activation of a tiny model's layer, and at
-4096 tokens it dwarfs everything else. PyTorch's scaled-dot-product attention
-has flash kernels on both devices (a fused CPU kernel; FlashAttention and the
-memory-efficient kernel on CUDA) that save only q, k, v, the output and the row
-log-sum-exp, and recompute the probabilities in backward. Three things need care:
+The plain attention of `reference` keeps its ``[B, h, S, S]`` softmax for backward; at
+4096 tokens that dwarfs everything else in a layer. Here one FlashAttention-2 kernel
+family (`optimized.ops.attention_kernels`) keeps the output and the float32 row
+log-sum-exp and recomputes the probabilities in backward, for every shape the three
+families use:
 
-- MLA's value heads are narrower than its query/key heads (DeepSeek-V2: 128 vs
-  192). The flash kernels want one head width, so the values are zero-padded to
-  the query width and the padding is dropped from the output; zeros in the
-  values change nothing, and their gradient is dropped with them.
-- Attention sinks (GPT-OSS) are a learnable per-head logit in the softmax's
-  denominator with no value: a virtual key whose score is the sink. The sink rides in
-  one extra feature column: queries get ``sink[h]`` there, real keys 0, and the virtual
-  key ``1 / scaling`` (and zeros elsewhere), so its score is ``sink[h]`` for every query
-  (exactly where ``1 / scaling`` is exact in the dtype: GPT-OSS's is 8). The virtual
-  key is the same for every head, so grouped KV heads stay grouped. It sits first; a
-  zero query row is put first as well, so the square causal mask (no mask tensor) lets
-  query ``i`` see the sink and keys ``0..i``; that extra row's output is dropped.
-  The sinks' gradient is not the kernel's: that would be the column's query gradient,
-  each row rounded to the input dtype before the sum over rows, and the rows' terms
-  cancel (in bfloat16 the sum lost 1e-2). The column is detached, and the virtual key's
-  value is 1 in the column after the values (zeros elsewhere; one more column when none
-  is free), so the output carries ``p_sink`` there; `_SinkGradient` sums
-  ``d sink[h] = -sum_rows p_sink (dO . O)`` (the softmax's gradient at the sink's
-  logit) in float32. Below float32 the kernel's ``O`` and ``p_sink`` are themselves too
-  coarse for that sum (their roundings alone cost up to 2.5e-2 on random draws), so
-  its backward reruns the forward kernel in float32 on the saved inputs, one KV head's
-  group at a time: O(S) float32 per group, below the gradients the kernel's backward
-  makes next, and about a third more attention work on the CPU.
-- A sliding window shorter than the sequence is banded, not masked: queries are
-  cut into blocks of ``window`` rows, and block ``b`` attends to keys
-  ``[(b-1) w, (b+1) w)`` through one ``[w, 2w]`` mask shared by every block (the
-  first block is plain causal). Nothing ``S x S`` is made, not even a mask; keys and
-  values are copied twice over, and the work is ``O(S w)`` instead of ``O(S^2)``.
+- causal, GQA (query heads share a key/value head in groups; the key-block backward sums
+  dK and dV over the group, nothing is expanded), query/key and value widths apart (MLA's
+  192 / 128 on DeepSeek-V2);
+- a sliding window visits only the key blocks within its reach from each query block
+  (and the reverse in backward): work ``O(S * window)``, no mask tensor;
+- sinks (GPT-OSS: a learnable logit per head in the softmax's denominator that carries no
+  value) start each row's online softmax; their gradient ``d sink[h] = -sum_{b,i}
+  exp(sink[h] - lse_bhi) (dO_bhi . O_bhi)`` is summed in float32 from the ``dO . O`` row
+  terms the backward forms anyway (`FlashAttention.sink_gradient`): no rerun.
+
+What autograd keeps: ``q``, ``k``, ``v`` as given (views of the projections: no copies),
+the output ``[B, S, h * Dv]`` (the very tensor returned, which the output projection
+saves as its input) and the log-sum-exp ``[B, h, S]`` in float32. The backward adds the
+float32 ``delta`` ``[B, h, S]`` (and, for the sinks' gradient, one more such transient
+before the gradients exist), then the gradients in their inputs' layouts.
+
+How the kernels are launched (interpreter, GPUs, block sizes, autotuning) is
+`optimized.ops.attention_blocks`. On CUDA, MLA's wide heads (query/key wider than 128, no
+sinks, no window) go to `F.scaled_dot_product_attention` as before this kernel
+(`sdpa_attention`: values padded to the query width, cuDNN's kernel on an H100); that path
+keeps SDPA's own tensors (the padded values, a padded output) and copies its output into
+``[B, S, h * Dv]``, which the memory estimator, held to the CPU's measurements, does not
+model.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, launch, triton
+from optimized.ops.attention_blocks import (
+    FLOAT32_BLOCKS,
+    PREPROCESS_ROWS,
+    Blocks,
+    interpreter_blocks,
+    kernel_launch,
+)
+from optimized.ops.attention_kernels import attention_backward_preprocess_kernel
 
-class _Sink(NamedTuple):
-    """The virtual key and value ``[B, h_kv, 1, W]``, the sinks ``[h]`` (float32, in the
-    autograd graph; the kernel's copy is detached), the output column carrying ``p_sink``
-    and the feature column carrying the sink."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    logits: torch.Tensor
-    column: int
-    key_column: int
+LOG2E = math.log2(math.e)
+SDPA_MIN_WIDTH = 129
+"""On CUDA, query/key heads at least this wide (MLA's 192) go to SDPA when they need no
+sinks and no window."""
 
 
-class _SinkGradient(torch.autograd.Function):
-    """Identity on the kernel's output ``[N, h, R, W]``; its backward gives the sinks'
-    gradient ``-sum_rows p_sink (dO . O)`` in float32. Below float32 it recomputes ``O``
-    and ``p_sink`` in float32 from the kernel's inputs (which the kernel saves anyway), one
-    KV head's group at a time, the virtual key's column exactly ``1 / scaling``."""
+class _Shape(NamedTuple):
+    batch: int
+    heads: int
+    groups: int
+    seq_len: int
+    qk_dim: int
+    v_dim: int
+    window: int
+    """The window, or the sequence length for none (the same mask)."""
+    scaling: float
+
+    @property
+    def block_v(self) -> int:
+        return max(16, triton.next_power_of_2(self.v_dim))
+
+    def constexprs(self) -> dict:
+        return {
+            "QK_DIM": self.qk_dim, "V_DIM": self.v_dim, "UPCAST": INTERPRETED,
+            "BLOCK_QK": max(16, triton.next_power_of_2(self.qk_dim)), "BLOCK_V": self.block_v,
+        }  # fmt: skip
+
+    def scalars(self) -> tuple:
+        """heads, groups, seq_len, window, base-2 scale."""
+        return self.heads, self.groups, self.seq_len, self.window, self.scaling * LOG2E
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a ``[B, H, S, D]`` tensor whose rows are contiguous."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _head_strides(x: torch.Tensor, width: int) -> tuple[int, int, int]:
+    """(batch, head, row) strides of ``[B, S, H * width]`` viewed as ``[B, H, S, width]``."""
+    return x.stride(0), width, x.stride(1)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class FlashAttention(torch.autograd.Function):
+    """``[B, S, h * Dv]`` attention of ``q [B, h, S, D]``, ``k [B, h_kv, S, D]``,
+    ``v [B, h_kv, S, Dv]`` with optional ``sinks [h]``; saves ``q``, ``k``, ``v``, the
+    output and the float32 log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, out, logits, columns: tuple[int, int], q, k, v, scaling: float, kwargs):
-        ctx.save_for_backward(out, q, k, v)
-        ctx.columns, ctx.scaling, ctx.kwargs = columns, scaling, kwargs
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out, q, k, v = ctx.saved_tensors
-        (column, key_column), groups = ctx.columns, q.shape[1] // k.shape[1]
-        sink = []
-        for head in range(k.shape[1]):
-            rows = slice(head * groups, (head + 1) * groups)
-            if out.dtype in (torch.float32, torch.float64):
-                o = out[:, rows]
-            else:
-                key = k[:, head : head + 1].float()
-                key[:, :, 0, key_column] = 1.0 / ctx.scaling  # the virtual key
-                o = F.scaled_dot_product_attention(
-                    q[:, rows].float(), key, v[:, head : head + 1].float(),
-                    scale=ctx.scaling, enable_gqa=groups > 1, **ctx.kwargs,
-                )  # fmt: skip
-            delta = (grad[:, rows, :, :column].float() * o[..., :column]).sum(-1)
-            sink.append(-(delta * o[..., column]).sum((0, 2)))  # one per head of the group
-        return (grad, torch.cat(sink)) + (None,) * 6
-
-
-def _attend(q, k, v, scaling: float, sink: _Sink | None, **kwargs) -> torch.Tensor:
-    gqa = k.shape[1] != q.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa, **kwargs)
-    if sink is None or not sink.logits.requires_grad:
+    def forward(ctx, q, k, v, sinks, shape: _Shape, blocks: Blocks | None):
+        s = shape
+        out = q.new_empty((s.batch, s.seq_len, s.heads * s.v_dim))
+        lse = torch.empty((s.batch, s.heads, s.seq_len), dtype=torch.float32, device=q.device)
+        kernel, grid, keywords = kernel_launch("forward", blocks, s.seq_len, s.batch * s.heads)
+        launch(
+            kernel, grid, q, k, v, sinks if sinks is not None else lse, out, lse,
+            *_strides(q), *_strides(k), *_strides(v), *_head_strides(out, s.v_dim),
+            *s.scalars(), HAS_SINKS=sinks is not None, **s.constexprs(), **keywords,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.shape, ctx.blocks = shape, blocks
         return out
-    return _SinkGradient.apply(
-        out, sink.logits, (sink.column, sink.key_column), q, k, v, scaling, kwargs
-    )
+
+    @staticmethod
+    def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor):
+        """``d sink[h] = -sum_{b,i} p_sink[b,h,i] delta[b,h,i]`` with the sink's probability
+        ``p_sink = exp(sink[h] - lse)`` and ``delta = dO . O`` (``lse``, ``delta``:
+        ``[B, h, S]``, float32), summed in float32, in the sinks' dtype. (The softmax's
+        gradient at the sink's logit: ``p_sink (0 - delta)``, the sink having no value.)
+        Planted bugs patch this name."""
+        p_sink = torch.exp(sinks.detach().float()[None, :, None] - lse)
+        return (-p_sink.mul_(delta).sum(dim=(0, 2))).to(sinks.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        s, blocks = ctx.shape, ctx.blocks
+        grad = _rows_contiguous(grad)
+        grad_strides = _head_strides(grad, s.v_dim)
+        delta = torch.empty_like(lse)
+        rows = PREPROCESS_ROWS
+        if INTERPRETED:
+            rows = min(triton.next_power_of_2(delta.numel()), INTERPRETER_ELEMENTS // s.block_v)
+        launch(
+            attention_backward_preprocess_kernel, (triton.cdiv(delta.numel(), rows),),
+            out, grad, delta, *_head_strides(out, s.v_dim), *grad_strides, s.heads, s.seq_len,
+            delta.numel(), V_DIM=s.v_dim, BLOCK_V=s.block_v, BLOCK_R=rows,
+        )  # fmt: skip
+        sinks_grad = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            sinks_grad = FlashAttention.sink_gradient(sinks, lse, delta)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pairs = s.batch * s.heads
+        kernel, grid, keywords = kernel_launch("backward_kv", blocks, s.seq_len, pairs // s.groups)
+        launch(
+            kernel, grid, q, k, v, grad, lse, delta, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *grad_strides, *_strides(dk),
+            *_strides(dv), *s.scalars(), s.scaling, **s.constexprs(), **keywords,
+        )  # fmt: skip
+        kernel, grid, keywords = kernel_launch("backward_q", blocks, s.seq_len, pairs)
+        launch(
+            kernel, grid, q, k, v, grad, lse, delta, dq,
+            *_strides(q), *_strides(k), *_strides(v), *grad_strides, *_strides(dq),
+            *s.scalars(), s.scaling, **s.constexprs(), **keywords,
+        )  # fmt: skip
+        return dq, dk, dv, sinks_grad, None, None
 
 
-def _causal(q, k, v, scaling: float, sink: _Sink | None) -> torch.Tensor:
-    """Square causal attention; with ``sink``, the sink first in keys and queries."""
-    if sink is None:
-        return _attend(q, k, v, scaling, None, is_causal=True)
-    q = F.pad(q, (0, 0, 1, 0))
-    k = torch.cat([sink.key, k], dim=2)
-    v = torch.cat([sink.value, v], dim=2)
-    return _attend(q, k, v, scaling, sink, is_causal=True)[:, :, 1:]
+def _check(q, k, v, window, sinks, blocks) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"flash_attention: q, k, v must be [B, heads, S, width]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    batch, heads, seq, qk_dim = q.shape
+    if not (q.numel() and v.numel()):
+        raise ValueError(f"flash_attention: q {tuple(q.shape)} and v {tuple(v.shape)} are empty")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != batch or k.shape[2] != seq:
+        raise ValueError(
+            f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+            f"[{batch}, kv_heads, {seq}, width] like q {tuple(q.shape)}"
+        )
+    if k.shape[3] != qk_dim or heads % k.shape[1]:
+        raise ValueError(
+            f"flash_attention: k's width {k.shape[3]} must equal q's ({qk_dim}) and its "
+            f"{k.shape[1]} heads must divide q's {heads}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"flash_attention: q, k, v must share one dtype, float32 or bfloat16; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):  # fmt: skip
+        raise ValueError(f"flash_attention: window={window!r} is invalid: an int >= 1 or None")
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"flash_attention: sinks of shape {tuple(sinks.shape)} is invalid: one per "
+            f"query head, ({heads},)"
+        )
+    if blocks is not None:
+        blocks.check()
 
 
-def _band_mask(window: int, sink: bool, device: torch.device) -> torch.Tensor:
-    """``[w, 2w (+1)]``: query ``r`` of a block sees key ``c`` of the two blocks ending at
-    its own when ``r < c <= r + w`` (causal and within the window); a sink column first."""
-    r = torch.arange(window, device=device)[:, None]
-    c = torch.arange(2 * window, device=device)[None, :]
-    allowed = (c > r) & (c <= r + window)
-    if sink:
-        allowed = torch.cat([allowed.new_ones((window, 1)), allowed], dim=1)
-    return allowed
-
-
-def _blocks(x: torch.Tensor, size: int, step: int) -> torch.Tensor:
-    """``[B, H, S, D]`` -> ``[B * n, H, size, D]``: the ``n`` windows of ``size`` rows
-    starting every ``step`` rows."""
-    batch, heads, _, dim = x.shape
-    windows = x.unfold(2, size, step)  # [B, H, n, D, size]
-    count = windows.shape[2]
-    return windows.permute(0, 2, 1, 4, 3).reshape(batch * count, heads, size, dim)
-
-
-def _sliding(q, k, v, scaling: float, window: int, sink: _Sink | None):
-    """Causal attention over the last ``window`` keys, block by block (module docstring)."""
-    batch, heads, seq, _ = q.shape
-    blocks = -(-seq // window)
-    padding = blocks * window - seq  # padded keys come after every real query: never seen
-    q, k, v = (F.pad(x, (0, 0, 0, padding)) for x in (q, k, v))
-    first = _causal(q[:, :, :window], k[:, :, :window], v[:, :, :window], scaling, sink)
-    if blocks == 1:
-        return first[:, :, :seq]
-    queries = _blocks(q[:, :, window:], window, window)
-    keys, values = _blocks(k, 2 * window, window), _blocks(v, 2 * window, window)
-    if sink is not None:
-        keys = torch.cat([sink.key.repeat_interleave(blocks - 1, dim=0), keys], dim=2)
-        values = torch.cat([sink.value.repeat_interleave(blocks - 1, dim=0), values], dim=2)
-    mask = _band_mask(window, sink is not None, q.device)
-    rest = _attend(queries, keys, values, scaling, sink, attn_mask=mask)
-    rest = rest.view(batch, blocks - 1, heads, window, -1).transpose(1, 2)
-    rest = rest.reshape(batch, heads, (blocks - 1) * window, -1)
-    return torch.cat([first, rest], dim=2)[:, :, :seq]
+def sdpa_attention(q, k, v, scaling: float) -> torch.Tensor:
+    """Causal `F.scaled_dot_product_attention` as `flash_attention` returns it, ``[B, S, h *
+    Dv]``: what CUDA runs for MLA's wide heads. Values narrower than the queries are
+    zero-padded to their width, which the fused backends want (zeros change nothing), and
+    the padding is dropped from the output, as the stack did before its own kernel: the
+    path measured on an H100 (GPU.md)."""
+    value_dim = v.shape[-1]
+    if value_dim < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - value_dim))
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, scale=scaling, is_causal=True, enable_gqa=gqa)
+    return out[..., :value_dim].transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
 def flash_attention(
@@ -158,34 +218,26 @@ def flash_attention(
     scaling: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    *,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """Causal attention ``[B, S, h * Dv]`` of ``q [B, h, S, D]``, ``k``, ``v [B, h_kv, S, Dv]``,
-    keys limited to the last ``window`` positions when given, with per-head ``sinks [h]``."""
+    keys limited to the last ``window`` positions when given, with per-head ``sinks [h]``.
+    ``blocks`` fixes the kernels' launch (tests; by default the interpreter's one block,
+    `FLOAT32_BLOCKS` for float32 on GPUs, the autotuner's choice for bfloat16)."""
+    _check(q, k, v, window, sinks, blocks)
     batch, heads, seq, qk_dim = q.shape
-    value_dim = v.shape[-1]
-    sink = None
-    if sinks is not None:
-        # The virtual key's value is 1 in the column after the values (one more column if
-        # none is free), so that column of the output carries p_sink.
-        width = max(qk_dim, value_dim) + 1
-        sink_column = sinks.detach().to(q.dtype).view(1, heads, 1, 1)
-        q = torch.cat([q, sink_column.expand(batch, heads, seq, 1)], dim=-1)
-        q = F.pad(q, (0, width - qk_dim - 1)) if width > qk_dim + 1 else q
-        k = F.pad(k, (0, width - qk_dim))
-        key = k.new_zeros((k.shape[0], k.shape[1], 1, width))
-        key[..., qk_dim] = 1.0 / scaling
-        value = torch.zeros_like(key)
-        value[..., value_dim] = 1.0
-        # In float32, so the two kernels' (banded) parts add before one rounding.
-        sink = _Sink(key, value, sinks.float(), value_dim, qk_dim)
-    if value_dim < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - value_dim))
-    elif value_dim > q.shape[-1]:
-        pad = value_dim - q.shape[-1]
-        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
-    if window is not None and window < seq:
-        out = _sliding(q, k, v, scaling, window, sink)
-    else:
-        out = _causal(q, k, v, scaling, sink)
-    out = out[..., :value_dim]
-    return out.transpose(1, 2).reshape(batch, seq, heads * value_dim)
+    no_band = window is None or window >= seq
+    if q.device.type == "cuda" and blocks is None:
+        if qk_dim >= SDPA_MIN_WIDTH and no_band and sinks is None:
+            return sdpa_attention(q, k, v, scaling)
+    if blocks is None and INTERPRETED:
+        blocks = interpreter_blocks(seq)
+    elif blocks is None and q.dtype == torch.float32:
+        blocks = FLOAT32_BLOCKS
+    shape = _Shape(
+        batch, heads, heads // k.shape[1], seq, qk_dim, v.shape[-1],
+        seq if no_band else window, float(scaling),
+    )  # fmt: skip
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    return FlashAttention.apply(q, k, v, sinks, shape, blocks)

@@ -1,0 +1,147 @@
+"""How `optimized.ops.attention` launches its kernels: block sizes, packing, autotuning.
+
+Three regimes, one kernel family (`optimized.ops.attention_kernels`):
+
+- the interpreter (CPU): each program costs milliseconds of Python whatever its size, so
+  one block covers a sequence up to `INTERPRETER_ROWS` and several (batch x head) pairs
+  share a program (``pack``): at the tiny presets' 64 tokens one program runs the whole
+  forward of a micro-batch;
+- bfloat16 on GPUs: the block sizes, warps and pipeline stages are autotuned per shape
+  (sequence length, window, head widths, dtype) among a few configurations that suit an
+  H100 (`FORWARD_CONFIGS`, ...); a configuration that does not fit the device is skipped
+  by the autotuner;
+- float32 on GPUs (the stacks' float32 checks, not training): IEEE float32 products, one
+  small fixed configuration (`FLOAT32_BLOCKS`): large float32 tiles need more shared
+  memory than an A100 has and take minutes to compile.
+
+Tests fix the blocks (`Blocks`) to run several blocks per sequence on the interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from optimized.ops._triton import INTERPRETED, triton
+from optimized.ops.attention_kernels import (
+    attention_backward_kv_kernel,
+    attention_backward_q_kernel,
+    attention_forward_kernel,
+)
+
+INTERPRETER_ROWS = 512
+"""Rows of a program's tiles on the interpreter: the sequence's block times the pairs it
+packs (tiny presets: 8 pairs of 64 rows; score tiles of 512 x 512 cost numpy about as much
+as one more program costs Python)."""
+PREPROCESS_ROWS = 128
+"""Rows per program of the backward's preprocess on GPUs."""
+KERNELS = {
+    "forward": attention_forward_kernel,
+    "backward_kv": attention_backward_kv_kernel,
+    "backward_q": attention_backward_q_kernel,
+}
+
+
+class Blocks(NamedTuple):
+    """Fixed launch parameters: (query rows, key rows) per block of each kernel; ``pack``,
+    the most (batch x head) pairs one program may take (its tiles are then ``pack`` times
+    as tall; each kernel packs the largest power of two up to it that divides its pairs);
+    and on GPUs the warps and pipeline stages. Sizes are powers of two, at least 16; the
+    forward's and dQ's query block a multiple of their key block, dK/dV's key block a
+    multiple of its query block."""
+
+    forward: tuple[int, int]
+    backward_kv: tuple[int, int]
+    backward_q: tuple[int, int]
+    pack: int = 1
+    warps: int = 4
+    stages: int = 2
+
+    def check(self) -> None:
+        if self.pack < 1 or self.pack & (self.pack - 1):
+            raise ValueError(f"Blocks.pack={self.pack!r} is invalid: a power of two >= 1")
+        for name in KERNELS:
+            rows, cols = getattr(self, name)
+            for size in (rows, cols):
+                if size < 16 or size & (size - 1):
+                    raise ValueError(
+                        f"Blocks.{name}={(rows, cols)} is invalid: block sizes must be powers "
+                        f"of two >= 16"
+                    )
+            outer, inner, which = (cols, rows, "key") if name == "backward_kv" else (
+                rows, cols, "query")  # fmt: skip
+            if outer % inner:
+                raise ValueError(
+                    f"Blocks.{name}={(rows, cols)} is invalid: its {which} block must be a "
+                    f"multiple of the other"
+                )
+
+
+FLOAT32_BLOCKS = Blocks((32, 16), (16, 32), (32, 16), warps=4, stages=2)
+"""float32 on GPUs: each kernel compiles in seconds at head width 64 and fits an A100."""
+
+
+def interpreter_blocks(seq_len: int) -> Blocks:
+    """One square block covering the sequence (up to `INTERPRETER_ROWS`), and as many pairs
+    per program as fill `INTERPRETER_ROWS` rows."""
+    size = min(max(16, triton.next_power_of_2(seq_len)), INTERPRETER_ROWS)
+    return Blocks((size, size), (size, size), (size, size), INTERPRETER_ROWS // size)
+
+
+def _configs(choices: list[tuple[int, int, int, int]]) -> list:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for m, n, warps, stages in choices
+    ]
+
+
+TUNING_KEY = ["seq_len", "window", "QK_DIM", "V_DIM"]
+"""The autotuner's key (it adds the pointers' dtypes)."""
+FORWARD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)])
+"""(query block, key block, warps, stages): Triton's fused-attention tutorial's and
+FlashAttention-2's choices for head widths 64 and 128 on an H100, not yet timed here."""
+BACKWARD_KV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (16, 128, 4, 4)])
+BACKWARD_Q_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)])
+TUNED = {
+    name: triton.autotune(configs, key=TUNING_KEY)(KERNELS[name])
+    for name, configs in (
+        ("forward", FORWARD_CONFIGS),
+        ("backward_kv", BACKWARD_KV_CONFIGS),
+        ("backward_q", BACKWARD_Q_CONFIGS),
+    )
+    if not INTERPRETED
+}
+"""name -> the autotuned kernel (GPUs only: the interpreter has no use for an autotuner)."""
+
+
+def pack_for(limit: int, pairs: int) -> int:
+    """The largest power of two up to ``limit`` that divides ``pairs``."""
+    pack = 1
+    while pack * 2 <= limit and pairs % (pack * 2) == 0:
+        pack *= 2
+    return pack
+
+
+def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
+    """(kernel, grid, launch keywords) for kernel ``name`` over ``pairs`` (batch x head)
+    pairs: the fixed ``blocks`` when given, else the autotuner (bfloat16 on GPUs)."""
+    per_program = "BLOCK_N" if name == "backward_kv" else "BLOCK_M"
+    if blocks is None:
+
+        def grid(meta):
+            return (triton.cdiv(seq_len, meta[per_program]), pairs)
+
+        return TUNED[name], grid, {"PACK": 1}
+    rows, cols = getattr(blocks, name)
+    pack = pack_for(blocks.pack, pairs)
+    grid = (triton.cdiv(seq_len, cols if name == "backward_kv" else rows), pairs // pack)
+    keywords = {"BLOCK_M": rows, "BLOCK_N": cols, "PACK": pack}
+    if not INTERPRETED:
+        keywords.update(num_warps=blocks.warps, num_stages=blocks.stages)
+    return KERNELS[name], grid, keywords
+
+
+__all__ = [
+    "BACKWARD_KV_CONFIGS", "BACKWARD_Q_CONFIGS", "FLOAT32_BLOCKS", "FORWARD_CONFIGS",
+    "INTERPRETER_ROWS", "PREPROCESS_ROWS", "TUNED", "TUNING_KEY", "Blocks",
+    "interpreter_blocks", "kernel_launch", "pack_for",
+]  # fmt: skip
