@@ -31,7 +31,12 @@ RUNS = {
     "tiny-gpt-oss": (
         "tiny-gpt-oss",
         PARALLEL,
-        ("attention-drops-sink", "attention-drops-window", "dispatch-wrong-expert"),
+        (
+            "attention-drops-sink",
+            "attention-drops-window",
+            "attention-frozen-sink",
+            "dispatch-wrong-expert",
+        ),
     ),
     "tiny-qwen3-moe": (
         "tiny-qwen3-moe",
@@ -105,6 +110,11 @@ def test_a_planted_bug_fails(run, plant):
     audit = report["ops_audit"]
     if plant == "cross-entropy-grad-1.01":
         assert audit["passed"]
+    elif plant == "attention-frozen-sink":
+        # The audit checks each op's forward; the sinks' missing gradient is the step's to see,
+        # and it names them: their gradient is zero, 1 - cos = 1, at any width.
+        assert audit["passed"]
+        assert any("sinks" in problem for problem in floor["problems"]), floor["problems"]
     else:
         op = {"activation": "clamped_swiglu", "attention": "attention"}.get(
             plant.split("-")[0], "to_expert_order"

@@ -14,6 +14,9 @@ README gives the commands at real widths.
   normalisation); the loss itself is right;
 - ``attention-drops-sink``: the attention kernel ignores GPT-OSS's sink logits;
 - ``attention-drops-window``: the attention kernel ignores the sliding window;
+- ``attention-frozen-sink``: the attention's forward uses the sinks, but its backward gives
+  them no gradient, so they never train (what a kernel without the sinks' gradient, such as
+  FlashAttention-4's ``learnable_sink`` path in one peer, ships);
 - ``dispatch-wrong-expert``: one routed token of every expert dispatch is computed by the
   next local expert instead of its own.
 """
@@ -31,6 +34,7 @@ PLANTS = (
     "cross-entropy-grad-1.01",
     "attention-drops-sink",
     "attention-drops-window",
+    "attention-frozen-sink",
     "dispatch-wrong-expert",
 )
 
@@ -103,6 +107,15 @@ def _attention(ops_class: type, drop: str) -> Iterator[tuple[Any, str, Any]]:
     yield ops_class, "attention", planted
 
 
+def _frozen_sink() -> Iterator[tuple[Any, str, Any]]:
+    from optimized.ops import FlashAttention  # noqa: PLC0415
+
+    def planted(sinks, lse, delta):
+        return torch.zeros_like(sinks)
+
+    yield FlashAttention, "sink_gradient", staticmethod(planted)
+
+
 def _dispatch_wrong_expert(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     original = ops_class.to_expert_order
 
@@ -129,6 +142,7 @@ def planted(name: str | None) -> Iterator[None]:
         "cross-entropy-grad-1.01": lambda: _cross_entropy_grad(1.01),
         "attention-drops-sink": lambda: _attention(OptimizedOps, "sink"),
         "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
+        "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
     }
     if name not in patches:
