@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from models.config import ModelConfig
 from models.distributed import Layout
 from models.hf_layout import CheckpointError, expected_state_shapes
+from models.inputs import BadInput, read_json
 from models.model import is_expert_parameter
 from models.progress import ProgressLine
 from optimized.train import chunks
@@ -142,8 +143,10 @@ def verify(folder: str | os.PathLike) -> str | None:
     if not manifest.is_file():
         return "no manifest.json (incomplete)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as error:
+        files = read_json(manifest, "a JSON object listing the checkpoint's files")["files"]
+    except BadInput as error:  # binary, or not JSON
+        return str(error)
+    except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable manifest.json ({error})"
     for name, info in files.items():
         path = folder / name
@@ -173,7 +176,9 @@ def read_run(root: str | os.PathLike) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        run = json.loads(path.read_text())
+        run = read_json(path, "a JSON object naming the run that owns the folder (run_id)")
+    except BadInput:
+        raise
     except (OSError, ValueError) as error:
         raise ValueError(
             f"{path} is unreadable ({error}); it names the run that owns the folder"
