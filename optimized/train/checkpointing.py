@@ -15,7 +15,9 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   every global shape and chunk, and replicas' identical pieces are written once. Nothing
   on disk depends on PP, DP, EP or FSDP, so a checkpoint saved at one layout loads at
   any other, each rank reading only the regions it holds;
-- ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
+- ``trainer_state.pt``: the step, AdamW's own step count (``optimizer_steps``: behind the
+  step by the steps ``skip_nonfinite`` skipped; its bias correction continues from it), the
+  data loader's position, every rank's RNG states;
 - ``config.json`` (the model, Hugging Face style) and ``train.toml`` (the run's config);
 - ``manifest.json``, written last: every file's size and sha256, and the run id.
 
@@ -252,6 +254,7 @@ def save_checkpoint(
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
+    trainer_state = {**trainer_state, "optimizer_steps": optimizer.step_count}
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, rng_state())
     problem = None
@@ -335,10 +338,14 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load ``folder``'s optimizer state into the slices this rank owns (collective; the
     parameters were read from it when the part was built); return its trainer state
-    (step, loader position, RNG states)."""
+    (step, loader position, RNG states).
+
+    AdamW resumes at its own step count (``optimizer_steps``), which trails the trainer's
+    step after skipped steps; a checkpoint written before it was recorded counts one per
+    trainer step."""
     folder = Path(folder)
     trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
-    step = int(trainer_state["step"])
+    step = int(trainer_state.get("optimizer_steps", trainer_state["step"]))
     stored = _metadata(folder)
     state: dict[str, Chunk] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
