@@ -110,6 +110,7 @@ def _worker() -> list[tuple[str, float, dict[str, float]]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_loss_is_the_mean_over_the_global_batch_s_labelled_tokens():
     for rank, runs in enumerate(launch(_worker, 2)):

@@ -29,7 +29,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models.model import build_model
 from models.presets import resolve_model
-from optimized.train import TrainConfig, apply_overrides, default_dataset, validate_config
+from optimized.train import (
+    TrainConfig,
+    apply_overrides,
+    default_dataset,
+    lr_at,
+    validate_config,
+)
 from reference.ops import ReferenceOps
 from tests.test_train import REFERENCE_RUNNER, _reference_runner, train  # noqa: F401
 
@@ -129,15 +135,18 @@ def check_run(tmp_path, world: int, clip: float, *overrides: str) -> None:
         assert error <= 3e-4, (key, error)  # measured: 2.7e-5 at worst
 
 
+@pytest.mark.slow
 def test_one_rank_trains_as_plain_torch(tmp_path):
     check_run(tmp_path, 1, 4.2)  # norms 3.87, 4.43, 4.3, 3.3: steps 2 and 3 clipped
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dp2_fsdp_trains_as_plain_torch(tmp_path):
     check_run(tmp_path, 2, 3.3, "parallel.dp=2", "parallel.ep=1", "parallel.fsdp=true")
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_skipped_step_repeats_the_run(tmp_path, monkeypatch):
     """``skip_nonfinite``: a skipped step leaves AdamW where it was, so its own step count
     falls one behind the trainer's. A resume must continue AdamW's count (its bias
@@ -152,3 +161,33 @@ def test_a_resume_after_a_skipped_step_repeats_the_run(tmp_path, monkeypatch):
     resumed = train(config(tmp_path, *common))[0]
     assert resumed["start"] == 2
     assert resumed["losses"] == whole[2:]
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "kind"),
+    [(12, 3, "cosine"), (12, 0, "cosine"), (5, 5, "cosine"), (7, 1, "constant"),
+     (30, None, "cosine")],
+)  # fmt: skip
+def test_every_step_s_learning_rate_is_the_formula(steps, warmup, kind):
+    """`lr_at` at every step of a run and past it, against the documented formula: warmup
+    ``lr (k + 1) / W``, then ``min_lr + (lr - min_lr)(1 + cos(pi t)) / 2`` with ``t = (k -
+    W) / (steps - W)``; unset warmup is ``min(10, steps)``. The last step (``steps - 1``)
+    is still above ``min_lr``, which the schedule reaches one step later."""
+    overrides = [f"steps={steps}", "optim.lr=2.0", "optim.min_lr=0.5", f"optim.lr_schedule={kind}"]
+    if warmup is not None:
+        overrides.append(f"optim.warmup_steps={warmup}")
+    cfg = validate_config(apply_overrides(TrainConfig(), overrides))
+    w = min(10, steps) if warmup is None else warmup
+    for k in range(steps + 3):
+        if k < w:
+            want = 2.0 * (k + 1) / w
+        elif kind == "constant":
+            want = 2.0
+        elif steps == w:
+            want = 0.5
+        else:
+            t = min(1.0, (k - w) / (steps - w))
+            want = 0.5 + 1.5 * (1 + math.cos(math.pi * t)) / 2
+        assert lr_at(k, cfg) == pytest.approx(want, rel=1e-12), (k, lr_at(k, cfg), want)
+    if kind == "cosine" and steps > w:
+        assert lr_at(steps - 1, cfg) > 0.5 and lr_at(steps, cfg) == pytest.approx(0.5)
