@@ -43,6 +43,7 @@ from models.hf_layout import (
     experts_split_on_disk,
     to_hf_state_dict,
 )
+from models.inputs import read_json
 from models.model import CausalLM, build_part
 from models.mxfp4 import dequantize
 from models.progress import ProgressLine
@@ -70,6 +71,10 @@ class StoredTensor(NamedTuple):
     shape: tuple[int, ...]
     end: int
     """Byte of the file where its data ends."""
+
+
+INDEX_EXPECTED = "a safetensors index: a JSON object whose weight_map maps tensor names to files"
+"""What ``model.safetensors.index.json`` must hold (said when it does not)."""
 
 
 def read_header(file: str) -> dict[str, StoredTensor]:
@@ -115,8 +120,8 @@ def _weight_files(path: str) -> list[str]:
         raise FileNotFoundError(
             f"no weights in {path}: expected {WEIGHTS_NAME} or {INDEX_NAME} (safetensors)"
         )
-    with open(index_path) as f:
-        weight_map = json.load(f).get("weight_map")
+    index = read_json(index_path, INDEX_EXPECTED)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path} has no 'weight_map' of tensor name -> shard file")
     files = sorted(set(weight_map.values()))
@@ -225,10 +230,9 @@ def validate_checkpoint(
     if not os.path.exists(os.path.join(path, WEIGHTS_NAME)) and os.path.exists(
         os.path.join(path, INDEX_NAME)
     ):
-        with open(os.path.join(path, INDEX_NAME)) as f:
-            index = {
-                n: os.path.join(path, s) for n, s in json.load(f).get("weight_map", {}).items()
-            }
+        stored = read_json(os.path.join(path, INDEX_NAME), INDEX_EXPECTED)
+        weight_map = stored.get("weight_map") if isinstance(stored, dict) else None
+        index = {n: os.path.join(path, s) for n, s in (weight_map or {}).items()}
     for file in _weight_files(path):
         tensors.update(read_header(file))
     for name, file in index.items():

@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from models.inputs import BadInput, read_text
+
 CONFIG_NAME = "config.json"
 
 
@@ -55,18 +57,19 @@ def read_config_json(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """``(file, raw dict)`` of a ``config.json`` (or a folder holding one)."""
     file = config_path(path)
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        text = read_text(file, "a JSON object (a Hugging Face config.json)")
+    except BadInput as error:  # binary: an image, an archive, a weights file
+        raise ModelConfigError(str(error)) from None
     except OSError as error:
         raise ModelConfigError(f"{file}: cannot read: {error.strerror or error}") from None
-    if not data.strip():
+    if not text.strip():
         raise ModelConfigError(f"{file} is empty: expected a JSON object (a HF config.json)")
     try:
-        raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        where = f" at line {error.lineno} column {error.colno}" if hasattr(error, "lineno") else ""
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
         raise ModelConfigError(
-            f"{file} is not valid JSON ({getattr(error, 'msg', error)}{where}); is it truncated?"
+            f"{file} is not valid JSON ({error.msg} at line {error.lineno} column "
+            f"{error.colno}); is it truncated?"
         ) from None
     if not isinstance(raw, dict):
         raise ModelConfigError(

@@ -16,6 +16,7 @@ it into exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -99,6 +100,39 @@ def check_input_file(path: str | os.PathLike, flag: str) -> Path:
     if not os.access(file, os.R_OK):
         raise BadInput(f"{flag} {str(path)!r}: the file is not readable")
     return file
+
+
+def read_text(path: str | os.PathLike, expected: str) -> str:
+    """The text of ``path``, a UTF-8 text file. A binary file (a NUL byte, or bytes that
+    are not UTF-8: an image, an archive, a checkpoint's tensors) is a `BadInput` naming
+    the file, the first offending byte and ``expected`` (what the file should hold), not
+    a decoding traceback; an unreadable one is the ``OSError``."""
+    data = Path(path).read_bytes()
+    nul = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        nul = error.start if nul < 0 else min(nul, error.start)
+    else:
+        if nul < 0:
+            return text
+    raise BadInput(
+        f"{str(path)!r} is not a text file (byte 0x{data[nul]:02x} at offset {nul} is "
+        f"{'a NUL' if data[nul] == 0 else 'not UTF-8'}); expected {expected}"
+    )
+
+
+def read_json(path: str | os.PathLike, expected: str) -> object:
+    """``path`` parsed as JSON (`read_text`); `BadInput` naming the file, where the JSON
+    breaks and ``expected`` when it does not parse."""
+    text = read_text(path, expected)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BadInput(
+            f"{str(path)!r} is not valid JSON ({error.msg} at line {error.lineno} column "
+            f"{error.colno}); expected {expected}"
+        ) from None
 
 
 def rescue_folder() -> Path:

@@ -15,7 +15,9 @@ On-disk format (one folder ``step-00000020`` per checkpoint under the checkpoint
   every global shape and chunk, and replicas' identical pieces are written once. Nothing
   on disk depends on PP, DP, EP or FSDP, so a checkpoint saved at one layout loads at
   any other, each rank reading only the regions it holds;
-- ``trainer_state.pt``: the step, the data loader's position, every rank's RNG states;
+- ``trainer_state.pt``: the step, AdamW's own step count (``optimizer_steps``: behind the
+  step by the steps ``skip_nonfinite`` skipped; its bias correction continues from it), the
+  data loader's position, every rank's RNG states;
 - ``config.json`` (the model, Hugging Face style) and ``train.toml`` (the run's config);
 - ``manifest.json``, written last: every file's size and sha256, and the run id.
 
@@ -50,6 +52,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from models.config import ModelConfig
 from models.distributed import Layout
 from models.hf_layout import CheckpointError, expected_state_shapes
+from models.inputs import BadInput, read_json
 from models.model import is_expert_parameter
 from models.progress import ProgressLine
 from optimized.train import chunks
@@ -142,8 +145,10 @@ def verify(folder: str | os.PathLike) -> str | None:
     if not manifest.is_file():
         return "no manifest.json (incomplete)"
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as error:
+        files = read_json(manifest, "a JSON object listing the checkpoint's files")["files"]
+    except BadInput as error:  # binary, or not JSON
+        return str(error)
+    except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable manifest.json ({error})"
     for name, info in files.items():
         path = folder / name
@@ -173,7 +178,9 @@ def read_run(root: str | os.PathLike) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        run = json.loads(path.read_text())
+        run = read_json(path, "a JSON object naming the run that owns the folder (run_id)")
+    except BadInput:
+        raise
     except (OSError, ValueError) as error:
         raise ValueError(
             f"{path} is unreadable ({error}); it names the run that owns the folder"
@@ -247,6 +254,7 @@ def save_checkpoint(
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
+    trainer_state = {**trainer_state, "optimizer_steps": optimizer.step_count}
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(
         rng, rng_state(optimizer.shards[0].param.device), group=layout.host_group
@@ -332,10 +340,14 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load ``folder``'s optimizer state into the slices this rank owns (collective; the
     parameters were read from it when the part was built); return its trainer state
-    (step, loader position, RNG states)."""
+    (step, loader position, RNG states).
+
+    AdamW resumes at its own step count (``optimizer_steps``), which trails the trainer's
+    step after skipped steps; a checkpoint written before it was recorded counts one per
+    trainer step."""
     folder = Path(folder)
     trainer_state = torch.load(folder / TRAINER_STATE, weights_only=False)
-    step = int(trainer_state["step"])
+    step = int(trainer_state.get("optimizer_steps", trainer_state["step"]))
     stored = _metadata(folder)
     state: dict[str, Chunk] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}

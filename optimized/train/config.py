@@ -119,7 +119,8 @@ class OptimSection:
     lr_schedule: str = "cosine"
     """After warmup: ``cosine`` (decay to ``min_lr``) or ``constant`` (stay at ``lr``)."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay (``p *= 1 - lr * weight_decay``), on every parameter:
+    norm weights, biases and embeddings decay too, as `torch.optim.AdamW` over all."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW ``(beta1, beta2)``."""
     grad_clip: float = 1.0

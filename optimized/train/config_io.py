@@ -23,6 +23,8 @@ import typing
 from pathlib import Path
 from typing import IO, Any
 
+from models.inputs import BadInput, read_text
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -198,12 +200,12 @@ def load_config(path: str | Path, base: TrainConfig | None = None) -> TrainConfi
     if Path(path).is_dir():
         raise ValueError(f"--config {str(path)!r}: is a folder; expected a TOML file")
     try:
-        text = Path(path).read_text()
+        text = read_text(path, "a TOML file of config values")
     except OSError as error:
         why = error.strerror or error
         raise ValueError(f"--config {str(path)!r}: cannot read ({why})") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--config {str(path)!r}: not a text file ({error.reason})") from None
+    except BadInput as error:  # binary
+        raise ValueError(f"--config {error}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:

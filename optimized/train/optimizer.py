@@ -26,6 +26,10 @@ is the norm of the whole model's gradient.
 With ``S == 1`` and float32 parameters the master *is* the parameter (a view), so an
 unsharded float32 run keeps no extra copy.
 
+The update is `torch.optim.AdamW`'s (tests/test_semantics_optimizer.py holds it there, and
+the clipping to `torch.nn.utils.clip_grad_norm_`): decoupled weight decay on every
+parameter, norm weights, biases and embeddings included (``optim.weight_decay``).
+
 Precision (``state_dtype``, ``master_weights``): by default the moments are float32 and
 16-bit parameters get a float32 master, 16 bytes of state per bf16 parameter on top of its
 own 2 (what lets a long run add updates smaller than a bf16 ulp). ``state_dtype="bfloat16"``

@@ -13,8 +13,8 @@ configs, headers and indexes and checks:
 - the data: a prepared folder, enough tokens for one global batch, no token id beyond the
   model's vocabulary;
 - the objective: ``loss.z_loss`` and ``loss.label_smoothing`` need the optimized runner;
-- every output path: the checkpoint dir, the metrics file, the TensorBoard dir, the
-  profile dir;
+- every output path: the checkpoint dir, the metrics file (when it exists, JSON-lines
+  text: a resume reads it back), the TensorBoard dir, the profile dir;
 - the checkpoint dir's owner: a folder belongs to one run (``run.json``). Resuming picks
   its newest complete checkpoint; a folder whose every checkpoint is corrupt is an error,
   not a fresh start; ``--no-resume`` into another run's folder needs ``--overwrite``; a
@@ -42,7 +42,13 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.distributed import ParallelConfig
-from models.inputs import BadInput, check_hf_checkpoint, check_output_dir, check_output_file
+from models.inputs import (
+    BadInput,
+    check_hf_checkpoint,
+    check_output_dir,
+    check_output_file,
+    read_text,
+)
 from models.presets import resolve_model
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
@@ -149,6 +155,11 @@ def _same_model(found: ModelConfig, model: ModelConfig) -> bool:
 
 def _init_from(source: str, model: ModelConfig) -> None:
     folder = checkpointing.newest_valid(source, warn=False)
+    if folder is None and (Path(source) / checkpointing.MANIFEST).exists():
+        raise BadInput(
+            f"model.init_from = {source!r}: a twinpipe checkpoint that is incomplete or "
+            f"corrupt: {checkpointing.verify(source)}"
+        )
     if folder is None and checkpointing.list_checkpoints(source):
         raise BadInput(
             f"model.init_from = {source!r}: every twinpipe checkpoint in it is incomplete or "
@@ -226,7 +237,12 @@ def _outputs(cfg: TrainConfig) -> None:
     if cfg.checkpoint.dir:
         check_output_dir(cfg.checkpoint.dir, "checkpoint.dir")
     if cfg.logging.metrics_file:
-        check_output_file(cfg.logging.metrics_file, "logging.metrics_file")
+        metrics = check_output_file(cfg.logging.metrics_file, "logging.metrics_file")
+        if metrics.is_file():  # appended to, and read back on resume: it must be JSON lines
+            try:
+                read_text(metrics, "a text file of JSON lines, one per step (or a new path)")
+            except BadInput as error:
+                raise BadInput(f"logging.metrics_file: {error}") from None
     if cfg.logging.profile_dir:
         check_output_dir(cfg.logging.profile_dir, "logging.profile_dir")
     if cfg.logging.tensorboard_dir:

@@ -43,6 +43,7 @@ from typing import IO
 
 import numpy as np
 
+from models.inputs import read_json
 from optimized.train.tokenizers import ByteTokenizer, Tokenizer
 
 FORMAT_NAME = "twinpipe-tokens"
@@ -280,7 +281,10 @@ def read_index(data_dir: str | os.PathLike) -> dict:
             f"{str(folder)!r} is not a prepared data folder (no {INDEX_FILE}); "
             "run `twinpipe prepare-data`"
         )
-    index = json.loads(index_path.read_text())
+    wanted = f"a {FORMAT_NAME} v{FORMAT_VERSION} index written by `twinpipe prepare-data`"
+    index = read_json(index_path, wanted)
+    if not isinstance(index, dict):
+        raise ValueError(f"{str(index_path)!r} holds no JSON object: expected {wanted}")
     if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
         raise ValueError(f"{str(index_path)!r} is not a {FORMAT_NAME} v{FORMAT_VERSION} index")
     expected = index["num_tokens"] * np.dtype(index["dtype"]).itemsize

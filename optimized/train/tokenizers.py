@@ -11,6 +11,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from models.inputs import read_text
+
 
 class Tokenizer(Protocol):
     """What `prepare_data` needs from a tokenizer."""
@@ -76,6 +78,7 @@ class HFTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(self.path)!r} does not exist")
+        read_text(self.path, "a Hugging Face tokenizer.json")  # binary: named, not parsed
         try:
             self._tokenizer = _HFTokenizer.from_file(str(self.path))
         except Exception as error:  # the package raises plain Exception on a bad file
