@@ -29,6 +29,7 @@ class TrackedPeaks:
         from harness.memory import MemoryTracker  # noqa: PLC0415
 
         self.tracker = MemoryTracker(device)
+        self.cuda = device.type == "cuda"  # as PhasePeaks: where the peak is read
         held = TrackedPeaks.holder
         self.tracker.register(
             parameters=lambda: held.get("part"),
