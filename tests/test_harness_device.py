@@ -68,6 +68,7 @@ def test_auto_runs_on_the_cpu_here_and_the_report_says_what_the_ranks_ran_with(t
     assert "launching 2 ranks on cpu" in result.stderr
     device = json.loads((out / "report.json").read_text())["device"]
     assert device["type"] == "cpu" and device["name"] == cpu_name()
+    assert device["requested"] == "auto"
     assert device["torch"] == torch.__version__ and device["cuda"] == torch.version.cuda
     assert device["triton"]
     # The parent process keeps torch's defaults (cuDNN's TF32 is on); the ranks turned it off.

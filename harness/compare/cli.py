@@ -326,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
         return 128 + error.signal if error.signal else 3
     report = build_report(plan, per_rank, args.model)
+    report.get("device", {})["requested"] = device.requested  # what --device said
     if args.bisect and not report["passed"]:
         report["bisect"] = _bisect(plan, device, args.timeout)
     from harness.report import format_table  # noqa: PLC0415

@@ -47,7 +47,8 @@ timing) and every reader here copes with its absence.
                  "torch": str, "triton": str | null, "cuda": str | null,   # or CPU model
                  "float32_products": bool, # bf16 products computed as float32 products
                  "float32_products_why": str,   # (models.bf16_gemm), and why
-                 "tf32": bool}             # whether float32 matmuls could use TF32 (never)
+                 "tf32": bool,             # whether float32 matmuls could use TF32 (never)
+                 "requested": str}         # what --device asked for: auto, cuda or cpu
     }
 
 Memory figures on CUDA also carry ``workspaces``: the bytes of the library workspaces
