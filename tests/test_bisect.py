@@ -59,3 +59,20 @@ def test_planted_bug_is_named(setup, ops, stage, direction):
     assert (found.layer, found.stage, found.direction) == ("layer 1", stage, direction), found
     assert found.rel_error > found.tolerance
     assert "layer 1" in found.describe()
+
+
+def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
+    """Bisected with each stack's own loss stage (the optimized stack's fused output layer
+    and cross-entropy), correct stacks agree; a bug planted in that loss is found there."""
+    from harness.compare.bisect import stack_loss
+    from harness.compare.planted import planted
+
+    cfg, state, ids, labels = setup
+    losses = (stack_loss("reference"), stack_loss("optimized"))
+    args = (cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels)
+    assert bisect(*args, losses=losses) is None
+    with planted("cross-entropy-grad-1.01"):
+        found = bisect(*args, losses=losses)
+    assert found is not None
+    assert (found.layer, found.stage, found.direction) == ("loss", "loss", "backward"), found
+    assert bisect(*args, losses=losses) is None  # the plant is gone with its block

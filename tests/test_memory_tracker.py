@@ -279,6 +279,27 @@ def test_cuda_peak_from_allocator_statistics():
     assert tracker.breakdown()["total"] == tracker.peak_bytes
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-only: cuBLAS's workspaces live in the CUDA allocator; this machine has no GPU",
+)
+def test_cuda_cublas_workspaces_are_reported_apart_from_activations():
+    tracker = MemoryTracker("cuda")
+    weight = torch.randn(256, 256, device="cuda")
+    tracker.register(parameters=[weight])
+    for _ in range(2):  # each step clears the workspaces and allocates its own
+        with tracker.step():
+            tracker.mark("F", 0)
+            out = weight @ weight
+            del out
+        breakdown = tracker.breakdown()
+        assert breakdown["workspaces"] > 0, breakdown  # cuBLAS's, allocated inside the step
+        named = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+        assert named + breakdown["activations"] + breakdown["workspaces"] == breakdown["total"]
+        assert breakdown["activations"] < breakdown["workspaces"]  # out: 256 KiB
+
+
 def test_a_free_made_by_another_thread_counts_at_the_last_use():
     """gloo's worker thread can hold the last reference to a collective's buffer and free
     it whenever it next gets the GIL: the tracker records such a free where the step's
