@@ -184,3 +184,12 @@ def test_bench_profile_into_a_file_exits_2_before_any_work(tmp_path, capsys):
     assert "--profile" in capsys.readouterr().err and not history.exists()
     assert main([*args, "--profile", str(tmp_path / "p"), "--add-report", "x.json"]) == 2
     assert "--add-report runs nothing" in capsys.readouterr().err
+
+
+def test_every_stack_builds_on_the_ranks_device():
+    """Each side's constructor takes ``device=``, so no stack is held to the CPU under
+    ``--device cuda`` (`harness.compare.stacks.device_problem` names one that would be)."""
+    from harness.compare.stacks import STACKS, device_problem, takes_device
+
+    assert all(takes_device(name) for name in STACKS), STACKS
+    assert device_problem(tuple(STACKS), "cuda") is None

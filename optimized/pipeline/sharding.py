@@ -249,12 +249,21 @@ class ShardedOptimizedPipeline(PipelineRunner):
     name = "optimized-fsdp"
 
     def __init__(
-        self, model, parallel, layout, source, optimizer, stages=None, *, optimizer_class: type
+        self,
+        model,
+        parallel,
+        layout,
+        source,
+        optimizer,
+        stages=None,
+        *,
+        optimizer_class: type,
+        device: torch.device | str = "cpu",
     ) -> None:
         from optimized.pipeline.runner import OptimizedPipeline  # noqa: PLC0415
 
         self.sharded: set[str] = set()
-        device = torch.device("cpu")
+        device = torch.device(device)
         self.runner = OptimizedPipeline(
             model, parallel, layout, source, optimizer, stages, device=device,
             shard=lambda part: self.sharded.update(
