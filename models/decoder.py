@@ -46,11 +46,6 @@ class RoutePlan(NamedTuple):
     hidden_shape: torch.Size
     """Shape of the layer's input hidden states, ``[B, S, H]``."""
 
-    @property
-    def send_counts(self) -> torch.Tensor:
-        """``[EP * E_local]`` long: routed copies this rank sends to each global expert."""
-        return self.counts[0]
-
 
 class SplitSizes(NamedTuple):
     """A MoE layer's dispatch sizes on the host: what the all-to-alls and the grouped expert
