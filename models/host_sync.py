@@ -70,6 +70,7 @@ _COPY_OPS = frozenset({"copy_", "_to_copy"})
 _ROOT = Path(__file__).resolve().parents[1]
 _INTERPRETER = str(Path("triton") / "runtime" / "interpreter.py")
 _THIS = str(Path(__file__).resolve())
+_TORCH = str(Path(torch.__file__).parent)
 
 _local = threading.local()
 
@@ -148,20 +149,37 @@ def _to_target(args: tuple, kwargs: dict) -> torch.device | None:
     return None
 
 
+_PACKAGES = ("models", "reference", "optimized", "harness", "benchmarks")
+_relative: dict[str, str | None] = {}
+
+
+def _project_path(filename: str) -> str | None:
+    """``filename`` relative to the checkout when it is a source file of the project."""
+    if filename not in _relative:
+        path = Path(filename)
+        relative = None
+        if path.is_absolute() and path.is_file():
+            try:
+                relative = path.resolve().relative_to(_ROOT)
+            except ValueError:
+                relative = None
+        keep = relative is not None and relative.parts[0] in _PACKAGES
+        _relative[filename] = relative.as_posix() if keep else None
+    return _relative[filename]
+
+
 def _site() -> str:
-    """The innermost frame in this project (outside this module), else the first caller."""
+    """The innermost frame in the project's packages (outside this module), else the first
+    caller outside torch."""
     frame = sys._getframe(2)
     fallback = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename != _THIS:
+        if filename != _THIS and not filename.startswith(_TORCH):
             if fallback is None:
                 fallback = frame
-            try:
-                relative = Path(filename).resolve().relative_to(_ROOT)
-            except ValueError:
-                relative = None
-            if relative is not None and relative.parts[0] != "tests":
+            relative = _project_path(filename)
+            if relative is not None:
                 return f"{relative}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     if fallback is None:
