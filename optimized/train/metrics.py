@@ -35,7 +35,9 @@ class StepMetrics:
     """1-based step number."""
     steps: int
     step_time_s: float
-    """Slowest rank's wall time for the step."""
+    """Slowest rank's wall time for the step, on the host: the step reads the device once,
+    before its update, so the device may finish the update while the next step starts
+    (nothing waits for it; over many steps the times add up to the run's)."""
     loss: float
     learning_rate: float
     gradient_norm: float

@@ -16,6 +16,12 @@ One function, `train`, runs on every rank of an initialised process group. Each 
 4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every
    ``save_every`` steps, at the end, and when SIGTERM arrives.
 
+The host never waits for the device in a step except where it needs a value: the MoE
+layers' split sizes (`models.decoder.MoE.split_sizes`) and, once, the logged loss, norm and
+z-loss, read together before the update (`LoggedScalars`); the norm, the clipping factor
+and the loss stay on the device until then, and the host's own figures (time, memory,
+traffic) reduce over the gloo host group. ``tests/test_host_syncs.py`` holds it to that.
+
 A run stops early on SIGTERM or SIGINT (the launcher forwards both to every rank): the
 ranks agree at the end of the step, save, and return ``signal``; the command exits
 128 + the signal. Metrics are written once per step: on resume, records past the resumed
