@@ -334,6 +334,16 @@ class CommunicationCounter:
             raise RuntimeError("CommunicationCounter.start: install the counter first")
         self.active = True
 
+    @contextmanager
+    def paused(self) -> Iterator[CommunicationCounter]:
+        """Count nothing inside (calls a step makes that are not its traffic: a logged
+        value's reduction), then go on as before."""
+        was_active, self.active = self.active, False
+        try:
+            yield self
+        finally:
+            self.active = was_active
+
     def stop(self) -> Counts:
         """Stop counting; the counts since the last `take`, and start again from zero."""
         self.active = False

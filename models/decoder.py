@@ -26,7 +26,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
+from models.host_sync import HostCopy
 from models.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
+from models.ops import ExpertRows
 
 
 class RoutePlan(NamedTuple):
@@ -34,12 +36,28 @@ class RoutePlan(NamedTuple):
 
     token_index: torch.Tensor
     """``[N]`` long: source token (row of the flattened batch) of each sorted routed copy."""
-    send_counts: torch.Tensor
-    """``[EP * E_local]`` long: routed copies this rank sends to each global expert."""
+    counts: torch.Tensor
+    """``[2, EP * E_local]`` long. Row 0: routed copies this rank sends to each global
+    expert. Row 1, filled by `MoE.exchange_counts` (EP > 1): rows this rank receives per
+    (source rank, local expert), source-major. One tensor, so that both reach the host in
+    one copy (`MoE.split_sizes`)."""
     num_tokens: int
     """Tokens in the micro-batch (rows of the flattened batch)."""
     hidden_shape: torch.Size
     """Shape of the layer's input hidden states, ``[B, S, H]``."""
+
+
+class SplitSizes(NamedTuple):
+    """A MoE layer's dispatch sizes on the host: what the all-to-alls and the grouped expert
+    buffer are sized from (`MoE.split_sizes`: one device-to-host copy per layer and
+    micro-batch, which the backward reuses)."""
+
+    send: list[int]
+    """Rows this rank sends to each EP rank."""
+    receive: list[int]
+    """Rows this rank receives from each EP rank."""
+    expert_rows: list[int]
+    """Rows this rank receives for each of its local experts (from all sources)."""
 
 
 class AttentionOut(NamedTuple):
@@ -60,8 +78,11 @@ class DispatchOut(NamedTuple):
 
     tokens: torch.Tensor
     """``[R, H]`` tokens received from every EP rank, each source's rows in expert order."""
-    recv_counts: torch.Tensor
-    """``[EP, E_local]`` long: rows received from each source rank for each local expert."""
+    recv_counts: torch.Tensor | None
+    """``[EP, E_local]`` long: rows received from each source rank for each local expert
+    (None for a dense layer)."""
+    sizes: SplitSizes | None
+    """The same counts on the host, summed as the exchanges need them (None: dense)."""
 
 
 class ExpertsOut(NamedTuple):
@@ -129,7 +150,7 @@ class DecoderLayer(nn.Module):
     def dispatch(self, a: AttentionOut, ops) -> DispatchOut:
         """Stage 2: send each routed copy to the EP rank that holds its expert."""
         if a.plan is None:
-            return DispatchOut(a.sorted_tokens, a.plan)
+            return DispatchOut(a.sorted_tokens, None, None)
         return self.mlp.dispatch(a, ops)
 
     def experts(self, d: DispatchOut, ops) -> ExpertsOut:
@@ -142,7 +163,7 @@ class DecoderLayer(nn.Module):
         """Stage 4: send expert outputs back to the ranks of their tokens."""
         if a.plan is None:
             return CombineOut(e.tokens)
-        return CombineOut(self.mlp.combine(e.tokens, d.recv_counts, a.plan, ops))
+        return CombineOut(self.mlp.combine(e.tokens, d.sizes, ops))
 
     def aggregate(self, a: AttentionOut, c: CombineOut, ops) -> torch.Tensor:
         """Stage 5: weight expert outputs by the router, sum per token, add the residual."""
@@ -179,6 +200,8 @@ class MoE(nn.Module):
         else:
             self.gate = router
         self.experts = Experts(config, ep.rank * self.num_local, self.num_local)
+        self.host_counts = HostCopy()
+        """Where `split_sizes` reads the counts (a pinned buffer on a GPU, made once)."""
         if config.n_shared_experts:
             self.shared_experts = DenseMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
@@ -197,45 +220,54 @@ class MoE(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         top_k = experts.shape[1]
         token_index = order // top_k
-        send_counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # A scatter-add, not `torch.bincount`: on CUDA bincount reads the largest id on the
+        # host to size its output. Row 1 is for the receive counts (`exchange_counts`).
+        counts = torch.zeros((2, self.num_experts), dtype=torch.long, device=x.device)
+        counts[0].index_add_(0, flat_experts, torch.ones_like(flat_experts))
         sorted_tokens = ops.gather_rows(tokens, token_index)
         sorted_weights = weights.reshape(-1)[order]
         residual = h if self.shared_experts is None else h + self.shared_experts(x)
-        plan = RoutePlan(token_index, send_counts, tokens.shape[0], x.shape)
+        plan = RoutePlan(token_index, counts, tokens.shape[0], x.shape)
         return AttentionOut(residual, sorted_tokens, sorted_weights, plan)
 
-    def _split_sizes(self, counts: torch.Tensor) -> list[int]:
-        return counts.view(self.ep.size, self.num_local).sum(dim=1).tolist()
-
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """``[EP, E_local]`` rows this rank will receive per (source rank, local expert)."""
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``[EP, E_local]`` rows this rank will receive per (source rank, local expert),
+        written into row 1 of the plan's ``counts`` (at EP 1: row 0 itself). On the device:
+        nothing is read back here."""
         if self.ep.size == 1:
-            return send_counts.view(1, self.num_local)
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts, group=self.ep.group)
-        return recv.view(self.ep.size, self.num_local)
+            return counts[0].view(1, self.num_local)
+        dist.all_to_all_single(counts[1], counts[0], group=self.ep.group)
+        return counts[1].view(self.ep.size, self.num_local)
+
+    def split_sizes(self, counts: torch.Tensor) -> SplitSizes:
+        """The layer's `SplitSizes` from the plan's ``counts`` after `exchange_counts`: the
+        one device-to-host copy of the layer's dispatch (send and receive counts together,
+        through a buffer the layer keeps)."""
+        ep, local = self.ep.size, self.num_local
+        rows = self.host_counts.tolist(counts[: 2 if ep > 1 else 1])
+        send, receive = rows[0], rows[-1]
+
+        def per_rank(row: list[int]) -> list[int]:
+            return [sum(row[r * local : (r + 1) * local]) for r in range(ep)]
+
+        expert_rows = [sum(receive[r * local + e] for r in range(ep)) for e in range(local)]
+        return SplitSizes(per_rank(send), per_rank(receive), expert_rows)
 
     def dispatch(self, a: AttentionOut, ops) -> DispatchOut:
-        recv_counts = self.exchange_counts(a.plan.send_counts)
-        received = ops.all_to_all(
-            a.sorted_tokens,
-            recv_counts.sum(dim=1).tolist(),
-            self._split_sizes(a.plan.send_counts),
-            self.ep.group,
-        )
-        return DispatchOut(received, recv_counts)
+        recv_counts = self.exchange_counts(a.plan.counts)
+        sizes = self.split_sizes(a.plan.counts)
+        received = ops.all_to_all(a.sorted_tokens, sizes.receive, sizes.send, self.ep.group)
+        return DispatchOut(received, recv_counts, sizes)
 
     def run_experts(self, d: DispatchOut, ops) -> torch.Tensor:
         local_ids = torch.arange(self.num_local, device=d.tokens.device).repeat(self.ep.size)
-        expert_ids = torch.repeat_interleave(local_ids, d.recv_counts.reshape(-1))
-        grouped, layout = ops.to_expert_order(d.tokens, expert_ids, self.num_local)
+        expert_ids = torch.repeat_interleave(
+            local_ids, d.recv_counts.reshape(-1), output_size=d.tokens.shape[0]
+        )
+        rows = ExpertRows(d.sizes.expert_rows)
+        grouped, layout = ops.to_expert_order(d.tokens, expert_ids, rows)
         out = self.experts(grouped, layout.offsets, ops)
         return ops.from_expert_order(out, layout)
 
-    def combine(self, tokens: torch.Tensor, recv_counts, plan: RoutePlan, ops) -> torch.Tensor:
-        return ops.all_to_all(
-            tokens,
-            self._split_sizes(plan.send_counts),
-            recv_counts.sum(dim=1).tolist(),
-            self.ep.group,
-        )
+    def combine(self, tokens: torch.Tensor, sizes: SplitSizes, ops) -> torch.Tensor:
+        return ops.all_to_all(tokens, sizes.send, sizes.receive, self.ep.group)

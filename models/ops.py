@@ -27,6 +27,29 @@ class ExpertLayout(NamedTuple):
     positions: torch.Tensor
 
 
+class ExpertRows(int):
+    """A number of experts that also carries each expert's row count, known on the host.
+
+    `Ops.to_expert_order` must size its grouped buffer from the rows of each expert; on a
+    GPU, reading them back from the device stops the host. A MoE layer already holds them on
+    the host (its dispatch's split sizes, `models.decoder.SplitSizes`) and passes them as
+    ``num_experts``: an `int` (the number of experts) with ``rows``, so a stack that does not
+    use them, and every wrapper that treats ``num_experts`` as a number (the harness's
+    audit and planted bugs), keep working unchanged.
+    """
+
+    rows: tuple[int, ...]
+    """Rows of each expert, in expert order."""
+
+    def __new__(cls, rows) -> ExpertRows:
+        number = super().__new__(cls, len(rows))
+        number.rows = tuple(int(n) for n in rows)
+        return number
+
+    def __getnewargs__(self) -> tuple:  # copies and pickles rebuild it from its rows
+        return (self.rows,)
+
+
 class Ops(Protocol):
     """Every operation the two stacks implement differently."""
 
@@ -72,7 +95,9 @@ class Ops(Protocol):
     def to_expert_order(
         self, tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, ExpertLayout]:
-        """Rows of ``tokens`` grouped by ``expert_ids`` (stable within a group)."""
+        """Rows of ``tokens`` grouped by ``expert_ids`` (stable within a group).
+        ``num_experts`` may be an `ExpertRows`, whose host-known counts the buffer can be
+        sized from."""
         ...
 
     def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

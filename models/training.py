@@ -58,9 +58,11 @@ def synthetic_batch(
     return ids, shift_labels(ids)
 
 
-def token_count(labels: torch.Tensor) -> int:
-    """Labelled tokens of a global batch: the denominator of the mean loss."""
-    return max(int((labels != IGNORE_INDEX).sum()), 1)
+def token_count(labels: torch.Tensor) -> torch.Tensor:
+    """Labelled tokens of a global batch (at least 1): the denominator of the mean loss, as
+    a 0-dim long tensor on the labels' device. The schedules only divide by it, so it is
+    never read on the host (dividing by it or by the same Python int gives the same bits)."""
+    return (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def micro_batches_of(
@@ -105,14 +107,20 @@ def reduce_gradients(part: torch.nn.Module, layout: Layout) -> None:
             dist.all_reduce(param.grad, group=layout.dp_group)
 
 
-def share_loss(loss: torch.Tensor, layout: Layout) -> float:
-    """The global mean loss on every rank, from the per-rank shares on pp-rank 0."""
+def shared_loss(loss: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The global mean loss on every rank, from the per-rank shares on pp-rank 0, as a 0-dim
+    float32 tensor on the loss's device: collectives only, nothing read on the host."""
     loss = loss.detach().float().clone()
     if layout.dp > 1:
         dist.all_reduce(loss, group=layout.dp_group)
     if layout.pp > 1:
         dist.broadcast(loss, src=layout.global_rank(0), group=layout.pp_group)
-    return float(loss)
+    return loss
+
+
+def share_loss(loss: torch.Tensor, layout: Layout) -> float:
+    """`shared_loss`, read on the host."""
+    return float(shared_loss(loss, layout))
 
 
 class PipelineRunner:
@@ -130,11 +138,16 @@ class PipelineRunner:
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Forward and backward of one global batch; gradients reduced, not yet applied."""
+        return float(self.forward_backward_on_device(ids, labels))
+
+    def forward_backward_on_device(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`forward_backward` with the loss left on the device, unread (`shared_loss`): a
+        trainer reads it once a step together with the other logged scalars."""
         self.optimizer.zero_grad(set_to_none=True)
         batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
         loss = self.schedule.step(batches, token_count(labels))
         reduce_gradients(self.part, self.layout)
-        return share_loss(loss, self.layout)
+        return shared_loss(loss, self.layout)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

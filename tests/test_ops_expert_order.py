@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.host_sync import HostSyncCounter
 from optimized.ops import (
     GROUPED_GEMM_ROW_ALIGNMENT,
     gather_from_grouped,
@@ -56,7 +57,18 @@ def test_layout_edge_cases(rows, hidden, num_experts, ids):
     else:
         choice = torch.randint(0, len(ids), (rows,), generator=generator)
         expert_ids = torch.tensor(ids)[choice]
-    check_layout(tokens, expert_ids, num_experts)
+    grouped, layout = check_layout(tokens, expert_ids, num_experts)
+    # With each expert's rows known on the host (a MoE layer's split sizes), the same
+    # buffer and layout, and nothing read back from the device.
+    rows_per_expert = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    with HostSyncCounter() as counter, counter.counting():
+        known, known_layout = scatter_for_grouped_gemm(
+            tokens, expert_ids, num_experts, group_rows=rows_per_expert
+        )
+    assert counter.events == [], counter.events
+    assert torch.equal(known, grouped)
+    assert torch.equal(known_layout.offsets, layout.offsets)
+    assert torch.equal(known_layout.positions, layout.positions)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,3 +100,8 @@ def test_bad_expert_ids_are_named():
         scatter_for_grouped_gemm(torch.randn(2, 4), torch.tensor([0, 3]), 3)
     with pytest.raises(ValueError, match="expert_ids must be"):
         scatter_for_grouped_gemm(torch.randn(2, 4), torch.tensor([0]), 3)
+    # With host-known rows the ids are checked on the device: at once on the CPU.
+    with pytest.raises(RuntimeError, match=r"expert_ids must lie in \[0, 3\)"):
+        scatter_for_grouped_gemm(torch.randn(2, 4), torch.tensor([0, 3]), 3, group_rows=[1, 0, 1])
+    with pytest.raises(ValueError, match="group_rows must give 3 row counts summing to the 2"):
+        scatter_for_grouped_gemm(torch.randn(2, 4), torch.tensor([0, 1]), 3, group_rows=[1, 0])

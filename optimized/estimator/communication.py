@@ -12,7 +12,7 @@ model, the layout and the runner alone, exactly when routing is balanced
   the count exchange (``num_experts`` int64, ``E / EP`` to each peer), then dispatch and
   combine forward and their two backward exchanges; a rank sends the routed copies bound
   for other EP ranks' experts and receives the copies of its own experts from each peer;
-- **the loss** (`models.training.share_loss`): one float32 all-reduce over ``dp`` and one
+- **the loss** (`models.training.shared_loss`): one float32 all-reduce over ``dp`` and one
   broadcast over ``pp`` from pp-rank 0;
 - **plain runners** (`models.training.reduce_gradients`): one all-reduce per parameter,
   over ``dp``, routed experts over ``expert_replica`` (where those groups have > 1 rank);

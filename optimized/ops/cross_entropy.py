@@ -80,13 +80,24 @@ def check_inputs(logits: torch.Tensor, target: torch.Tensor) -> None:
 
 
 def check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
-    """Raise on a target outside ``[0, vocab)`` that is not ``ignore_index``."""
+    """Raise on a target outside ``[0, vocab)`` that is not ``ignore_index``, without
+    stopping the host: the check is an assertion on the device (`torch._assert_async`).
+    On the CPU it fails at once and is reported as a ValueError naming the value; on a GPU
+    a bad target is a device-side assertion (the trainer's data was checked against the
+    vocabulary before the run: `optimized.train.preflight`)."""
     out_of_range = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bool(out_of_range.any()):
-        bad = target[out_of_range][0].item()
+    valid = out_of_range.any().logical_not()
+    message = f"target outside [0, {vocab}) and not ignore_index={ignore_index}"
+    if target.device.type != "cpu":
+        torch._assert_async(valid, message)
+        return
+    try:
+        torch._assert_async(valid, message)
+    except RuntimeError:
+        bad = target[out_of_range][0].item()  # the error's own read
         raise ValueError(
             f"target holds {bad}, outside [0, {vocab}) and not ignore_index={ignore_index}"
-        )
+        ) from None
 
 
 def grad_scale_for(target: torch.Tensor, options: LossOptions) -> torch.Tensor:

@@ -15,6 +15,8 @@ buffer row of input row ``i``: all the reverse step `gather_from_grouped` needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from models.ops import ExpertLayout
@@ -76,11 +78,16 @@ def scatter_for_grouped_gemm(
     expert_ids: torch.Tensor,
     num_experts: int,
     alignment: int = GROUPED_GEMM_ROW_ALIGNMENT,
+    group_rows: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, ExpertLayout]:
     """Rows of ``tokens [N, H]`` grouped by ``expert_ids [N]`` with padded groups.
 
     Returns the ``[offsets[-1], H]`` buffer (padding rows zero) and its
     `ExpertLayout`. Differentiable in ``tokens``; saves only the positions.
+
+    ``group_rows``, the rows of each expert when the caller knows them on the host (a MoE
+    layer's split sizes), sizes the buffer without reading anything back from the device;
+    without them the row count and the ids' validity are read in one synchronisation.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [rows, hidden]; got shape {tuple(tokens.shape)}")
@@ -92,6 +99,8 @@ def scatter_for_grouped_gemm(
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got {num_experts}")
     expert_ids = expert_ids.long()
+    if group_rows is not None:
+        return _scatter_known_rows(tokens, expert_ids, num_experts, alignment, group_rows)
     # The buffer's row count and the ids' validity come back to the host in one read (the
     # op's one synchronisation); the layout is built from clamped ids so that a bad id
     # cannot index out of bounds on the device before it is reported.
@@ -100,6 +109,34 @@ def scatter_for_grouped_gemm(
     total_rows, bad = torch.stack([layout.offsets[-1].long(), out_of_range]).tolist()
     if bad:
         raise ValueError(f"expert_ids must lie in [0, {num_experts}); {bad} do not")
+    grouped = _ScatterToGroups.apply(tokens, layout.positions, total_rows)
+    return grouped, layout
+
+
+def _scatter_known_rows(
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    alignment: int,
+    group_rows: Sequence[int],
+) -> tuple[torch.Tensor, ExpertLayout]:
+    """`scatter_for_grouped_gemm` with the buffer sized from the host's ``group_rows``.
+
+    The ids are checked on the device (`torch._assert_async`: at once on the CPU, a device
+    assert on a GPU). Ids that disagree with ``group_rows`` (a caller's bug) cannot write
+    out of bounds either: the offsets and positions are clamped to the buffer, so such rows
+    collide and give wrong results rather than touch memory past it.
+    """
+    if len(group_rows) != num_experts or sum(group_rows) != tokens.shape[0]:
+        raise ValueError(
+            f"group_rows must give {num_experts} row counts summing to the {tokens.shape[0]} "
+            f"token rows; got {list(group_rows)}"
+        )
+    out_of_range = ((expert_ids < 0) | (expert_ids >= num_experts)).any()
+    torch._assert_async(out_of_range.logical_not(), f"expert_ids must lie in [0, {num_experts})")
+    total_rows = sum(round_up(rows, alignment) for rows in group_rows)
+    offsets, positions = expert_layout(expert_ids.clamp(0, num_experts - 1), num_experts, alignment)
+    layout = ExpertLayout(offsets.clamp_(max=total_rows), positions.clamp_(max=total_rows - 1))
     grouped = _ScatterToGroups.apply(tokens, layout.positions, total_rows)
     return grouped, layout
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from models.distributed import all_to_all
-from models.ops import ExpertLayout
+from models.ops import ExpertLayout, ExpertRows
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
 from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
@@ -75,8 +75,10 @@ class OptimizedOps:
     def to_expert_order(
         self, tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, ExpertLayout]:
-        """Groups padded to 128-row multiples: ``offsets[-1]`` is the padded row count."""
-        return scatter_for_grouped_gemm(tokens, expert_ids, num_experts)
+        """Groups padded to 128-row multiples: ``offsets[-1]`` is the padded row count.
+        Given `ExpertRows` (host-known rows per expert), nothing is read back."""
+        rows = num_experts.rows if isinstance(num_experts, ExpertRows) else None
+        return scatter_for_grouped_gemm(tokens, expert_ids, int(num_experts), group_rows=rows)
 
     def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         return gather_from_grouped(grouped, layout)

@@ -17,14 +17,17 @@ that while one side's all-to-all is in flight the other side computes
     B dispatch wait, B attention  | F combine wait, F aggregate
 
 The per-expert count exchange (``MoE.exchange_counts``, first in `dispatch_start`) stays a
-blocking all-to-all: this step list cannot hide it. The token dispatch's receive buffer is
-sized from it, so it must finish before the dispatch starts, and it can only start once the
-router has run, at the end of `attention_forward`. Between the two the list could only
-place the other side's combine-backward wait and expert backward; but the combine-backward
-exchange was started earlier on the same EP group, and collectives on one group complete in
-order, so the counts queue behind it either way; and moving `dispatch_start` after the
-expert backward would leave the token dispatch, the larger transfer, with no compute to
-hide behind. An asynchronous count exchange would move the same wait, not remove it.
+blocking all-to-all, and its result is the one value a layer's forward reads on the host
+(``MoE.split_sizes``: send and receive counts in one copy, the all-to-alls' split sizes and
+the grouped expert buffer's rows; the backward reuses them): this step list cannot hide it.
+The token dispatch's receive buffer is sized from it, so it must finish before the dispatch
+starts, and it can only start once the router has run, at the end of `attention_forward`.
+Between the two the list could only place the other side's combine-backward wait and expert
+backward; but the combine-backward exchange was started earlier on the same EP group, and
+collectives on one group complete in order, so the counts queue behind it either way; and
+moving `dispatch_start` after the expert backward would leave the token dispatch, the larger
+transfer, with no compute to hide behind. An asynchronous count exchange would move the
+same wait, not remove it.
 
 Records keep only what backward needs: the comm stages keep their split sizes
 and group, not tensors. Stage-boundary storage nobody reads again is freed
@@ -40,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from models.decoder import AttentionOut, CombineOut, DecoderLayer, DispatchOut
+from models.decoder import AttentionOut, CombineOut, DecoderLayer, DispatchOut, SplitSizes
 from optimized.pipeline.execution import Exchange, ExecutionContext, start_exchange
 
 
@@ -90,6 +93,7 @@ class LayerRun:
         self.attention: AttentionOut | None = None
         self.dispatch: ExchangeRecord | None = None
         self.recv_counts: torch.Tensor | None = None
+        self.sizes: SplitSizes | None = None
         self.received: torch.Tensor | None = None
         self.expert_output: torch.Tensor | None = None
         self.combined: torch.Tensor | None = None
@@ -115,9 +119,9 @@ def dispatch_start(run: LayerRun) -> None:
     if not run.is_moe:
         return
     mlp, plan = run.layer.mlp, run.attention.plan
-    run.recv_counts = mlp.exchange_counts(plan.send_counts)
-    send = plan.send_counts.view(mlp.ep.size, mlp.num_local).sum(dim=1).tolist()
-    receive = run.recv_counts.sum(dim=1).tolist()
+    run.recv_counts = mlp.exchange_counts(plan.counts)
+    run.sizes = mlp.split_sizes(plan.counts)  # the layer's one wait on the device
+    receive, send = run.sizes.receive, run.sizes.send
     run.dispatch = ExchangeRecord(receive, send, mlp.ep.group)
     tokens = run.attention.sorted_tokens
     run.pending = start_exchange(tokens.detach(), receive, send, mlp.ep.group)
@@ -138,7 +142,7 @@ def experts_forward(run: LayerRun) -> None:
         return
     with run.ctx.stage():
         run.expert_output = run.layer.mlp.run_experts(
-            DispatchOut(run.received, run.recv_counts), run.ops
+            DispatchOut(run.received, run.recv_counts, run.sizes), run.ops
         )
     # The experts read the received rows into their own grouped buffer.
     run.ctx.free_now("received_tokens", run.received, still_read=(run.expert_output,))
@@ -225,7 +229,7 @@ def dispatch_backward_start(run: LayerRun) -> None:
         return
     receive, send, group = run.dispatch
     run.pending = start_exchange(_grad_of(run.received), send, receive, group)
-    run.received = run.recv_counts = None
+    run.received = run.recv_counts = run.sizes = None
 
 
 def dispatch_backward_wait(run: LayerRun) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.decoder import DecoderLayer, DispatchOut
+from models.decoder import DecoderLayer
 
 STAGES = ("attention", "dispatch", "experts", "combine", "aggregate")
 
@@ -114,7 +114,7 @@ def profile_layer(layer: DecoderLayer, hidden: torch.Tensor, ops) -> LayerProfil
             sorted_weights=_leaf(a.sorted_weights),
         )
         d = run("dispatch", layer.dispatch, a, ops)
-        d = DispatchOut(_leaf(d.tokens), d.recv_counts)
+        d = d._replace(tokens=_leaf(d.tokens))
         e = run("experts", layer.experts, d, ops)
         e = e._replace(tokens=_leaf(e.tokens))
         c = run("combine", layer.combine, a, e, d, ops)

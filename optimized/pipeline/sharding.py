@@ -67,7 +67,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 
 from models.distributed import Layout
 from models.model import CausalLM, is_expert_parameter
-from models.training import PipelineRunner, micro_batches_of, share_loss, token_count
+from models.training import PipelineRunner, micro_batches_of, shared_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
 from optimized.pipeline.gradient_sync import GradientSync, chunk_units
 
@@ -221,6 +221,11 @@ def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float
     """The runner's ``forward_backward`` with FSDP2 reducing the sharded gradients at the
     schedule's marks (`install_gradient_sync`, done here on first use), then only the
     unsharded gradients all-reduced."""
+    return float(forward_backward_on_device(runner, optimizer, sharded, ids, labels))
+
+
+def forward_backward_on_device(runner, optimizer, sharded: set[str], ids, labels):
+    """`forward_backward` with the loss left on the device, unread (`shared_loss`)."""
     optimizer.zero_grad()
     layout = runner.layout
     sync = runner.schedule.gradient_sync or install_gradient_sync(runner)
@@ -229,7 +234,7 @@ def forward_backward(runner, optimizer, sharded: set[str], ids, labels) -> float
     loss = runner.schedule.step(batches, token_count(labels))
     sync.finish(runner.part)
     reduce_unsharded_gradients(runner.part, layout, sharded)
-    return share_loss(loss, layout)
+    return shared_loss(loss, layout)
 
 
 class ShardedOptimizedPipeline(PipelineRunner):
@@ -298,7 +303,7 @@ class ShardedOptimizedPipeline(PipelineRunner):
 
     def optimizer_step(self) -> None:
         grads = [(p, p.grad) for p in self.part.parameters()]
-        self.optimizer.prepare_gradients()
+        self.optimizer.prepare_gradients_on_device()
         self.optimizer.step(self.lr)
         for param, grad in grads:
             param.grad = grad

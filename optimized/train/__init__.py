@@ -2,7 +2,8 @@
 
 - `config` (dataclasses, fields, validation) and `config_io` (TOML, ``--set``, flags);
 - `tokenizers`, `preparation` (the memory-mapped token format, the default data set)
-  and `loader` (windows and the resumable DP-sharded sampler);
+  and `loader` (windows, the resumable DP-sharded sampler, and the copy of each batch to
+  the device through buffers allocated once);
 - `optimizer`: AdamW over sharded parameters with float32 state;
 - `checkpointing`: DCP checkpoints, atomic, layout-free, each rank's own piece written
   as an explicit DCP chunk (`chunks`, which `export` reads too); `export`: Hugging Face out;

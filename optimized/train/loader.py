@@ -1,5 +1,6 @@
-"""Reading prepared tokens for training: a memory-mapped window dataset and a resumable
-sampler that shards each global batch over the DP ranks.
+"""Reading prepared tokens for training: a memory-mapped window dataset, a resumable
+sampler that shards each global batch over the DP ranks, and the copy of each step's batch
+to the rank's device through buffers allocated once (`BatchToDevice`).
 """
 
 from __future__ import annotations
@@ -215,3 +216,43 @@ class TokenLoader:
                 f"{self.dataset.seq_len}"
             )
         self.sampler.load_state_dict(state["sampler"])
+
+
+class BatchToDevice:
+    """Each step's batch on the rank's device, through buffers allocated at the first step
+    and reused.
+
+    On a GPU a copy from pageable memory stages through a pinned buffer the runtime
+    allocates (or blocks the host); here the tokens go once into pinned host buffers of the
+    batch's shape, then to device buffers with ``non_blocking``: the host queues the copy
+    and goes on. Before the pinned buffers are written again, the host waits for the
+    previous step's copy to have left them (long done by then: a step reads its logged
+    scalars once). The device buffers are reused in stream order: a copy is queued after
+    the previous step's kernels that read them. On the CPU the batch is used as it is.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._host: list[torch.Tensor] = []
+        self._device: list[torch.Tensor] = []
+        self._copied = None
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)`` on the device (the device buffers: valid until the next
+        call)."""
+        tensors = (batch.inputs, batch.labels)
+        if self.device.type == "cpu":
+            return tensors
+        if [t.shape for t in self._host] != [t.shape for t in tensors]:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            self._device = [
+                torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in tensors
+            ]
+            self._copied = torch.cuda.Event()
+        else:
+            self._copied.synchronize()  # the previous copy has left the pinned buffers
+        for source, host, device in zip(tensors, self._host, self._device, strict=True):
+            host.copy_(source)
+            device.copy_(host, non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.device))
+        return self._device[0], self._device[1]

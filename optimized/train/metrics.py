@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from models.communication import KINDS, Counts
 from models.config import ModelConfig
+from models.host_sync import HostCopy, host_side
 from optimized.estimator.flops import TrainingFlops, known_gpu, training_flops
 from optimized.train.config import TrainConfig
 
@@ -34,7 +35,9 @@ class StepMetrics:
     """1-based step number."""
     steps: int
     step_time_s: float
-    """Slowest rank's wall time for the step."""
+    """Slowest rank's wall time for the step, on the host: the step reads the device once,
+    before its update, so the device may finish the update while the next step starts
+    (nothing waits for it; over many steps the times add up to the run's)."""
     loss: float
     learning_rate: float
     gradient_norm: float
@@ -145,13 +148,42 @@ def _matmul_precision(dtype: str) -> str:
     return "float32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def step_traffic(counts: Counts, device: torch.device) -> dict[str, int]:
-    """Bytes moved this step by kind, summed over all ranks (one all-reduce, not counted)."""
+def step_traffic(counts: Counts, group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """Bytes moved this step by kind, summed over all ranks: one all-reduce of host values
+    over ``group``, the layout's gloo host group (not counted; nothing touches the device)."""
     mine = [sum(t.bytes for (k, _), t in counts.items() if k == kind) for kind in KINDS]
-    total = torch.tensor(mine, dtype=torch.int64, device=device)
+    total = torch.tensor(mine, dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return {kind: int(b) for kind, b in zip(KINDS, total.tolist()) if b}
+        dist.all_reduce(total, group=group)
+    with host_side():
+        summed = total.tolist()
+    return {kind: b for kind, b in zip(KINDS, summed, strict=True) if b}
+
+
+def slowest_rank(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """The largest of each host value over all ranks (step time, peak memory, a stop
+    signal, optimizer state bytes): one all-reduce over ``group``, the gloo host group."""
+    shared = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+    with host_side():
+        return shared.tolist()
+
+
+class LoggedScalars:
+    """The device's scalars a step logs (loss, gradient norm, z-loss), read on the host in
+    one copy through a buffer kept from step to step (`models.host_sync.HostCopy`)."""
+
+    def __init__(self) -> None:
+        self.host = HostCopy()
+
+    def read(self, *values: torch.Tensor | None) -> list[float | None]:
+        """Each 0-dim tensor of ``values`` as a float (None stays None); one read."""
+        present = [v.detach().reshape(()).to(torch.float64) for v in values if v is not None]
+        if not present:
+            return [None] * len(values)
+        read = iter(self.host.tolist(torch.stack(present)))
+        return [None if v is None else next(read) for v in values]
 
 
 class MetricsSink:

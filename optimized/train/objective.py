@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from models.distributed import Layout
 from models.inputs import BadInput
-from models.training import share_loss
+from models.training import shared_loss
 from optimized.train.config import TrainConfig
 
 
@@ -33,7 +35,7 @@ def objective_options(cfg: TrainConfig, runner: type) -> dict[str, float]:
     return {"label_smoothing": cfg.loss.label_smoothing, "z_loss": cfg.loss.z_loss}
 
 
-def mean_z_loss(schedule, layout: Layout) -> float:
+def mean_z_loss(schedule, layout: Layout) -> torch.Tensor:
     """The step's mean z-loss on every rank, from the schedule's shares on pp-rank 0 (as
-    `models.training.share_loss` gives the loss)."""
-    return share_loss(schedule.z_loss, layout)
+    `models.training.shared_loss` gives the loss), on the device, unread."""
+    return shared_loss(schedule.z_loss, layout)

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from models.distributed import Layout
+from models.host_sync import host_side
 from models.model import is_expert_parameter
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -160,23 +161,24 @@ def _adamw_blocks(
     beta2: float,
     eps: float,
     weight_decay: float,
-    scale: float = 1.0,
+    scale: torch.Tensor | float | None = None,
 ) -> None:
     """torch's single-tensor AdamW update of ``s`` (``state['step']`` already counted) on its
-    gradient times ``scale`` (the clipping), computed in float32 block by block and stored
-    in the master's and moments' dtypes."""
-    step = float(state["step"])
+    gradient times ``scale`` (the clipping factor, a float32 tensor on the device; None: no
+    clipping), computed in float32 block by block and stored in the master's and moments'
+    dtypes. A float32 gradient block is scaled in place (the step drops the gradients), so
+    clipping costs no block; a 16-bit one is scaled in its float32 copy."""
+    with host_side():  # torch's AdamW keeps the step count on the CPU
+        step = float(state["step"])
     step_size = lr / (1 - beta1**step)
     correction2_sqrt = (1 - beta2**step) ** 0.5
     stored = (s.master, state["exp_avg"], state["exp_avg_sq"])
     for begin in range(0, s.master.numel(), UPDATE_BLOCK):
         end = min(begin + UPDATE_BLOCK, s.master.numel())
         param, exp_avg, exp_avg_sq = (t[begin:end].float() for t in stored)
-        grad = s.gradient[begin:end]
-        if scale != 1.0:  # float32 times the scale, as clipping a float32 copy gave
-            grad = grad.float().mul_(scale) if grad.dtype != torch.float32 else grad * scale
-        else:
-            grad = grad.float()
+        grad = s.gradient[begin:end].float()
+        if scale is not None:  # float32 times the factor, as clipping a float32 copy gave
+            grad.mul_(scale)
         param.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -218,7 +220,9 @@ class ShardedAdamW:
         self.hyper = (betas[0], betas[1], eps, weight_decay)
         self.sharded = shard
         self.shards: list[ParamShard] = []
-        self.local_square_sum = 0.0
+        self.local_squares: torch.Tensor | None = None
+        """This rank's float64 sum of squares of its gradient slices, on the device (the
+        non-finite report reads it: `local_square_sum`)."""
         for name, param in part.named_parameters():
             if is_expert_parameter(name):
                 group, size = layout.expert_replica_group, layout.dp // layout.ep
@@ -254,8 +258,9 @@ class ShardedAdamW:
             [s.master for s in self.shards], lr=lr, betas=betas, eps=eps,
             weight_decay=weight_decay, foreach=False,
         )  # fmt: skip
-        self.scale = 1.0
-        """The clipping factor of this step's gradients (`clip`), applied by the update."""
+        self.scale: torch.Tensor | float | None = None
+        """The clipping factor of this step's gradients (`clip`), a float32 tensor on the
+        device, applied by the update; None: not clipped."""
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -265,11 +270,16 @@ class ShardedAdamW:
 
     def prepare_gradients(self) -> float:
         """Take this rank's gradient slices (views, in the gradient's dtype); return the
-        global gradient norm."""
+        global gradient norm, read on the host."""
+        return float(self.prepare_gradients_on_device())
+
+    def prepare_gradients_on_device(self) -> torch.Tensor:
+        """`prepare_gradients`, the norm left on the device as a 0-dim float64 tensor: the
+        squares are summed, all-reduced and rooted there, and nothing is read on the host."""
         device = self.shards[0].master.device if self.shards else torch.device("cpu")
         square_total = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.zeros((), dtype=torch.float64, device=device)
-        self.scale = 1.0
+        self.scale = None
         for s in self.shards:
             grad = s.param.grad
             if grad is None:
@@ -283,15 +293,31 @@ class ShardedAdamW:
             local += squares
             if s.counted:
                 square_total += squares
-        self.local_square_sum = float(local)
+        self.local_squares = local
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(square_total)
-        return math.sqrt(float(square_total))
+        return square_total.sqrt()
 
-    def clip(self, norm: float, max_norm: float) -> None:
+    @property
+    def local_square_sum(self) -> float:
+        """This rank's sum of squares of its gradient slices (read on the host: reports)."""
+        return 0.0 if self.local_squares is None else float(self.local_squares)
+
+    def clip(self, norm: torch.Tensor | float, max_norm: float) -> None:
         """Scale the gradient slices so the global norm is at most ``max_norm`` (0: off):
-        the update multiplies each float32 gradient block by the factor as it reads it."""
-        if max_norm > 0 and norm > max_norm:
+        the update multiplies each float32 gradient block by the factor as it reads it.
+        A tensor ``norm`` (`prepare_gradients_on_device`) gives the factor on the device,
+        ``max_norm / (norm + 1e-6)`` where the norm exceeds ``max_norm``, else exactly 1,
+        with no read on the host."""
+        if max_norm <= 0:
+            self.scale = None
+        elif isinstance(norm, torch.Tensor):
+            # A true division (``float / tensor`` is a reciprocal times the float in torch):
+            # the same double as ``max_norm / (norm + 1e-6)`` on the host.
+            factor = torch.full_like(norm, max_norm) / (norm + 1e-6)
+            factor = torch.where(norm > max_norm, factor, 1.0)
+            self.scale = factor.to(torch.float32)
+        elif norm > max_norm:
             self.scale = max_norm / (norm + 1e-6)
 
     def step(self, lr: float) -> None:

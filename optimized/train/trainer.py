@@ -16,6 +16,12 @@ One function, `train`, runs on every rank of an initialised process group. Each 
 4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every
    ``save_every`` steps, at the end, and when SIGTERM arrives.
 
+The host never waits for the device in a step except where it needs a value: the MoE
+layers' split sizes (`models.decoder.MoE.split_sizes`) and, once, the logged loss, norm and
+z-loss, read together before the update (`LoggedScalars`); the norm, the clipping factor
+and the loss stay on the device until then, and the host's own figures (time, memory,
+traffic) reduce over the gloo host group. ``tests/test_host_syncs.py`` holds it to that.
+
 A run stops early on SIGTERM or SIGINT (the launcher forwards both to every rank): the
 ranks agree at the end of the step, save, and return ``signal``; the command exits
 128 + the signal. Metrics are written once per step: on resume, records past the resumed
@@ -35,6 +41,8 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +62,15 @@ from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
-from optimized.train.loader import TokenDataset, TokenLoader
-from optimized.train.metrics import MetricsSink, StepMetrics, Throughput, step_traffic
+from optimized.train.loader import BatchToDevice, TokenDataset, TokenLoader
+from optimized.train.metrics import (
+    LoggedScalars,
+    MetricsSink,
+    StepMetrics,
+    Throughput,
+    slowest_rank,
+    step_traffic,
+)
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
@@ -133,14 +148,20 @@ class _StopFlag:
 
 
 # ------------------------------------------------------------------ loop
-def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    plan: RunPlan | None = None,
+    step_watch: Callable[[int], AbstractContextManager] | None = None,
+) -> dict[str, Any]:
     """Train on this rank (process group already initialised); returns this rank's
     per-step losses (``None`` for skipped steps), where it stopped, the signal that
     stopped it (0: none), where the last checkpoint went if not to ``checkpoint.dir``, and
     every rank's peak memory in each phase (load, train, save; `optimized.train.phases`).
 
     ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
-    one, rank 0 makes it here."""
+    one, rank 0 makes it here. ``step_watch(step)`` (1-based), when given, returns a
+    context entered around each whole step, from reading its batch to recording its
+    metrics (tests count a step's host synchronisations through it: `models.host_sync`)."""
     stop = _StopFlag()
     device = rank_device()  # what the launcher handed this rank (`models.device`)
     plan = _shared_plan(cfg, plan)
@@ -193,64 +214,72 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
     losses: list[float | None] = []
     result = {"start": start, "stopped_at": cfg.steps, "signal": 0}
     counter = CommunicationCounter(group_names(layout)).install()
+    to_device, scalars = BatchToDevice(device), LoggedScalars()
+    watch = ExitStack()
     try:
         for step in range(start, cfg.steps):
+            if step_watch is not None:
+                watch.enter_context(step_watch(step + 1))
             began = time.perf_counter()
             profiler.begin(step + 1)
             peaks.begin()
             counter.start()
-            batch = next(loader)
-            ids, labels = global_batch(batch.inputs.to(device), batch.labels.to(device), layout)
+            ids, labels = global_batch(*to_device(next(loader)), layout)
             if fault and fault[1] == step and fault[2] == layout.rank:
                 _inject(fault[0], step, layout, cfg.checkpoint.dir)
             if fsdp:
-                loss = sharding.forward_backward(runner, optimizer, sharded, ids, labels)
+                loss = sharding.forward_backward_on_device(runner, optimizer, sharded, ids, labels)
             else:
-                loss = runner.forward_backward(ids, labels)
+                loss = runner.forward_backward_on_device(ids, labels)
             if fault and fault[0] == "nan-grad" and fault[1] == step and fault[2] == layout.rank:
                 for p in runner.part.parameters():
                     if p.grad is not None:
                         p.grad.fill_(float("nan"))
-            norm = optimizer.prepare_gradients()
+            norm_on_device = optimizer.prepare_gradients_on_device()
+            z_loss = None
+            if cfg.loss.z_loss:
+                with counter.paused():  # logged only: not the step's traffic
+                    z_loss = mean_z_loss(runner.schedule, layout)
+            # The step's one read of the device's scalars (the skip needs them before the
+            # update): loss, gradient norm and z-loss, one copy.
+            loss, norm, z_loss = scalars.read(loss, norm_on_device, z_loss)
             lr = lr_at(step, cfg)
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if skipped:
                 _nonfinite(cfg, step, loss, norm, optimizer, layout)
             else:
-                optimizer.clip(norm, opt.grad_clip)
+                optimizer.clip(norm_on_device, opt.grad_clip)
                 optimizer.step(lr)
-            traffic = step_traffic(counter.stop(), device)
+            traffic = step_traffic(counter.stop(), layout.host_group)
             peaks.end("train")
             elapsed = time.perf_counter() - began
             memory, source = peak_memory(peaks)
-            shared = torch.tensor(
-                [elapsed, float(memory), float(stop.requested), float(optimizer.state_bytes())],
-                dtype=torch.float64, device=device,
-            )  # fmt: skip
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            z_loss = mean_z_loss(runner.schedule, layout) if cfg.loss.z_loss else None
+            slowest, memory, stopping, state_bytes = slowest_rank(
+                [elapsed, memory, stop.requested, optimizer.state_bytes()], layout.host_group
+            )
             losses.append(None if skipped else loss)
             sink.record(
                 StepMetrics(
                     step + 1,
                     cfg.steps,
-                    float(shared[0]),
+                    slowest,
                     loss,
                     lr,
                     norm,
-                    tokens_per_step / max(float(shared[0]), 1e-9),
-                    int(shared[1]),
+                    tokens_per_step / max(slowest, 1e-9),
+                    int(memory),
                     source,
                     skipped,
                     traffic,
                     z_loss,
-                    int(shared[3]),
-                    **throughput.figures(tokens_per_step / max(float(shared[0]), 1e-9)),
+                    int(state_bytes),
+                    **throughput.figures(tokens_per_step / max(slowest, 1e-9)),
                 )
             )
             profiler.end(step + 1)
+            watch.close()
             done = step + 1
-            stopping = int(shared[2])
+            stopping = int(stopping)
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (
                 done == cfg.steps or stopping or (every and done % every == 0)
@@ -265,6 +294,7 @@ def train(cfg: TrainConfig, plan: RunPlan | None = None) -> dict[str, Any]:
                 result.update(stopped_at=done, signal=stopping)
                 break
     finally:
+        watch.close()
         profiler.close()
         counter.remove()
         sink.close()
