@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 from models.config import ModelConfig
 from models.host_sync import HostCopy
 from models.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
-from models.ops import ExpertRows
 
 
 class RoutePlan(NamedTuple):
@@ -264,8 +263,9 @@ class MoE(nn.Module):
         expert_ids = torch.repeat_interleave(
             local_ids, d.recv_counts.reshape(-1), output_size=d.tokens.shape[0]
         )
-        rows = ExpertRows(d.sizes.expert_rows)
-        grouped, layout = ops.to_expert_order(d.tokens, expert_ids, rows)
+        grouped, layout = ops.to_expert_order(
+            d.tokens, expert_ids, self.num_local, rows=d.sizes.expert_rows
+        )
         out = self.experts(grouped, layout.offsets, ops)
         return ops.from_expert_order(out, layout)
 

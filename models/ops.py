@@ -8,6 +8,7 @@ memory-saving one. Tests and the harness hold the two against each other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -25,29 +26,6 @@ class ExpertLayout(NamedTuple):
 
     offsets: torch.Tensor
     positions: torch.Tensor
-
-
-class ExpertRows(int):
-    """A number of experts that also carries each expert's row count, known on the host.
-
-    `Ops.to_expert_order` must size its grouped buffer from the rows of each expert; on a
-    GPU, reading them back from the device stops the host. A MoE layer already holds them on
-    the host (its dispatch's split sizes, `models.decoder.SplitSizes`) and passes them as
-    ``num_experts``: an `int` (the number of experts) with ``rows``, so a stack that does not
-    use them, and every wrapper that treats ``num_experts`` as a number (the harness's
-    audit and planted bugs), keep working unchanged.
-    """
-
-    rows: tuple[int, ...]
-    """Rows of each expert, in expert order."""
-
-    def __new__(cls, rows) -> ExpertRows:
-        number = super().__new__(cls, len(rows))
-        number.rows = tuple(int(n) for n in rows)
-        return number
-
-    def __getnewargs__(self) -> tuple:  # copies and pickles rebuild it from its rows
-        return (self.rows,)
 
 
 class Ops(Protocol):
@@ -93,11 +71,16 @@ class Ops(Protocol):
         ...
 
     def to_expert_order(
-        self, tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+        self,
+        tokens: torch.Tensor,
+        expert_ids: torch.Tensor,
+        num_experts: int,
+        rows: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, ExpertLayout]:
-        """Rows of ``tokens`` grouped by ``expert_ids`` (stable within a group).
-        ``num_experts`` may be an `ExpertRows`, whose host-known counts the buffer can be
-        sized from."""
+        """Rows of ``tokens`` grouped by ``expert_ids`` (stable within a group). ``rows``,
+        each expert's row count when the caller knows it on the host (a MoE layer's split
+        sizes, `models.decoder.SplitSizes`), lets a stack size its buffer without reading
+        the ids back from the device (on a GPU, a stop of the host)."""
         ...
 
     def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

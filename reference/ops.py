@@ -36,7 +36,8 @@ class ReferenceOps:
         out = src.new_zeros((num_rows,) + tuple(src.shape[1:]))
         return out.index_add(0, index, src)
 
-    def to_expert_order(self, tokens, expert_ids, num_experts):
+    def to_expert_order(self, tokens, expert_ids, num_experts, rows=None):
+        # Plain: the counts are computed from the ids (``rows``, the host's copy, unused).
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=num_experts)
         offsets = torch.cumsum(counts, 0).to(torch.int32)

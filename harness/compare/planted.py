@@ -119,11 +119,12 @@ def _frozen_sink() -> Iterator[tuple[Any, str, Any]]:
 def _dispatch_wrong_expert(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     original = ops_class.to_expert_order
 
-    def planted(self, tokens, expert_ids, num_experts):
+    def planted(self, tokens, expert_ids, num_experts, rows=None):
         if expert_ids.numel() and num_experts > 1:
             expert_ids = expert_ids.clone()
             expert_ids[0] = (expert_ids[0] + 1) % num_experts
-        return original(self, tokens, expert_ids, num_experts)
+            rows = None  # the host's counts no longer match: group by the (wrong) ids
+        return original(self, tokens, expert_ids, num_experts, rows=rows)
 
     yield ops_class, "to_expert_order", planted
 

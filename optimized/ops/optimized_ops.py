@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from models.distributed import all_to_all
-from models.ops import ExpertLayout, ExpertRows
+from models.ops import ExpertLayout
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
 from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
@@ -73,12 +75,15 @@ class OptimizedOps:
         return scatter_add_rows(src, index, num_rows)
 
     def to_expert_order(
-        self, tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+        self,
+        tokens: torch.Tensor,
+        expert_ids: torch.Tensor,
+        num_experts: int,
+        rows: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, ExpertLayout]:
         """Groups padded to 128-row multiples: ``offsets[-1]`` is the padded row count.
-        Given `ExpertRows` (host-known rows per expert), nothing is read back."""
-        rows = num_experts.rows if isinstance(num_experts, ExpertRows) else None
-        return scatter_for_grouped_gemm(tokens, expert_ids, int(num_experts), group_rows=rows)
+        Given ``rows`` (host-known rows per expert), nothing is read back."""
+        return scatter_for_grouped_gemm(tokens, expert_ids, num_experts, group_rows=rows)
 
     def from_expert_order(self, grouped: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         return gather_from_grouped(grouped, layout)
