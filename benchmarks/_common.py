@@ -56,19 +56,8 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
-    args, kwargs = setup()
-    synchronize()
-    tracker = MemoryTracker(DEVICE)
-    with tracker.step():
-        run(*args, **kwargs)
-        synchronize()
-    return tracker.peak_bytes
-
-
-def peak_above_inputs_bytes(run: Callable[..., Any], setup: Setup) -> int:
-    """Peak memory of one run beyond its tensor inputs and the gradients they received
-    (how the issue's loss figures count: 1.00x the logits for an in-place cross-entropy)."""
+def _tracked(run: Callable[..., Any], setup: Setup) -> tuple[int, list[torch.Tensor]]:
+    """The peak bytes of one run of ``run(*setup())`` (inputs included), and its inputs."""
     args, kwargs = setup()
     synchronize()
     tracker = MemoryTracker(DEVICE)
@@ -76,8 +65,19 @@ def peak_above_inputs_bytes(run: Callable[..., Any], setup: Setup) -> int:
         run(*args, **kwargs)
         synchronize()
     inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+    return tracker.peak_bytes, inputs
+
+
+def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
+    return _tracked(run, setup)[0]
+
+
+def peak_above_inputs_bytes(run: Callable[..., Any], setup: Setup) -> int:
+    """Peak memory of one run beyond its tensor inputs and the gradients they received
+    (how the issue's loss figures count: 1.00x the logits for an in-place cross-entropy)."""
+    peak, inputs = _tracked(run, setup)
     held = sum(t.nbytes + (t.grad.nbytes if t.grad is not None else 0) for t in inputs)
-    return tracker.peak_bytes - held
+    return peak - held
 
 
 def liger_installed() -> bool:

@@ -18,14 +18,7 @@ from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from optimized.train.metrics import StepMetrics, Throughput
 from optimized.train.profiling import parse_steps
-
-REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
-
-
-@pytest.fixture(autouse=True)
-def _reference_runner(monkeypatch):
-    monkeypatch.setenv("TWINPIPE_RUNNER", REFERENCE_RUNNER)
-    monkeypatch.delenv("TWINPIPE_FAULT", raising=False)
+from tests.test_train import _reference_runner  # noqa: F401  (the trainer on the reference)
 
 
 def config(*overrides: str) -> TrainConfig:
