@@ -174,7 +174,7 @@ def run_steps(mode: str, layout: Layout) -> list[dict]:
             moved = (want - start[name]).norm()
             params[name] = (float((value - want).norm() / moved), float(moved))
         records.append({"norm": ours_norm, "truth_norm": clipped_norm, "max_norm": max_norm,
-                        "factor": optimizer.scale, "truth_factor": expected_factor,
+                        "factor": optimizer.clip_factor, "truth_factor": expected_factor,
                         "clipped": truth_clipped,
                         "params": params, "gradient_error": gradient_error})  # fmt: skip
     return records

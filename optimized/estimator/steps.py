@@ -268,7 +268,8 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     # The residual is the attention residual itself (the norm's float input) only in float32
     # without shared experts.
     residual_is_h = b == F32 and not config.shared_expert_width
-    attention = kept + sorted_tokens + sent * F32 + m.num_experts * I64
+    # The routing counts: one [2, num_experts] int64 tensor (sent, and received at EP > 1).
+    attention = kept + sorted_tokens + sent * F32 + 2 * m.num_experts * I64
     attention += 0 if residual_is_h else th
     # The stage's high point, gathering the router weights into expert order, beside what it
     # keeps: the attention block's output (``h``'s other addend), the shared experts' output

@@ -303,6 +303,12 @@ class ShardedAdamW:
         """This rank's sum of squares of its gradient slices (read on the host: reports)."""
         return 0.0 if self.local_squares is None else float(self.local_squares)
 
+    @property
+    def clip_factor(self) -> float:
+        """This step's clipping factor read on the host (1.0: not clipped): what reports and
+        tests read; the update itself uses `scale` where it lies."""
+        return 1.0 if self.scale is None else float(self.scale)
+
     def clip(self, norm: torch.Tensor | float, max_norm: float) -> None:
         """Scale the gradient slices so the global norm is at most ``max_norm`` (0: off):
         the update multiplies each float32 gradient block by the factor as it reads it.
