@@ -1,4 +1,5 @@
-"""First-divergence bisection names the op that a planted bug broke."""
+"""First-divergence bisection names the op that a planted bug broke (on a CPU rank:
+`tests._ranks.on_cpu_rank`)."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 from harness.compare.bisect import bisect, stack_ops
 from models import build_model, preset, shift_labels
 from optimized.ops import OptimizedOps
+from tests._ranks import on_cpu_rank
 
 
 class WrongActivation(OptimizedOps):
@@ -40,7 +42,8 @@ def setup():
 
 def test_agreeing_stacks_have_no_divergence(setup):
     cfg, state, ids, labels = setup
-    assert bisect(cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels) is None
+    reference, optimized = stack_ops("reference"), stack_ops("optimized")
+    assert on_cpu_rank(bisect, cfg, state, reference, optimized, ids, labels) is None
 
 
 @pytest.mark.parametrize(
@@ -53,7 +56,7 @@ def test_agreeing_stacks_have_no_divergence(setup):
 )
 def test_planted_bug_is_named(setup, ops, stage, direction):
     cfg, state, ids, labels = setup
-    found = bisect(cfg, state, stack_ops("reference"), ops(), ids, labels)
+    found = on_cpu_rank(bisect, cfg, state, stack_ops("reference"), ops(), ids, labels)
     assert found is not None
     # layer 0 is dense in tiny DeepSeek-V2, so routed-expert bugs show first in layer 1
     assert (found.layer, found.stage, found.direction) == ("layer 1", stage, direction), found
