@@ -124,6 +124,10 @@ def test_skip_nonfinite_skips_the_step(monkeypatch):
 
 HANG_GUARD_S = 600
 """Subprocess timeouts catch a hang only; no test asserts how fast anything runs."""
+CPU_RANKS = {"TWINPIPE_DEVICE": "cpu", "TRITON_INTERPRET": "1"}
+"""The environment of ranks torchrun starts on the CPU: each resolves its device itself
+(`models.device.rank_device`; ``auto`` would take a GPU where there is one) and imports
+Triton in the mode it finds (this process's own on a GPU machine: compiled)."""
 
 
 def _cli(*args: str, timeout: float = HANG_GUARD_S, **env: str) -> subprocess.CompletedProcess:
@@ -155,7 +159,8 @@ def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
          "-m", "harness.cli", "train", "--model", "tiny-deepseek-v2", "--seq-len", "16",
          "--micro-batch-size", "1", "--micro-batches", "2", "--dp", "2", "--steps", "50"],
         cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S,
-        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, "TWINPIPE_FAULT": "crash@1:1"},
+        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, "TWINPIPE_FAULT": "crash@1:1",
+             **CPU_RANKS},
     )  # fmt: skip
     assert done.returncode != 0
     assert "rank 1 crashed at step 2" in done.stderr
