@@ -23,9 +23,12 @@ from typing import Any
 import torch
 
 from harness.memory import MemoryTracker
+from models.device import triton_device
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+DEVICE = triton_device()
+"""Where this process's Triton kernels take tensors: CUDA where they compile (a GPU), the
+CPU where they are interpreted (`models.device.choose_triton_mode`)."""
+ON_CUDA = DEVICE.type == "cuda"
 ROUNDS = 20 if ON_CUDA else 3
 WARMUP_ROUNDS = 2 if ON_CUDA else 0
 GPU_SHAPES_FLAG = "--gpu-shapes"
