@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from harness.memory import MemoryTracker
+from harness.report import cpu_name
 from models.device import triton_device
 
 DEVICE = triton_device()
-"""Where this process's Triton kernels take tensors: CUDA where they compile (a GPU), the
-CPU where they are interpreted (`models.device.choose_triton_mode`)."""
+"""Where the benchmarks compute: what `twinpipe bench --device` chose (it hands the device and
+the Triton mode to this process), else a GPU when there is one (`models.device`)."""
 ON_CUDA = DEVICE.type == "cuda"
 ROUNDS = 20 if ON_CUDA else 3
 WARMUP_ROUNDS = 2 if ON_CUDA else 0
@@ -105,6 +106,7 @@ def bench(
         op=op,
         implementation=implementation,
         device=str(DEVICE),
+        device_name=torch.cuda.get_device_name(DEVICE) if ON_CUDA else cpu_name(),
         shapes="gpu" if _gpu_shapes else "cpu",
         peak_memory_bytes=peak_memory_bytes(run, setup),
         **{

@@ -5,6 +5,8 @@ Run ``pytest benchmarks/ --benchmark-json=out.json``. Files are named
 needed. On a machine without CUDA, Triton kernels run through the interpreter
 and shapes are small; with CUDA, or with ``--gpu-shapes``, they are the seed's
 (4096 tokens x 102400 vocabulary, bfloat16, ...: `benchmarks._common.pick`).
+``-p benchmarks.profiling --profile-dir DIR`` (what ``twinpipe bench --profile DIR`` runs)
+profiles the run (`benchmarks.profiling`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -43,7 +44,7 @@ from models.hf_layout import (
     experts_split_on_disk,
     to_hf_state_dict,
 )
-from models.inputs import read_json
+from models.inputs import BadInput, read_json
 from models.model import CausalLM, build_part
 from models.mxfp4 import dequantize
 from models.progress import ProgressLine
@@ -54,6 +55,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "CheckpointError",
     "CheckpointWeights",
+    "check_hf_checkpoint",
     "from_pretrained",
     "load_state_dict_hf",
     "save_pretrained",
@@ -252,6 +254,21 @@ def validate_checkpoint(
         wrong_dtype,
     )
     return CheckpointLayout(path, config, quantization, tensors)
+
+
+def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
+    """A Hugging Face checkpoint folder that holds ``config``'s model: its ``config.json``
+    is of the same family, every tensor is there with its shape, no file is truncated,
+    every weight is a float (or GPT-OSS's MXFP4 experts), no quantisation we do not read.
+    Reads only ``config.json``, the index and the headers
+    (`validate_checkpoint`)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
+    try:
+        validate_checkpoint(folder, config)
+    except (ValueError, OSError) as error:
+        raise BadInput(f"{flag} {str(path)!r}: {error}") from None
 
 
 def _dtype_problem(name: str, stored: StoredTensor, quantization: str | None) -> str | None:

@@ -167,21 +167,3 @@ def respect_umask(paths: Iterable[str | os.PathLike]) -> None:
     os.umask(mask)
     for path in paths:
         os.chmod(path, 0o666 & ~mask)
-
-
-# ------------------------------------------------------------------ checkpoints in
-def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
-    """A Hugging Face checkpoint folder that holds ``config``'s model: its ``config.json``
-    is of the same family, every tensor is there with its shape, no file is truncated,
-    every weight is a float (or GPT-OSS's MXFP4 experts), no quantisation we do not read.
-    Reads only ``config.json``, the index and the headers
-    (`models.checkpoint.validate_checkpoint`)."""
-    from models.checkpoint import validate_checkpoint  # noqa: PLC0415
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
-    try:
-        validate_checkpoint(folder, config)
-    except (ValueError, OSError) as error:
-        raise BadInput(f"{flag} {str(path)!r}: {error}") from None

@@ -39,16 +39,22 @@ class OptimizerConfig:
 
 
 def synthetic_batch(
-    model: ModelConfig, parallel: ParallelConfig, step: int
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    step: int,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: random token ids from the seed, labels shifted as HF does.
 
     ``[DP * M * micro_batch_size, seq_len]`` ids and labels; every stack draws the same.
+    They are drawn on the CPU (the same ids on every device) and moved to ``device``.
     """
     generator = torch.Generator().manual_seed(parallel.seed * 100_003 + step + 1)
     ids = torch.randint(
         0, model.vocab_size, (parallel.global_batch, parallel.seq_len), generator=generator
     )
+    if device is not None:
+        ids = ids.to(device)
     return ids, shift_labels(ids)
 
 

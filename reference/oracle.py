@@ -22,8 +22,9 @@ class Oracle:
         source: WeightSource,
         optimizer: OptimizerConfig,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.model = build_part(model, source, ops=ReferenceOps(), dtype=dtype)
+        self.model = build_part(model, source, ops=ReferenceOps(), dtype=dtype, device=device)
         self.part = self.model
         self.optimizer = optimizer.build(self.model.parameters())
 

@@ -1,5 +1,5 @@
-"""First-divergence bisection names the op that a planted bug broke (on a CPU rank:
-`tests._ranks.on_cpu_rank`)."""
+"""First-divergence bisection names the op that a planted bug broke, on `compute_device`
+(bisect builds the models where the input ids are)."""
 
 import pytest
 import torch
@@ -7,7 +7,6 @@ import torch
 from harness.compare.bisect import bisect, stack_ops
 from models import build_model, preset, shift_labels
 from optimized.ops import OptimizedOps
-from tests._ranks import on_cpu_rank
 
 
 class WrongActivation(OptimizedOps):
@@ -32,18 +31,18 @@ class WrongBackward(OptimizedOps):
         return out + (out * 1e-3 - (out * 1e-3).detach())
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture
+def setup(compute_device):
     cfg = preset("tiny-deepseek-v2")
     state = build_model(cfg, seed=4).state_dict()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(compute_device)
     return cfg, state, ids, shift_labels(ids)
 
 
 def test_agreeing_stacks_have_no_divergence(setup):
     cfg, state, ids, labels = setup
-    reference, optimized = stack_ops("reference"), stack_ops("optimized")
-    assert on_cpu_rank(bisect, cfg, state, reference, optimized, ids, labels) is None
+    assert bisect(cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels) is None
 
 
 @pytest.mark.parametrize(
@@ -56,9 +55,26 @@ def test_agreeing_stacks_have_no_divergence(setup):
 )
 def test_planted_bug_is_named(setup, ops, stage, direction):
     cfg, state, ids, labels = setup
-    found = on_cpu_rank(bisect, cfg, state, stack_ops("reference"), ops(), ids, labels)
+    found = bisect(cfg, state, stack_ops("reference"), ops(), ids, labels)
     assert found is not None
     # layer 0 is dense in tiny DeepSeek-V2, so routed-expert bugs show first in layer 1
     assert (found.layer, found.stage, found.direction) == ("layer 1", stage, direction), found
     assert found.rel_error > found.tolerance
     assert "layer 1" in found.describe()
+
+
+def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
+    """Bisected with each stack's own loss stage (the optimized stack's fused output layer
+    and cross-entropy), correct stacks agree; a bug planted in that loss is found there."""
+    from harness.compare.bisect import stack_loss
+    from harness.compare.planted import planted
+
+    cfg, state, ids, labels = setup
+    losses = (stack_loss("reference"), stack_loss("optimized"))
+    args = (cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels)
+    assert bisect(*args, losses=losses) is None
+    with planted("cross-entropy-grad-1.01"):
+        found = bisect(*args, losses=losses)
+    assert found is not None
+    assert (found.layer, found.stage, found.direction) == ("loss", "loss", "backward"), found
+    assert bisect(*args, losses=losses) is None  # the plant is gone with its block

@@ -54,7 +54,7 @@ def _overhead_worker(model, parallel, state, noise_floor):
         model, parallel, state, "reference", "optimized", 2, OptimizerConfig(),
         routing="free", noise_floor=noise_floor, track_memory=False, progress=False,
     )  # fmt: skip
-    rank = Rank(plan)
+    rank = Rank(plan, torch.device("cpu"))
     rank.start_step()
     shared_step(rank, step_batches(plan, 0), StepRecord())
     tracker = MemoryTracker("cpu")

@@ -311,6 +311,23 @@ def test_cuda_allocator_sees_the_planted_peak_the_cpu_tracker_sees():
     assert peaks["cuda"][2][:4] == peaks["cpu"][2][:4]
 
 
+@pytest.mark.gpu  # cuBLAS's workspaces live in the CUDA allocator
+def test_cuda_cublas_workspaces_are_reported_apart_from_activations():
+    tracker = MemoryTracker("cuda")
+    weight = torch.randn(256, 256, device="cuda")
+    tracker.register(parameters=[weight])
+    for _ in range(2):  # each step clears the workspaces and allocates its own
+        with tracker.step():
+            tracker.mark("F", 0)
+            out = weight @ weight
+            del out
+        breakdown = tracker.breakdown()
+        assert breakdown["workspaces"] > 0, breakdown  # cuBLAS's, allocated inside the step
+        named = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+        assert named + breakdown["activations"] + breakdown["workspaces"] == breakdown["total"]
+        assert breakdown["activations"] < breakdown["workspaces"]  # out: 256 KiB
+
+
 def test_a_free_made_by_another_thread_counts_at_the_last_use():
     """gloo's worker thread can hold the last reference to a collective's buffer and free
     it whenever it next gets the GIL: the tracker records such a free where the step's

@@ -379,6 +379,10 @@ DEEP_IMPORTS_ALLOWED = {
     ("harness/compare/planted.py", "optimized.pipeline.dualpipev"): (
         "a planted bug patches the module's own `linear_cross_entropy` name"
     ),
+    ("harness/compare/bisect.py", "optimized.pipeline.dualpipev"): (
+        "the bisection's loss stage calls the optimized schedule's own loss object "
+        "(`SummedLinearCrossEntropy`), so a bug in it, planted or not, is found"
+    ),
 }
 """(file, module; None: any) -> why it may import a file inside an `optimized` subpackage."""
 

@@ -3,6 +3,8 @@
 - `cli`: the command: arguments, the plan every rank runs, launching, printing, writing;
 - `rank`: `RankPlan`, and `Rank`: one rank's stacks and the instruments it measures them
   with;
+- `arithmetic`: how a rank computes (its device, TF32 off, bfloat16 products) and the
+  report's device section;
 - `lockstep`: the order of a step (the float32 truth, the baseline, the candidate, the
   comparisons, the updates), lockstep or free, and the evaluation after the last;
 - `record`: `StepRecord`, what a rank sends back for each step;
@@ -22,7 +24,7 @@
 - `estimates`: the memory estimator's figures beside each measured peak;
 - `communication`: the report's communication section, measured beside predicted;
 - `planted`: known bugs to plant in the optimized stack, to see the verdict catch them;
-- `bisect`: the first layer, stage and tensor where two stacks part, on one process.
+- `bisect`: the first layer, stage and tensor where two stacks part, in one rank process.
 
 May import `harness.memory`, `harness.report`, `models`, `optimized` and `reference`;
 never `harness.history`.

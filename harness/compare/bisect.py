@@ -8,7 +8,14 @@ checked in isolation: both sides get the baseline's inputs, their outputs are
 compared, then both backpropagate the same random output gradient and their
 input and parameter gradients are compared. The first stage whose forward or
 backward disagrees beyond tolerance is named, so a kernel author goes straight
-to the op that broke.
+to the op that broke. The loss stage is each stack's own: the reference's
+cross-entropy of the head's logits, the optimized stack's fused output layer and
+cross-entropy (`stack_loss`).
+
+`bisect_rank` is the bisection as `twinpipe compare --bisect` runs it: in a rank process
+of its own (a one-rank launch on the run's device, `harness.compare.cli`), with the run's
+planted bug (`harness.compare.planted`) and arithmetic (`harness.compare.arithmetic`), so
+that what the compare ranks ran is what is bisected.
 """
 
 from __future__ import annotations
@@ -47,6 +54,27 @@ class Divergence:
             f"first divergence: {self.layer}, stage {self.stage}, {self.direction} tensor "
             f"{self.tensor}: relative error {self.rel_error:.3e} > {self.tolerance:.0e}"
         )
+
+
+LossStage = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss(part, hidden, labels)``: the summed loss of a whole model's last hidden states."""
+
+
+def stack_loss(name: str) -> LossStage:
+    """The loss stage of stack ``name``: the part's own cross-entropy of its logits (oracle,
+    reference), or the optimized stack's fused output layer and cross-entropy, the object
+    its schedule calls (so a bug in it, planted or not, is bisected too)."""
+    if name in ("optimized", "optimized-fsdp"):
+        from optimized.pipeline.dualpipev import SummedLinearCrossEntropy  # noqa: PLC0415
+
+        fused = SummedLinearCrossEntropy()
+
+        def fused_loss(part, hidden, labels):
+            return part.lm_head.fused_loss(part.model.norm(hidden), labels, fused)[0]
+
+        return fused_loss
+    stack_ops(name)  # a name check
+    return lambda part, hidden, labels: part.loss_sum(hidden, labels)
 
 
 def stack_ops(name: str):
@@ -131,7 +159,10 @@ class _Checker:
         outputs = [t for t in base_t.values() if t.requires_grad]
         if not outputs:
             return base_out, None
-        cotangents = [torch.randn(t.shape, generator=self.generator).to(t.dtype) for t in outputs]
+        # Drawn on the CPU (the same on every device), then put where the outputs are.
+        cotangents = [
+            torch.randn(t.shape, generator=self.generator).to(t.device, t.dtype) for t in outputs
+        ]
         cand_outputs = [cand_t[name] for name, t in base_t.items() if t.requires_grad]
         base_in_t, cand_in_t = _tensors(base_in, "in"), _tensors(cand_in, "in")
         base_params = dict(base_module.named_parameters())
@@ -167,10 +198,16 @@ def bisect(
     tolerance: float = 1e-5,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    losses: tuple[LossStage, LossStage] | None = None,
 ) -> Divergence | None:
-    """Name the first stage where ``candidate_ops`` disagree with ``baseline_ops``, or None."""
-    base = build_part(model, source, ops=baseline_ops, dtype=dtype)
-    cand = build_part(model, source, ops=candidate_ops, dtype=dtype)
+    """Name the first stage where ``candidate_ops`` disagree with ``baseline_ops``, or None.
+
+    The models are built on the device of ``input_ids``; ``losses``: the baseline's and
+    the candidate's loss stage (`stack_loss`; default: each part's cross-entropy)."""
+    device = input_ids.device
+    base = build_part(model, source, ops=baseline_ops, dtype=dtype, device=device)
+    cand = build_part(model, source, ops=candidate_ops, dtype=dtype, device=device)
+    loss_of = dict(zip(("baseline", "candidate"), losses or (stack_loss("reference"),) * 2))
     checker = _Checker(tolerance, torch.Generator().manual_seed(seed))
     models = {"baseline": base, "candidate": cand}
     ops = {"baseline": baseline_ops, "candidate": candidate_ops}
@@ -210,10 +247,41 @@ def bisect(
 
     count = max(int((labels != IGNORE_INDEX).sum()), 1)
     _, found = checker.stage(
-        "loss", "loss", lambda h, who: models[who].loss_sum(h, labels) / count, hidden,
+        "loss", "loss", lambda h, who: loss_of[who](models[who], h, labels) / count, hidden,
         base, cand,
     )  # fmt: skip
     return found
 
 
-__all__ = ["AttentionOut", "CombineOut", "Divergence", "DispatchOut", "ExpertsOut", "bisect"]
+def bisect_rank(plan: Any) -> dict[str, Any] | None:
+    """Bisect micro-batch 0 of step 0 of a compare run (`harness.compare.rank.RankPlan`) in
+    this rank process, on its device, with the plan's planted bug; the divergence's fields,
+    or None when every stage agrees."""
+    from harness.compare.arithmetic import rank_arithmetic  # noqa: PLC0415
+    from harness.compare.planted import planted  # noqa: PLC0415
+    from models.training import synthetic_batch  # noqa: PLC0415
+
+    parallel = plan.parallel
+    with rank_arithmetic(parallel.torch_dtype) as arithmetic, planted(plan.plant):
+        ids, labels = synthetic_batch(plan.model, parallel, 0, arithmetic.device)
+        size = parallel.micro_batch_size
+        found = bisect(
+            plan.model, plan.weights, stack_ops(plan.baseline), stack_ops(plan.candidate),
+            ids[:size], labels[:size], tolerance=1e-5 if parallel.dtype == "float32" else 1e-2,
+            seed=parallel.seed, dtype=parallel.torch_dtype,
+            losses=(stack_loss(plan.baseline), stack_loss(plan.candidate)),
+        )  # fmt: skip
+    return None if found is None else {f: getattr(found, f) for f in found.__slots__}
+
+
+__all__ = [
+    "AttentionOut",
+    "CombineOut",
+    "Divergence",
+    "DispatchOut",
+    "ExpertsOut",
+    "bisect",
+    "bisect_rank",
+    "stack_loss",
+    "stack_ops",
+]

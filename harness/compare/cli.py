@@ -21,23 +21,32 @@ Two pipeline sides compare at the same expert choices (``--routing pinned``, the
 default): later stacks replay the first one's routing (`models.routing`). ``--routing
 free`` lets each side route itself, to see the effect of top-k's discontinuity.
 
+The ranks compute on one device, chosen once here before any rank starts (``--device
+auto|cuda|cpu``, `models.device.resolve_device`): one GPU per rank, or the CPU with
+Triton's interpreter. ``--bisect`` runs in a rank of its own on the same device, with the
+same planted bug. The report records the device (`harness.compare.arithmetic`).
+
 With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2,
-DP=2, EP=2 on CPU, reference against optimized, float32.
+DP=2, EP=2 (on the CPU, unless the machine has four GPUs), reference against optimized,
+float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+from harness.compare.bisect import Divergence, bisect_rank
 from harness.compare.estimates import format_estimates
 from harness.compare.lockstep import run_rank
 from harness.compare.planted import PLANTS
 from harness.compare.rank import RankPlan
-from harness.compare.stacks import SIDES, STACKS
+from harness.compare.stacks import SIDES, STACKS, device_problem
 from harness.compare.verdict import build_report
 from models import CheckpointWeights, SeededWeights, resolve_model
+from models.device import DeviceError, DevicePlan, resolve_device
 from models.distributed import ParallelConfig, RankFailed, launch
 from models.training import OptimizerConfig, even_partition
 
@@ -66,27 +75,24 @@ def shared_partition(model, parallel: ParallelConfig, sides: tuple[str, str]):
     return chosen
 
 
-def _bisect(args, model, parallel, source) -> dict | None:
-    """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops (tiny models)."""
-    from harness.compare.bisect import bisect, stack_ops  # noqa: PLC0415
-    from models.training import synthetic_batch  # noqa: PLC0415
-
-    ids, labels = synthetic_batch(model, parallel, 0)
-    size = parallel.micro_batch_size
-    tol = 1e-5 if parallel.dtype == "float32" else 1e-2
-    print("  bisecting micro-batch 0 stage by stage ...", file=sys.stderr)
-    found = bisect(
-        model, source, stack_ops(args.baseline), stack_ops(args.candidate),
-        ids[:size], labels[:size], tolerance=tol, seed=parallel.seed, dtype=parallel.torch_dtype,
-    )  # fmt: skip
+def _bisect(plan: RankPlan, device: DevicePlan, timeout_s: float) -> dict | None:
+    """Re-run micro-batch 0 of step 0 stage by stage on both stacks' ops, in one rank
+    process on the run's device with the run's planted bug (`bisect_rank`; tiny models)."""
+    print("  bisecting micro-batch 0 stage by stage (one rank) ...", file=sys.stderr)
+    one = dataclasses.replace(device, local_ranks=1, gpu_names=device.gpu_names[:1])
+    try:
+        (found,) = launch(bisect_rank, 1, (plan,), timeout_s=timeout_s, device=one)
+    except RankFailed as error:
+        print(f"  bisect failed:\n{error}", file=sys.stderr)
+        return None
     if found is None:
         print(
             "  bisect: every stage agrees on one process; look at the schedule or the collectives",
             file=sys.stderr,
         )
         return None
-    print(f"  {found.describe()}", file=sys.stderr)
-    return {f: getattr(found, f) for f in found.__slots__}
+    print(f"  {Divergence(**found).describe()}", file=sys.stderr)
+    return found
 
 
 # ---------------------------------------------------------------------- CLI
@@ -179,6 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PyTorch and a float32 truth: index ops exactly, numeric ops for error and bias "
         "(harness.compare.ops_audit)",
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the ranks compute: auto (one GPU per rank when there are enough, else the "
+        "CPU, saying so), cuda or cpu (models.device); --bisect runs on the same device",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
 
@@ -221,8 +233,9 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _plan(args: argparse.Namespace) -> RankPlan | int:
-    """The run every rank does, or exit code 2 with the bad input named."""
+def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
+    """The run every rank does and the device they do it on (resolved once, here, before
+    any rank starts), or exit code 2 with the bad input named."""
     problem = _argument_problem(args)
     if problem:
         return _bad(problem)
@@ -247,6 +260,14 @@ def _plan(args: argparse.Namespace) -> RankPlan | int:
     except (ValueError, OSError) as error:
         return _bad(f"--checkpoint {args.checkpoint!r}: {error}")
     sides = (args.baseline, args.candidate)
+    try:
+        layout = f"PP {parallel.pp} x DP {parallel.dp}"
+        device = resolve_device(args.device, parallel.world_size, layout)
+    except DeviceError as error:
+        return _bad(str(error))
+    problem = device_problem(sides, device.kind)
+    if problem:
+        return _bad(problem)
     return RankPlan(
         model=model, parallel=parallel, weights=source, baseline=args.baseline,
         candidate=args.candidate, steps=args.steps, optimizer=OptimizerConfig(lr=args.lr),
@@ -255,7 +276,7 @@ def _plan(args: argparse.Namespace) -> RankPlan | int:
         track_memory=not args.no_memory, progress=True,
         stages=shared_partition(model, parallel, sides), plant=args.plant,
         count_routing=args.estimate_routing == "observed", ops_audit=args.ops_audit == "on",
-    )  # fmt: skip
+    ), device  # fmt: skip
 
 
 def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
@@ -282,9 +303,10 @@ def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = _plan(args)
-    if isinstance(plan, int):
-        return plan
+    planned = _plan(args)
+    if isinstance(planned, int):
+        return planned
+    plan, device = planned
     parallel = plan.parallel
     print(
         f"twinpipe compare: {args.model} PP={parallel.pp} DP={parallel.dp} EP={parallel.ep} "
@@ -293,15 +315,20 @@ def run(args: argparse.Namespace) -> int:
         + (f", bug planted: {args.plant}" if args.plant else ""),
         file=sys.stderr,
     )
-    print(f"  launching {parallel.world_size} ranks", file=sys.stderr)
+    if device.note:
+        print(device.note, file=sys.stderr)
+    print(f"  launching {parallel.world_size} ranks on {device.describe()}", file=sys.stderr)
     try:
-        per_rank = launch(run_rank, parallel.world_size, (plan,), timeout_s=args.timeout)
+        per_rank = launch(
+            run_rank, parallel.world_size, (plan,), timeout_s=args.timeout, device=device
+        )
     except RankFailed as error:  # a crash or a signal, never "outside tolerance" (1)
         print(f"twinpipe compare: a rank failed:\n{error}", file=sys.stderr)
         return 128 + error.signal if error.signal else 3
     report = build_report(plan, per_rank, args.model)
+    report.get("device", {})["requested"] = device.requested  # what --device said
     if args.bisect and not report["passed"]:
-        report["bisect"] = _bisect(args, plan.model, parallel, plan.weights)
+        report["bisect"] = _bisect(plan, device, args.timeout)
     from harness.report import format_table  # noqa: PLC0415
 
     print(format_table(report))

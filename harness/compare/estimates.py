@@ -37,7 +37,8 @@ def add_estimates(
     runs before AdamW has any state (``first_step``), later steps with it. With
     ``per_rank`` (the ranks' records, with ``routing_counts``) the estimate is of the
     routing that step saw (`optimized.estimator.routing`), the balanced one beside it.
-    ``stages``: the layers per stage both stacks ran (None: each stack's own choice)."""
+    ``stages``: the layers per stage both stacks ran (None: each stack's own choice).
+    A peak is compared without its library ``workspaces`` (cuBLAS's on CUDA; 0 on CPU)."""
     try:
         from optimized.estimator import received_loads  # noqa: PLC0415
     except ImportError:
@@ -76,11 +77,13 @@ def add_estimates(
             megatron = report["megatron"]["total_bytes"]
             pp_rank = entry["rank"] // parallel.dp
             balanced = report["ranks"][pp_rank]["peak_bytes"]
-            measured = entry[key]["total"]
+            # The library workspaces (cuBLAS, on CUDA) are no part of any stack's model.
+            measured = entry[key]["total"] - (entry[key].get("workspaces") or 0)
             estimate = {
                 "step": step,
                 "first_step": step == 0,
                 "routing": "balanced",
+                "measured_bytes": measured,
                 "peak_bytes": balanced,
                 "error": balanced / measured - 1 if measured else None,
                 "megatron_bytes": megatron,
@@ -119,7 +122,8 @@ def format_estimates(memory_ranks: list[dict], sides: tuple[str, str]) -> str:
             if "balanced_peak_bytes" in est:
                 beside = f"  {est['balanced_peak_bytes']:>12,} ({est['balanced_error']:+.2%})"
             lines.append(
-                f"{entry['rank']:<5} {stack:<11} {label:<5} {entry[key]['total']:>13,}  "
+                f"{entry['rank']:<5} {stack:<11} {label:<5} "
+                f"{est.get('measured_bytes', entry[key]['total']):>13,}  "
                 f"{est['peak_bytes']:>12,} ({est['error']:+.2%}){beside}  "
                 f"{est['megatron_bytes']:>12,.0f} ({est['megatron_error']:+.1%})"
             )

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from harness.compare.arithmetic import rank_arithmetic
 from harness.compare.rank import Rank, RankPlan
 from harness.compare.record import StepRecord
 from harness.compare.spill import SpilledGradients
@@ -62,11 +63,13 @@ __all__ = ["copied_step", "free_step", "run_rank", "shared_step", "step_batches"
 
 
 # ---------------------------------------------------------------------- steps
-def step_batches(plan: RankPlan, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each stack's own copy of a step's batch, made before any stack runs: a stack may keep
-    its last micro-batches alive until its next step, and a shared batch would then be
-    counted in the other stack's peak."""
-    ids, labels = synthetic_batch(plan.model, plan.parallel, step)
+def step_batches(
+    plan: RankPlan, step: int, device: torch.device | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each stack's own copy of a step's batch on the rank's ``device``, made before any
+    stack runs: a stack may keep its last micro-batches alive until its next step, and a
+    shared batch would then be counted in the other stack's peak."""
+    ids, labels = synthetic_batch(plan.model, plan.parallel, step, device)
     sides = ("truth", "baseline", "candidate")
     return {side: (ids.clone(), labels.clone()) for side in sides}
 
@@ -213,15 +216,16 @@ def _evaluate(rank: Rank, batches: dict) -> dict:
 
 
 def run_rank(plan: RankPlan) -> dict[str, Any]:
-    """Run ``plan`` on this rank (inside a launched world); the per-step records (the
-    comparisons on rank 0 only; every rank computed the same), each rank's memory, times
-    and routing replays."""
+    """Run ``plan`` on this rank (inside a launched world), on the device its launcher
+    handed it, TF32 off, bfloat16 products as a GPU's (`harness.compare.arithmetic`); the
+    per-step records (the comparisons on rank 0 only; every rank computed the same), each
+    rank's memory, times and routing replays, and the device section of the report."""
     from harness.compare.planted import planted  # noqa: PLC0415
 
-    with planted(plan.plant):
-        rank = Rank(plan)
+    with rank_arithmetic(plan.parallel.torch_dtype) as arithmetic, planted(plan.plant):
+        rank = Rank(plan, arithmetic.device)
         with rank.installed():
-            return _run_steps(plan, rank)
+            return {**_run_steps(plan, rank), "device": arithmetic.section}
 
 
 def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
@@ -230,7 +234,7 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         step_function = shared_step if rank.shared else copied_step
     steps = []
     for step in range(plan.steps):
-        batches = step_batches(plan, step)
+        batches = step_batches(plan, step, rank.device)
         record = StepRecord()
         rank.start_step()
         step_function(rank, batches, record)
@@ -242,7 +246,7 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         if plan.progress and rank.layout.rank == 0:
             losses = "  ".join(f"{k} {v:.6f}" for k, v in record.loss.items())
             print(f"  step {step + 1}/{plan.steps}  {losses}", file=sys.stderr)
-    evaluation = _evaluate(rank, step_batches(plan, plan.steps))
+    evaluation = _evaluate(rank, step_batches(plan, plan.steps, rank.device))
     sides = {
         key: {"memory": [s.memory[key] for s in steps if s.memory[key]]}
         for key in ("baseline", "candidate")

@@ -14,6 +14,11 @@ A step's figure is the largest of its regions. Where both stacks share one optim
 candidate's update figure is its own resident bytes when its backward ended plus what
 that same update added on the baseline (the moments AdamW creates at step 0 and its
 per-parameter temporaries): the same operation on the same tensors.
+
+The tracker is the rank's device's (`harness.memory`): on a GPU, the caching allocator's
+statistics, with the cuBLAS workspaces the step's products hold reported apart
+(``workspaces``: counted in ``total``, in no category; the estimate is compared without
+them); on the CPU, ``workspaces`` is 0.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from harness.compare.record import StepRecord
 class Meter:
     """One stack's memory regions, step by step (``enabled=False``: records nothing)."""
 
-    def __init__(self, pipeline: Any, enabled: bool) -> None:
+    def __init__(self, pipeline: Any, enabled: bool, device: torch.device) -> None:
         self.pipeline = pipeline
         self.enabled = enabled and hasattr(pipeline, "schedule")
         self.regions: list[dict[str, Any]] = []
@@ -39,7 +44,7 @@ class Meter:
         if self.enabled:
             from harness.memory import MemoryTracker  # noqa: PLC0415
 
-            self.tracker = MemoryTracker("cuda" if torch.cuda.is_available() else "cpu")
+            self.tracker = MemoryTracker(device)  # the rank's: the allocator's on a GPU
             # A stack whose optimizer is no torch Optimizer names its state tensors itself.
             state = getattr(pipeline, "optimizer_state", pipeline.optimizer)
             self.tracker.register(parameters=pipeline.part, optimizer_state=state)
@@ -59,6 +64,7 @@ class Meter:
         finally:
             self.pipeline.observer = None
         summary: dict[str, Any] = dict(tracker.breakdown())
+        summary.setdefault("workspaces", 0)  # cuBLAS's, on CUDA (`harness.memory.cuda`)
         if tracker.device.type == "cuda":  # the allocator saw the harness's tensors too
             summary["activations"] = max(0, summary["activations"] - held)
             summary["total"] = tracker.peak_bytes - held
@@ -80,9 +86,8 @@ class Meter:
         added = baseline_update["total"] - baseline_update["start_bytes"]
         summary = dict(baseline_update)
         summary["total"] = backward["end_bytes"] + added
-        summary["activations"] = summary["total"] - sum(
-            baseline_update[k] for k in ("parameters", "gradients", "optimizer_state")
-        )
+        named = sum(baseline_update[k] for k in ("parameters", "gradients", "optimizer_state"))
+        summary["activations"] = summary["total"] - named - summary["workspaces"]
         summary["held"] = backward["held"]
         summary["peak_moment"] = {**baseline_update["peak_moment"], "region": "update (shared)"}
         summary["derived"] = True
@@ -108,8 +113,8 @@ class MemoryMeters(Instrument):
     where it runs, the float32 ``truth``, whose step is the harness's own), a region of a
     stack measured by its meter, each step's figures into ``record.memory``."""
 
-    def __init__(self, stacks: dict[str, Any], enabled: bool) -> None:
-        self.meters = {key: Meter(stack, enabled) for key, stack in stacks.items()}
+    def __init__(self, stacks: dict[str, Any], enabled: bool, device: torch.device) -> None:
+        self.meters = {key: Meter(stack, enabled, device) for key, stack in stacks.items()}
 
     @contextmanager
     def region(self, key: str, phase: str, held: int) -> Iterator[None]:

@@ -25,7 +25,13 @@ from harness.compare.ops_audit import OpsAudit, ops_class
 from harness.compare.record import StepRecord
 from harness.compare.routing_counts import RoutingCounts
 from harness.compare.spill import LoadedPieces, SpilledGradients, TruthSpill
-from harness.compare.stacks import share_parameters, shares_state, stack_class, storage_bytes
+from harness.compare.stacks import (
+    share_parameters,
+    shares_state,
+    stack_class,
+    storage_bytes,
+    takes_device,
+)
 from models.config import ModelConfig
 from models.distributed import ParallelConfig, make_layout
 from models.routing import BalancedRouting, attach_routing_tape
@@ -71,31 +77,40 @@ class RankPlan:
     (`harness.compare.ops_audit`; bfloat16 pipeline runs only)."""
 
 
-def build_stack(name: str, plan: RankPlan, layout: Any, dtype: str | None = None) -> Any:
-    """Stack ``name`` (a `harness.compare.stacks.SIDES` entry) of ``plan`` on this rank, in
-    ``dtype`` (default: the plan's), seeded from the plan."""
+def build_stack(
+    name: str, plan: RankPlan, layout: Any, device: torch.device, dtype: str | None = None
+) -> Any:
+    """Stack ``name`` (a `harness.compare.stacks.SIDES` entry) of ``plan`` on this rank's
+    ``device``, in ``dtype`` (default: the plan's), seeded from the plan."""
     parallel = dataclasses.replace(plan.parallel, dtype=dtype or plan.parallel.dtype)
     torch.manual_seed(parallel.seed)
     if name == "oracle":
         from reference.oracle import Oracle  # noqa: PLC0415
 
-        return Oracle(plan.model, plan.weights, plan.optimizer, parallel.torch_dtype)
+        return Oracle(plan.model, plan.weights, plan.optimizer, parallel.torch_dtype, device)
     cls = stack_class(name)
-    return cls(plan.model, parallel, layout, plan.weights, plan.optimizer, stages=plan.stages)
+    # A stack that takes no device builds on the CPU (the parent refused other devices).
+    where = {"device": device} if takes_device(name) else {}
+    return cls(
+        plan.model, parallel, layout, plan.weights, plan.optimizer, stages=plan.stages, **where
+    )
 
 
 class Rank:
     """The stacks of one rank, and the instruments that measure them."""
 
-    def __init__(self, plan: RankPlan) -> None:
+    def __init__(self, plan: RankPlan, device: torch.device) -> None:
         self.plan = plan
+        self.device = device
+        """Where this rank computes (`harness.compare.arithmetic.rank_arithmetic`)."""
         self.layout = make_layout(plan.parallel)
         layout = self.layout
-        self.comparer = Comparer()
+        # Host-side sums and names go through the gloo group; device tensors never do.
+        self.comparer = Comparer(layout.host_group)
         self.place = RankPlace(layout.dp_rank, layout.ep)
         self.whole = RankPlace(layout.dp_rank, layout.ep, whole=True)
-        self.baseline = build_stack(plan.baseline, plan, layout)
-        self.candidate = build_stack(plan.candidate, plan, layout)
+        self.baseline = build_stack(plan.baseline, plan, layout, device)
+        self.candidate = build_stack(plan.candidate, plan, layout, device)
         pipelines = "oracle" not in (plan.baseline, plan.candidate)
         self.lockstep = plan.trajectory == "lockstep" and pipelines
         self.shared = self.lockstep and shares_state(self.baseline, self.candidate)
@@ -103,7 +118,7 @@ class Rank:
             share_parameters(self.baseline, self.candidate)
         self.truth = None
         if self.lockstep and plan.noise_floor:
-            self.truth = build_stack("reference", plan, layout, dtype="float32")
+            self.truth = build_stack("reference", plan, layout, device, dtype="float32")
             # One micro-batch in flight: float32 activations of the DualPipeV order would
             # be twice what the bf16 stacks hold (`ReferenceDualPipeV.sequential`).
             self.truth.schedule.sequential = True
@@ -118,7 +133,7 @@ class Rank:
         # The float32 truth's step is the harness's too: measured, reported.
         stacks = {"baseline": self.baseline, "candidate": self.candidate, "truth": self.truth}
         self.memory = MemoryMeters(
-            {k: s for k, s in stacks.items() if s is not None}, plan.track_memory
+            {k: s for k, s in stacks.items() if s is not None}, plan.track_memory, device
         )
         self.spill = TruthSpill() if self.truth is not None else None
         self.instruments = self._instruments(pipelines)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,9 +49,29 @@ def _resolve(path: str) -> Any:
 
 def stack_class(name: str) -> Callable[..., Any]:
     """The constructor of stack ``name``, called as ``(model, parallel, layout, source,
-    optimizer, stages=None)`` whatever the stack (its `STACK_ARGUMENTS` bound)."""
+    optimizer, stages=None)`` whatever the stack (its `STACK_ARGUMENTS` bound), and with
+    ``device=`` where it takes one (`takes_device`)."""
     arguments = {key: _resolve(path) for key, path in STACK_ARGUMENTS.get(name, {}).items()}
     return functools.partial(_resolve(STACKS[name]), **arguments)
+
+
+def takes_device(name: str) -> bool:
+    """Whether stack ``name``'s constructor takes the device to build on (``device=``)."""
+    return "device" in inspect.signature(_resolve(STACKS[name])).parameters
+
+
+def device_problem(sides: tuple[str, ...], kind: str) -> str | None:
+    """Why ``sides`` cannot run on ranks computing on ``kind`` (``cuda``/``cpu``), or None:
+    a stack whose constructor takes no device builds on the CPU only."""
+    if kind == "cpu":
+        return None
+    fixed = [side for side in sides if side in STACKS and not takes_device(side)]
+    if not fixed:
+        return None
+    return (
+        f"--device {kind}: the {', '.join(fixed)} stack builds its part on the CPU only (its "
+        "constructor takes no device); compare it with --device cpu"
+    )
 
 
 def is_sharded(pipeline: Any) -> bool:

@@ -231,6 +231,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         "git_commit": git_commit(),
         "machine": machine_line(),
     }
+    if per_rank[0].get("device"):  # rank 0's (`harness.compare.arithmetic`); all ranks alike
+        report["device"] = per_rank[0]["device"]
     if floor:
         report["loss"]["truth"] = [r.loss["truth"] for r in records]
         report["eval_loss"]["truth"] = evaluation["truth"]

@@ -2,8 +2,9 @@
 
 - `bench`: ``twinpipe bench``: pytest-benchmark runs and compare reports kept as history
   entries stamped with commit, date and machine;
-- `documents`: what a file is (a compare report, a history entry, pytest-benchmark JSON)
-  and whether its sections have the shapes their readers need;
+- `documents`: what a file is (a compare report, a history entry, pytest-benchmark JSON),
+  whether its sections have the shapes their readers need, the device its figures come
+  from, and the history folder's entries (a bad file skipped with a warning);
 - `diff`: ``twinpipe diff``: two documents of one kind, every regression in words;
 - `diff_judge`: the rule for one figure (growth past a tolerance regresses, a figure
   that went missing regresses) and the result it adds to;

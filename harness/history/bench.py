@@ -17,6 +17,12 @@ History entry (one JSON file each, ``bench-<UTC time>-<commit>.json`` or
      "benchmark": {...pytest-benchmark JSON...}      # kind "bench"
      "report": {...compare report...}}               # kind "compare"
 
+``--device`` chooses where the benchmarks compute (`models.device`; the Triton kernels
+are interpreted exactly on the CPU), ``--profile DIR`` writes a torch.profiler trace of
+the run (the pytest plugin ``benchmarks/profiling.py`` profiles it, with
+`optimized.train.profile_region`).
+The history's entries are read by `harness.history.documents.read_history`.
+
 Benchmarks report memory through ``benchmark.extra_info`` (``peak_bytes``, or
 any key with ``bytes`` in its name) and are paired with their plain
 counterpart by ``group`` (see `harness.history.dashboard`).
@@ -34,13 +40,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.history.documents import classify
+from harness.history.documents import classify, read_history  # noqa: F401 - re-exported
 from harness.report import (
     ReportError,
     git_commit,
     load_report,
     machine_description,
-    report_problems,
+    read_json,
 )
 from models.inputs import write_or_rescue
 
@@ -86,7 +92,7 @@ def add_benchmark_json(
 ) -> Path:
     """Append a pytest-benchmark JSON file to the history; returns the entry's path."""
     path = Path(benchmark_json)
-    document = json.loads(path.read_text())
+    document = read_json(path)
     kind, payload = classify(document)
     if kind != "bench":
         raise ValueError(f"{path}: not pytest-benchmark JSON (no 'benchmarks' list)")
@@ -108,55 +114,16 @@ def add_compare_report(
     return _write_entry(history_dir, entry)
 
 
-def read_history(history_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every entry in the history folder, oldest first; unreadable files are skipped."""
-    entries = []
-    for path in sorted(Path(history_dir).glob("*.json")):
-        try:
-            entry = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            print(f"twinpipe: skipping {path}: {error}", file=sys.stderr)
-            continue
-        if isinstance(entry, dict) and entry.get("kind") == "compare":
-            problems = report_problems(entry.get("report") or {})
-            if problems:
-                print(f"twinpipe: skipping {path}: {'; '.join(problems)}", file=sys.stderr)
-                continue
-        if not isinstance(entry, dict) or entry.get("kind") not in ("bench", "compare"):
-            kind, payload = classify(entry)
-            if kind is None:
-                print(f"twinpipe: skipping {path}: not a history entry", file=sys.stderr)
-                continue
-            if kind == "compare" and report_problems(payload):
-                problems = "; ".join(report_problems(payload))
-                print(f"twinpipe: skipping {path}: {problems}", file=sys.stderr)
-                continue
-            # A bare report or benchmark JSON dropped into the folder: wrap it.
-            entry = {
-                "kind": kind,
-                "git_commit": _bare_commit(kind, payload),
-                "date": _bare_date(kind, payload, path),
-                "machine": payload.get("machine") if kind == "compare" else None,
-                ("benchmark" if kind == "bench" else "report"): payload,
-            }
-        entry["_file"] = path.name
-        entries.append(entry)
-    entries.sort(key=lambda e: (str(e.get("date") or ""), e["_file"]))
-    return entries
+PROFILE_PLUGIN = "benchmarks.profiling"
+"""The pytest plugin that profiles a benchmark run, in the project's source tree."""
+PROFILE_FILES = ("bench.trace.json", "bench.top_ops.md")
 
 
-def _bare_commit(kind: str, payload: dict[str, Any]) -> str:
-    if kind == "compare":
-        return str(payload.get("git_commit") or "unknown")
-    commit_info = payload.get("commit_info") or {}
-    return str(commit_info.get("id") or "unknown")[:12]
-
-
-def _bare_date(kind: str, payload: dict[str, Any], path: Path) -> str:
-    if kind == "bench" and payload.get("datetime"):
-        return str(payload["datetime"])
-    modified = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc)
-    return modified.strftime("%Y-%m-%dT%H:%M:%SZ")
+def profile_plugin_root() -> Path | None:
+    """The source tree that holds `PROFILE_PLUGIN` (this checkout's root), or None when
+    twinpipe runs from an installation without its ``benchmarks/``."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "benchmarks" / "profiling.py").exists() else None
 
 
 def run_benchmarks(
@@ -164,11 +131,18 @@ def run_benchmarks(
     history_dir: str | os.PathLike[str] = DEFAULT_HISTORY,
     keyword: str | None = None,
     extra_pytest_args: list[str] | None = None,
+    environment: dict[str, str] | None = None,
+    profile_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[int, Path | None]:
     """Run pytest-benchmark on ``benchmarks``; on success add its JSON to the history.
 
+    ``environment``: what the run's environment holds beyond this one's (the device and
+    Triton mode, `models.device.DevicePlan.rank_environment`); ``profile_dir``: where the
+    benchmarks write a torch.profiler trace of the run and its top-ops table.
+
     Returns the command's exit code (0; 2 when nothing was collected or ``benchmarks``
-    does not exist; 3 when pytest failed) and the history entry written (None on failure).
+    does not exist; 3 when pytest failed or the profile asked for was not written) and the
+    history entry written (None on failure).
     """
     if not Path(benchmarks).exists():
         print(
@@ -176,6 +150,7 @@ def run_benchmarks(
             file=sys.stderr,
         )
         return 2, None
+    env = {**os.environ, **(environment or {})}
     with tempfile.TemporaryDirectory(prefix="twinpipe-bench-") as tmp:
         json_path = Path(tmp) / "benchmark.json"
         command = [
@@ -191,9 +166,13 @@ def run_benchmarks(
         ]
         if keyword:
             command += ["-k", keyword]
+        if profile_dir is not None:  # the plugin, importable from the source tree's root
+            root = str(profile_plugin_root())
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+            command += ["-p", PROFILE_PLUGIN, f"--profile-dir={Path(profile_dir).resolve()}"]
         command += list(extra_pytest_args or [])
         print("twinpipe bench: " + " ".join(command[2:]), flush=True)
-        status = _run_forwarding_signals(command)
+        status = _run_forwarding_signals(command, env)
         if status < 0 or status >= 128:  # stopped by a signal, ours or pytest's
             print("twinpipe bench: stopped by a signal; history unchanged", file=sys.stderr)
             return 128 + abs(status) % 128, None
@@ -213,16 +192,22 @@ def run_benchmarks(
             "the benchmark results", "bench",
         )  # fmt: skip
     print(f"twinpipe bench: added {entry}")
+    if profile_dir is not None:
+        files = [Path(profile_dir) / name for name in PROFILE_FILES]
+        if not all(f.exists() for f in files):
+            print(f"twinpipe bench: error: no profile in {profile_dir}", file=sys.stderr)
+            return 3, entry
+        print("twinpipe bench: profile written: " + ", ".join(str(f) for f in files))
     return (3 if rescued else 0), entry
 
 
-def _run_forwarding_signals(command: list[str]) -> int:
+def _run_forwarding_signals(command: list[str], env: dict[str, str] | None = None) -> int:
     """Run ``command``; SIGTERM and SIGINT sent to this process reach it too (a killed
     `twinpipe bench` must not leave pytest running). Its exit status, negative when a
     signal ended it."""
     import signal  # noqa: PLC0415
 
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, env=env)
 
     def forward(signum, frame):
         child.send_signal(signum)
@@ -254,6 +239,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without CUDA (on the CPU interpreter: minutes per op)",
     )
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the benchmarks compute: auto (a GPU when there is one, else the CPU), "
+        "cuda or cpu (models.device); the Triton kernels are interpreted exactly on the CPU",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a torch.profiler trace of the benchmark run (DIR/bench.trace.json, for "
+        "Perfetto or chrome://tracing) and its top kernels and host ops (DIR/bench.top_ops.md)",
+    )
+    parser.add_argument(
         "--add-report",
         metavar="PATH",
         action="append",
@@ -262,11 +259,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.device import DeviceError, resolve_device  # noqa: PLC0415
     from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
 
     try:
         check_output_dir(args.history, "--history")
-    except BadInput as error:
+        if args.profile is not None:
+            if args.add_report:
+                raise BadInput("--profile profiles a benchmark run; --add-report runs nothing")
+            check_output_dir(args.profile, "--profile")
+            if profile_plugin_root() is None:
+                raise BadInput(
+                    f"--profile needs the source tree's {PROFILE_PLUGIN} (a checkout of "
+                    "twinpipe, as the benchmarks do)"
+                )
+        # The device, once, before any work: the benchmarks run in one process.
+        device = resolve_device(args.device, 1)
+    except (BadInput, DeviceError) as error:
         print(f"twinpipe bench: error: {error}", file=sys.stderr)
         return 2
     if args.add_report:
@@ -284,6 +293,11 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(f"twinpipe bench: added {entry}")
         return 0
+    if device.note:
+        print(device.note, file=sys.stderr, flush=True)
     extra = ["--gpu-shapes"] if args.gpu_shapes else []
-    status, _ = run_benchmarks(args.benchmarks, args.history, args.keyword, extra)
+    status, _ = run_benchmarks(
+        args.benchmarks, args.history, args.keyword, extra, device.rank_environment(),
+        args.profile,
+    )  # fmt: skip
     return status

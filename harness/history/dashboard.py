@@ -33,7 +33,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.history.bench import read_history
 from harness.history.dashboard_data import (  # the data names are part of this command's API
     CompareRun,
     OpPoint,
@@ -50,6 +49,7 @@ from harness.history.dashboard_plots import (
     plot_op,
     time_unit,
 )
+from harness.history.documents import read_history
 from harness.report import format_bytes
 
 # ---------------------------------------------------------------------- page

@@ -21,9 +21,13 @@ A regression is:
   figure, a rank's memory, a whole benchmark): what was not measured cannot pass.
 
 Everything else that changed (configuration, machine, benchmarks or figures added,
-improvements) is reported as information. Exit status: 1 on a regression, 0
-otherwise, 2 when an input is missing, not a report, or malformed (a section of
-the wrong shape); a crash is 3 (`harness.cli`), never 1.
+improvements) is reported as information. Two documents measured on different
+devices (a CPU report and a CUDA one, or benchmark runs whose ``extra_info`` name a CPU
+and a GPU) are refused: a GPU's times and peaks against a CPU's say nothing about a change.
+
+Exit status: 1 on a regression, 0 otherwise, 2 when an input is missing, not a text or
+JSON file, not a report, malformed (a section of the wrong shape), or of another device
+than the other; a crash is 3 (`harness.cli`), never 1.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ from harness.history.diff_judge import (  # noqa: F401 - Tolerances and DiffResu
     judge,
     series_max,
 )
-from harness.history.documents import InputError, load_document
+from harness.history.documents import (
+    InputError,
+    device_mismatch,
+    document_device,
+    load_document,
+)
 from harness.report import format_bytes
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
@@ -231,6 +240,9 @@ def diff_files(old_path: str | Path, new_path: str | Path, tol: Tolerances) -> D
             f"{old_path} is a {old_kind} document but {new_path} is a {new_kind} document; "
             "diff compares like with like"
         )
+    mismatch = device_mismatch(document_device(old_kind, old), document_device(new_kind, new))
+    if mismatch:
+        raise InputError(f"{old_path} -> {new_path}: {mismatch}")
     if old_kind == "compare":
         return diff_reports(old, new, tol)
     return diff_benchmarks(old, new, tol)

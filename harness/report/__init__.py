@@ -11,14 +11,21 @@ dashboard.
 - `communication`: the communication tables (the section's schema: `harness.compare`);
 - `plots`: loss per step, and peak memory per rank by category (matplotlib);
 - `write`: ``report.json``, the plots and ``report.md`` into a folder;
-- `provenance`: the commit and the machine a figure comes from.
+- `provenance`: the commit, the machine and the device a figure comes from.
 
 May import `models` only; never another `harness` subpackage, `optimized` or `reference`:
 reports are read where no stack runs.
 """
 
 from harness.report.formatting import format_bytes, format_moment, format_number
-from harness.report.provenance import git_commit, machine_description, machine_line
+from harness.report.provenance import (
+    cpu_name,
+    device_description,
+    device_line,
+    git_commit,
+    machine_description,
+    machine_line,
+)
 from harness.report.render import format_table, render_markdown
 from harness.report.schema import (
     CATEGORIES,
@@ -26,6 +33,7 @@ from harness.report.schema import (
     is_compare_report,
     load_report,
     read_json,
+    report_device,
     report_problems,
 )
 from harness.report.write import write_report
@@ -33,6 +41,9 @@ from harness.report.write import write_report
 __all__ = [
     "CATEGORIES",
     "ReportError",
+    "cpu_name",
+    "device_description",
+    "device_line",
     "format_bytes",
     "format_moment",
     "format_number",
@@ -44,6 +55,7 @@ __all__ = [
     "machine_line",
     "read_json",
     "render_markdown",
+    "report_device",
     "report_problems",
     "write_report",
 ]

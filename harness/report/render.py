@@ -20,6 +20,7 @@ from harness.report.formatting import (
     side_names,
     table_lines,
 )
+from harness.report.provenance import device_line
 from harness.report.schema import CATEGORIES
 
 
@@ -99,6 +100,8 @@ def _verdict(report: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The side-by-side table a compare run prints in the terminal."""
     lines = [_verdict(report), *sections.problem_lines(report)]
+    device, products = device_line(report.get("device")), sections.products_line(report)
+    lines += [f"device: {device}"] * bool(device) + [products] * bool(products)
     trajectory = sections.trajectory_line(report)
     if trajectory:
         lines += ["", trajectory]
@@ -131,8 +134,11 @@ def format_table(report: dict[str, Any]) -> str:
 def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     """``report.md``: the verdict, configuration, per-step and per-rank tables, the plots."""
     lines = [f"# twinpipe compare: {_verdict(report)}", ""]
-    facts = [("commit", report.get("git_commit")), ("machine", report.get("machine"))]
+    facts = [("commit", report.get("git_commit")), ("machine", report.get("machine")),
+             ("device", device_line(report.get("device")))]  # fmt: skip
     lines += [f"- {key}: `{value}`" for key, value in facts if value]
+    products = sections.products_line(report)
+    lines += [f"- {products}"] if products else []
     if report.get("problems"):
         lines += ["", "## Why it failed", "", *sections.problem_lines(report)]
     trajectory = sections.trajectory_line(report)

@@ -41,8 +41,19 @@ timing) and every reader here copes with its absence.
                                             # (schema: harness.compare.communication)
       "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, "grad_rel": float | None},
       "git_commit": str,
-      "machine": str
+      "machine": str,
+      "device": {"type": "cpu" | "cuda",   # where the ranks computed (absent before it was
+                 "name": str,              # recorded: such reports ran on CPUs), the GPU
+                 "torch": str, "triton": str | null, "cuda": str | null,   # or CPU model
+                 "float32_products": bool, # bf16 products computed as float32 products
+                 "float32_products_why": str,   # (models.bf16_gemm), and why
+                 "tf32": bool,             # whether float32 matmuls could use TF32 (never)
+                 "requested": str}         # what --device asked for: auto, cuda or cpu
     }
+
+Memory figures on CUDA also carry ``workspaces``: the bytes of the library workspaces
+(cuBLAS) the allocator held at the peak, counted in ``total`` but in no category; the
+estimate is compared with ``total - workspaces``. On CPU it is 0.
 
 Files written by `harness.report.write.write_report`: ``report.json``, ``report.md``,
 ``loss.png`` (when losses are present) and ``memory.png`` (when memory is).
@@ -67,13 +78,21 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError)
     """The JSON in ``path``; ``error`` names the file when it cannot be read or parsed."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as cause:
         raise error(f"{path}: cannot read: {cause.strerror or cause}") from cause
+    except UnicodeDecodeError as cause:  # a binary file: an image, an archive, a tensor
+        raise error(
+            f"{path}: not a text file (byte {cause.start} is not UTF-8: {cause.reason}); "
+            "expected a JSON file"
+        ) from cause
     try:
         return json.loads(text)
     except json.JSONDecodeError as cause:
-        raise error(f"{path}: not JSON ({cause.msg} at line {cause.lineno})") from cause
+        raise error(f"{path}: not JSON ({cause.msg} at line {cause.lineno}); expected a JSON "
+                    "file") from cause  # fmt: skip
+    except RecursionError as cause:
+        raise error(f"{path}: not JSON this reader takes (nested too deeply)") from cause
 
 
 def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -128,6 +147,9 @@ def report_problems(report: dict[str, Any]) -> list[str]:
         if not (_is_number(v) or isinstance(v, (str, bool)) or v is None)
     ]
     section("config")
+    device = section("device")
+    if device and not (isinstance(device.get("type"), str) and device["type"]):
+        problems.append(f"device.type = {device.get('type')!r:.60}: expected 'cpu' or 'cuda'")
     ranks = section("memory").get("ranks")
     if ranks is not None and not isinstance(ranks, list):
         problems.append(f"memory.ranks = {ranks!r:.60}: expected a list, one entry per rank")
@@ -154,6 +176,16 @@ def report_problems(report: dict[str, Any]) -> list[str]:
             if entry.get(k) is not None and not _is_number(entry[k]):
                 problems.append(f"memory.ranks[{i}].{k} = {entry[k]!r:.60}: expected a number")
     return problems
+
+
+def report_device(report: dict[str, Any]) -> tuple[str, str]:
+    """``(type, name)`` of the device a report's ranks computed on. A report without a
+    ``device`` section was written before it was recorded, when `twinpipe compare` ran on
+    CPUs only: ``("cpu", "")``."""
+    device = report.get("device")
+    if not isinstance(device, dict) or not device.get("type"):
+        return "cpu", ""
+    return str(device["type"]), str(device.get("name") or "")
 
 
 def is_compare_report(obj: Any) -> bool:

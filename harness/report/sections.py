@@ -1,5 +1,5 @@
-"""The parts of a compare report that say why: problems, the trajectory, the routing, the
-noise floor, the ops audit, the harness's own memory, and the largest tensors at each
+"""The parts of a compare report that say why: problems, the device, the trajectory, the
+routing, the noise floor, the ops audit, the harness's own memory, and the largest tensors at each
 rank's peak (`harness.report.render` lays them out).
 """
 
@@ -14,6 +14,16 @@ from harness.report.formatting import format_bytes, format_number, side_names, t
 def problem_lines(report: dict[str, Any]) -> list[str]:
     """Every reason the run failed, one per line."""
     return [f"- {problem}" for problem in report.get("problems") or []]
+
+
+def products_line(report: dict[str, Any]) -> str:
+    """One line when the ranks computed bfloat16 products as float32 products
+    (`models.bf16_gemm`), saying why; ``""`` otherwise."""
+    device = report.get("device")
+    if not isinstance(device, dict) or not device.get("float32_products"):
+        return ""
+    why = device.get("float32_products_why") or "bfloat16 products computed as float32 products"
+    return f"note: {why} (both stacks alike)"
 
 
 def trajectory_line(report: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ configs, headers and indexes and checks:
   layout against it (``seq_len`` within the positions, ``2 * pp`` stages of layers, EP
   dividing the experts);
 - ``init_from``: a twinpipe checkpoint of this model, or a Hugging Face checkpoint whose
-  tensors, shapes and dtypes are this model's (`models.inputs.check_hf_checkpoint`);
+  tensors, shapes and dtypes are this model's (`models.checkpoint.check_hf_checkpoint`);
 - the data: a prepared folder, enough tokens for one global batch, no token id beyond the
   model's vocabulary;
 - the objective: ``loss.z_loss`` and ``loss.label_smoothing`` need the optimized runner;
@@ -40,15 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from models.checkpoint import check_hf_checkpoint
 from models.config import ModelConfig
 from models.distributed import ParallelConfig
-from models.inputs import (
-    BadInput,
-    check_hf_checkpoint,
-    check_output_dir,
-    check_output_file,
-    read_text,
-)
+from models.inputs import BadInput, check_output_dir, check_output_file, read_text
 from models.presets import resolve_model
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
