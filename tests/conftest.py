@@ -36,6 +36,16 @@ def compute_device():
     return DEVICE
 
 
+@pytest.fixture
+def gpu_device():
+    """The GPU a ``gpu``-marked test runs compiled Triton kernels on. Where the marker lets it
+    run (there is a GPU) but this process interprets Triton (``TRITON_INTERPRET=1`` set by
+    the user), its kernels take CPU tensors only, so the test is skipped, saying why."""
+    if DEVICE.type != "cuda":
+        pytest.skip("this process interprets Triton kernels (TRITON_INTERPRET=1): CPU tensors only")
+    return DEVICE
+
+
 def pytest_collection_modifyitems(config, items):
     support = cuda_support()
     if support.gpus:

@@ -1,4 +1,5 @@
-"""First-divergence bisection names the op that a planted bug broke."""
+"""First-divergence bisection names the op that a planted bug broke, on `compute_device`
+(bisect builds the models where the input ids are)."""
 
 import pytest
 import torch
@@ -30,11 +31,12 @@ class WrongBackward(OptimizedOps):
         return out + (out * 1e-3 - (out * 1e-3).detach())
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture
+def setup(compute_device):
     cfg = preset("tiny-deepseek-v2")
     state = build_model(cfg, seed=4).state_dict()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(compute_device)
     return cfg, state, ids, shift_labels(ids)
 
 

@@ -1,4 +1,7 @@
-"""The per-layer activation formula against what autograd really keeps (saved-tensor hooks)."""
+"""The per-layer activation formula against what autograd really keeps (saved-tensor hooks).
+
+The optimized layer's held bytes are counted on CPU storage (the estimate is of CPU ranks),
+so that test runs on a CPU rank (`tests._ranks.on_cpu_rank`)."""
 
 import gc
 import weakref
@@ -11,6 +14,7 @@ from models.presets import preset
 from optimized.estimator.activations import layer_saved
 from optimized.estimator.config import EstimateConfig
 from reference.ops import ReferenceOps
+from tests._ranks import on_cpu_rank
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 
@@ -63,9 +67,6 @@ def test_layer_formula_matches_saved_tensors(name, dtype, batch, seq):
 def measured_optimized_held(model, layer_index, batch, seq, dtype) -> int:
     """Bytes one optimized `LayerRun` holds after its seven forward steps (EP=1), measured
     with the storage tracker (non-reentrant checkpoint hides its keeps from outer hooks)."""
-    import os
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     from optimized.pipeline.execution import ExecutionContext
     from optimized.pipeline.overlap import FORWARD_STEPS, LayerRun
     from tests._memtrack import StorageTracker
@@ -93,6 +94,10 @@ def measured_optimized_held(model, layer_index, batch, seq, dtype) -> int:
      ("tiny-qwen3-moe", "float32")],
 )  # fmt: skip
 def test_optimized_layer_steps_match_measured(name, dtype):
+    on_cpu_rank(_check_optimized_layer_steps, name, dtype)
+
+
+def _check_optimized_layer_steps(name: str, dtype: str) -> None:
     from optimized.estimator.steps import step_profile
 
     model = preset(name)

@@ -12,28 +12,30 @@ transient left out costs tens of kilobytes and fails.
 The last test pins the optimized walk's per-rank peaks at a small layout to the tracker's
 measurement, so a step transient dropped from the walk itself fails here, not only in the
 slow estimator-vs-measured test.
+
+The tracker counts CPU storage byte for byte, and the estimate is of CPU ranks (the
+interpreter's blocks), so the optimized layers run on a CPU rank (`tests._ranks.on_cpu_rank`:
+in place where this process interprets Triton, in one spawned CPU rank on a GPU machine).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 
 import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from models.decoder import DecoderLayer  # noqa: E402
-from models.layers import RMSNorm, Router  # noqa: E402
-from models.presets import preset  # noqa: E402
-from optimized.estimator import EstimateConfig, estimate_for_compare  # noqa: E402
-from optimized.estimator.memory import layer_profile  # noqa: E402
-from optimized.estimator.steps import step_profile  # noqa: E402
-from reference.ops import ReferenceOps  # noqa: E402
-from tests._memtrack import StorageTracker  # noqa: E402
+from models.decoder import DecoderLayer
+from models.layers import RMSNorm, Router
+from models.presets import preset
+from optimized.estimator import EstimateConfig, estimate_for_compare
+from optimized.estimator.memory import layer_profile
+from optimized.estimator.steps import step_profile
+from reference.ops import ReferenceOps
+from tests._memtrack import StorageTracker
+from tests._ranks import on_cpu_rank
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 BATCH, SEQ = 2, 32
@@ -136,6 +138,10 @@ def _optimized_rises(model, layer, dtype: str, defer: bool, recompute: bool = Tr
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("defer", [False, True])
 def test_optimized_layer_steps_match_tracker(name, dtype, defer):
+    on_cpu_rank(_check_optimized_layer_steps, name, dtype, defer)
+
+
+def _check_optimized_layer_steps(name: str, dtype: str, defer: bool) -> None:
     model, layer, loads = _layer(name, 1, dtype)
     rises = _optimized_rises(model, layer, dtype, defer)
     profile = step_profile(_config(model, dtype, "optimized", loads), 1)
@@ -159,6 +165,10 @@ KEPT_LAYERS = LAYERS + [("tiny-gpt-oss", 0)]
 @pytest.mark.parametrize(("name", "index"), KEPT_LAYERS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_optimized_layer_steps_without_recompute_match_tracker(name, index, dtype):
+    on_cpu_rank(_check_optimized_layer_steps_without_recompute, name, index, dtype)
+
+
+def _check_optimized_layer_steps_without_recompute(name: str, index: int, dtype: str) -> None:
     model, layer, loads = _layer(name, index, dtype)
     rises = _optimized_rises(model, layer, dtype, defer=False, recompute=False)
     config = _config(model, dtype, "optimized", loads).replace(recompute=False)
@@ -201,6 +211,10 @@ def test_fused_loss_transient_matches_tracker():
     what it keeps for the backward plus `fused_loss_transient`: the norm's output, the
     per-token losses, z-losses and softmax statistics, and one buffer of ``[tokens, chunk]``
     logits (262 KB here, 1/32 of the 8.2 MB of logits; 2.1 MB at mid width)."""
+    on_cpu_rank(_check_fused_loss_transient)
+
+
+def _check_fused_loss_transient() -> None:
     from optimized.estimator.memory import (
         fused_loss_transient,
         loss_buffer_elements,

@@ -27,20 +27,16 @@ a GPU run would hold too.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from harness.compare.lockstep import run_rank  # noqa: E402
-from harness.compare.rank import RankPlan  # noqa: E402
-from models import SeededWeights, preset  # noqa: E402
-from models.distributed import ParallelConfig, launch  # noqa: E402
-from models.training import OptimizerConfig  # noqa: E402
-from optimized.estimator import estimate_for_compare  # noqa: E402
-from optimized.estimator.routing import received_loads  # noqa: E402
+from harness.compare.lockstep import run_rank
+from harness.compare.rank import RankPlan
+from models import SeededWeights, preset
+from models.distributed import ParallelConfig, launch
+from models.training import OptimizerConfig
+from optimized.estimator import estimate_for_compare
+from optimized.estimator.routing import received_loads
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

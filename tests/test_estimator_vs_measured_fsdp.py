@@ -17,20 +17,17 @@ the estimator does not yet count (see `EstimateConfig.fsdp`). Each layout has on
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import harness.compare.meter as meter  # noqa: E402
-from harness.compare.estimates import stack_estimate  # noqa: E402
-from harness.compare.lockstep import run_rank  # noqa: E402
-from harness.compare.rank import RankPlan  # noqa: E402
-from models import SeededWeights, preset  # noqa: E402
-from models.distributed import ParallelConfig, launch  # noqa: E402
-from models.training import OptimizerConfig  # noqa: E402
-from optimized.estimator.routing import received_loads  # noqa: E402
+import harness.compare.meter as meter
+from harness.compare.estimates import stack_estimate
+from harness.compare.lockstep import run_rank
+from harness.compare.rank import RankPlan
+from models import SeededWeights, preset
+from models.distributed import ParallelConfig, launch
+from models.training import OptimizerConfig
+from optimized.estimator.routing import received_loads
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

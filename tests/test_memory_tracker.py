@@ -1,4 +1,5 @@
-"""harness.memory.MemoryTracker on CPU: planted allocations whose peak is known to the byte."""
+"""harness.memory.MemoryTracker on CPU: planted allocations whose peak is known to the byte
+(and on CUDA, marked ``gpu``: the allocator's statistics against the same plant)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from torch import nn
 from harness.memory import MemoryTracker
 
 
-def u8(nbytes: int) -> torch.Tensor:
+def u8(nbytes: int, device: str = "cpu") -> torch.Tensor:
     """A fresh storage of exactly ``nbytes`` bytes."""
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def test_planted_allocations_and_resize_free_give_the_exact_peak_and_moment():
@@ -258,10 +259,7 @@ def test_misuse_gets_clear_errors():
         MemoryTracker("meta")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only: reads the CUDA allocator's statistics; this machine has no GPU",
-)
+@pytest.mark.gpu  # reads the CUDA allocator's statistics
 def test_cuda_peak_from_allocator_statistics():
     tracker = MemoryTracker("cuda")
     weight = torch.randn(1024, device="cuda")
@@ -280,10 +278,40 @@ def test_cuda_peak_from_allocator_statistics():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only: cuBLAS's workspaces live in the CUDA allocator; this machine has no GPU",
-)
+def test_cuda_allocator_sees_the_planted_peak_the_cpu_tracker_sees():
+    """The CPU test's plant (allocations, a ``resize_(0)`` free, a peak and a later lower
+    moment) on the GPU, in 512-byte multiples (the caching allocator's granule, so nothing
+    is rounded): the CUDA backend finds the same peak, moment and timeline up to the peak
+    as the CPU backend, above what was in use as the step began. (After the step's peak
+    the allocator's one maximum says nothing per phase: the CUDA timeline's last entry
+    keeps its start bytes.)"""
+    peaks = {}
+    for device in ("cpu", "cuda"):
+        tracker = MemoryTracker(device)
+        with tracker.step():
+            tracker.mark("F", 0)
+            a = u8(1024, device)  # 1024
+            tracker.mark("F", 1)
+            b = u8(3072, device)  # 4096
+            a.untyped_storage().resize_(0)  # 3072
+            tracker.mark("B", 1)
+            c = u8(1536, device)  # 4608 <- peak
+            del b  # 1536
+            tracker.mark("B", 0)
+            d = u8(2560, device)  # 4096, not a new peak
+            del c, d
+        before = tracker.timeline[0]["start_bytes"]  # in use as the step began (CPU: 0)
+        timeline = [(e["phase"], e["micro_batch"], e["peak_bytes"] - before)
+                    for e in tracker.timeline]  # fmt: skip
+        peaks[device] = (tracker.peak_bytes - before, tracker.peak_moment, timeline)
+    assert peaks["cpu"][:2] == (4608, {"phase": "B", "micro_batch": 1})
+    assert peaks["cuda"][:2] == peaks["cpu"][:2]
+    assert peaks["cpu"][2][:4] == [("start", None, 0), ("F", 0, 1024), ("F", 1, 4096),
+                                   ("B", 1, 4608)]  # fmt: skip
+    assert peaks["cuda"][2][:4] == peaks["cpu"][2][:4]
+
+
+@pytest.mark.gpu  # cuBLAS's workspaces live in the CUDA allocator
 def test_cuda_cublas_workspaces_are_reported_apart_from_activations():
     tracker = MemoryTracker("cuda")
     weight = torch.randn(256, 256, device="cuda")

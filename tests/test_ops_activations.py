@@ -1,4 +1,5 @@
-"""Fused Triton activations against the plain PyTorch ops and float64."""
+"""Fused Triton activations against the plain PyTorch ops and float64, on `compute_device`
+(compiled on a GPU, interpreted on the CPU)."""
 
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ PAIRS = [(silu_and_mul, plain_silu_and_mul), (clamped_swiglu, plain_clamped_swig
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("fused", "plain"), PAIRS)
 @pytest.mark.parametrize("shape", [(37, 2 * 45), (3, 5, 2 * 600), (1, 2)])
-def test_matches_plain_and_float64(dtype, fused, plain, shape):
+def test_matches_plain_and_float64(dtype, fused, plain, shape, compute_device):
     generator = torch.Generator().manual_seed(shape[-1])
     # Scaled so that a good share of values lie beyond the clamp limit.
-    source = (torch.randn(shape, generator=generator) * 5).to(dtype)
-    grad_out = torch.randn(shape[:-1] + (shape[-1] // 2,), generator=generator).to(dtype)
+    source = (torch.randn(shape, generator=generator) * 5).to(compute_device, dtype)
+    grad_out = torch.randn(shape[:-1] + (shape[-1] // 2,), generator=generator)
+    grad_out = grad_out.to(compute_device, dtype)
     out, grad = forward_backward(fused, source, grad_out)
     ref_out, ref_grad = forward_backward(plain, source, grad_out, torch.float64)
     same_out, same_grad = forward_backward(plain, source, grad_out)
@@ -56,25 +58,25 @@ def test_matches_plain_and_float64(dtype, fused, plain, shape):
         assert rel_error(actual, same) <= TOLERANCE[dtype]
 
 
-def test_clamped_swiglu_blocks_gradient_beyond_the_limit():
-    x = torch.tensor([[8.0, 1.0, 1.0, -9.0, 0.5, 7.5]], requires_grad=True)
+def test_clamped_swiglu_blocks_gradient_beyond_the_limit(compute_device):
+    x = torch.tensor([[8.0, 1.0, 1.0, -9.0, 0.5, 7.5]], device=compute_device, requires_grad=True)
     clamped_swiglu(x, ALPHA, LIMIT).sum().backward()
     assert x.grad[0, 0] == 0  # gate above the limit
     assert x.grad[0, 3] == 0 and x.grad[0, 5] == 0  # up outside [-limit, limit]
     assert x.grad[0, 1] != 0 and x.grad[0, 2] != 0 and x.grad[0, 4] != 0
 
 
-def test_other_alpha_and_limit_and_non_contiguous_input():
+def test_other_alpha_and_limit_and_non_contiguous_input(compute_device):
     generator = torch.Generator().manual_seed(60)
-    source = torch.randn(64, 20, generator=generator) * 3
+    source = (torch.randn(64, 20, generator=generator) * 3).to(compute_device)
     x = source.t()  # [20, 64], non-contiguous
     got = clamped_swiglu(x, 1.0, 2.0)
     assert rel_error(got, plain_clamped_swiglu(x.double(), 1.0, 2.0)) <= 1e-5
     assert rel_error(silu_and_mul(x), plain_silu_and_mul(x.double())) <= 1e-5
 
 
-def test_odd_last_dimension_is_refused():
+def test_odd_last_dimension_is_refused(compute_device):
     with pytest.raises(ValueError, match="even"):
-        silu_and_mul(torch.randn(3, 5))
+        silu_and_mul(torch.randn(3, 5, device=compute_device))
     with pytest.raises(ValueError, match="even"):
-        clamped_swiglu(torch.randn(3, 5))
+        clamped_swiglu(torch.randn(3, 5, device=compute_device))

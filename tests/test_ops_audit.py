@@ -3,7 +3,9 @@ bugs that pass the step verdict at mid width (an activation stored toward zero, 
 computed by the wrong expert) fail it, by name and by the figure that gives them away.
 
 Shapes are mid-qwen3-moe's (hidden 2048, expert width 768, 128-dim heads, 32 query heads
-over 4 key/value heads) with a few hundred rows, so the op runs as at real width."""
+over 4 key/value heads) with a few hundred rows, so the op runs as at real width. The ops
+run on `compute_device` (compiled on a GPU, interpreted on the CPU), from inputs drawn on
+the CPU."""
 
 from __future__ import annotations
 
@@ -34,23 +36,23 @@ def _audited(plant: str | None, calls) -> list[dict]:
         return record.ops_audit
 
 
-def _moe(ops) -> None:
+def _moe(ops, device: torch.device) -> None:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randn(ROWS, HIDDEN, generator=g).to(torch.bfloat16)
-    expert_ids = torch.randint(0, 4, (ROWS,), generator=g)
+    tokens = torch.randn(ROWS, HIDDEN, generator=g).to(device, torch.bfloat16)
+    expert_ids = torch.randint(0, 4, (ROWS,), generator=g).to(device)
     grouped, layout = ops.to_expert_order(tokens, expert_ids, 4)
-    weight = (torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)).to(torch.bfloat16)
-    h = ops.grouped_linear(grouped, weight, layout.offsets)
+    weight = torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)
+    h = ops.grouped_linear(grouped, weight.to(device, torch.bfloat16), layout.offsets)
     a = ops.silu_and_mul(h)
     ops.from_expert_order(a, layout)
-    ops.gather_rows(tokens, torch.randint(0, ROWS, (2 * ROWS,), generator=g))
+    ops.gather_rows(tokens, torch.randint(0, ROWS, (2 * ROWS,), generator=g).to(device))
 
 
-def _attention(ops) -> None:
+def _attention(ops, device: torch.device) -> None:
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 32, 128, 128, generator=g).to(torch.bfloat16)
-    k = torch.randn(1, 4, 128, 128, generator=g).to(torch.bfloat16)
-    v = torch.randn(1, 4, 128, 128, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, 32, 128, 128, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(1, 4, 128, 128, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(1, 4, 128, 128, generator=g).to(device, torch.bfloat16)
     ops.attention(q, k, v, 128**-0.5)
 
 
@@ -58,8 +60,8 @@ def _by_op(rows: list[dict]) -> dict[str, dict]:
     return {row["op"]: row for row in rows}
 
 
-def test_the_optimized_ops_pass_at_real_width():
-    rows = _audited(None, lambda ops: (_moe(ops), _attention(ops)))
+def test_the_optimized_ops_pass_at_real_width(compute_device):
+    rows = _audited(None, lambda ops: (_moe(ops, compute_device), _attention(ops, compute_device)))
     ops = _by_op(rows)
     assert set(ops) == {
         "to_expert_order", "grouped_linear", "silu_and_mul", "from_expert_order",
@@ -71,8 +73,8 @@ def test_the_optimized_ops_pass_at_real_width():
     assert abs(ops["silu_and_mul"]["bias"]) < 6 / math.sqrt(ops["silu_and_mul"]["elements"])
 
 
-def test_an_activation_stored_toward_zero_fails_by_its_bias():
-    ops = _by_op(_audited("activation-round-to-zero", _moe))
+def test_an_activation_stored_toward_zero_fails_by_its_bias(compute_device):
+    ops = _by_op(_audited("activation-round-to-zero", lambda ops: _moe(ops, compute_device)))
     row = ops["silu_and_mul"]
     assert not row["passed"]
     assert "biased" in row["problem"]
@@ -80,22 +82,22 @@ def test_an_activation_stored_toward_zero_fails_by_its_bias():
     assert ops["grouped_linear"]["passed"]
 
 
-def test_one_token_sent_to_the_wrong_expert_fails_exactly():
-    ops = _by_op(_audited("dispatch-wrong-expert", _moe))
+def test_one_token_sent_to_the_wrong_expert_fails_exactly(compute_device):
+    ops = _by_op(_audited("dispatch-wrong-expert", lambda ops: _moe(ops, compute_device)))
     row = ops["to_expert_order"]
     assert not row["passed"]
     assert row["problem"].startswith(f"1 of {ROWS} rows in another expert's group")
 
 
 @pytest.mark.parametrize("plant", ["attention-drops-sink", "attention-drops-window"])
-def test_attention_that_drops_the_sink_or_the_window_fails(plant):
+def test_attention_that_drops_the_sink_or_the_window_fails(plant, compute_device):
     g = torch.Generator().manual_seed(2)
 
     def call(ops):
-        q = torch.randn(1, 8, 64, 64, generator=g).to(torch.bfloat16)
-        k = torch.randn(1, 1, 64, 64, generator=g).to(torch.bfloat16)
-        v = torch.randn(1, 1, 64, 64, generator=g).to(torch.bfloat16)
-        sinks = torch.randn(8, generator=g).to(torch.bfloat16)
+        q = torch.randn(1, 8, 64, 64, generator=g).to(compute_device, torch.bfloat16)
+        k = torch.randn(1, 1, 64, 64, generator=g).to(compute_device, torch.bfloat16)
+        v = torch.randn(1, 1, 64, 64, generator=g).to(compute_device, torch.bfloat16)
+        sinks = torch.randn(8, generator=g).to(compute_device, torch.bfloat16)
         ops.attention(q, k, v, 0.125, 16, sinks)
 
     row = _by_op(_audited(plant, call))["attention"]
@@ -103,8 +105,8 @@ def test_attention_that_drops_the_sink_or_the_window_fails(plant):
     assert row["rel_error"] > 50 * row["reference_rel_error"]
 
 
-def test_float32_runs_and_inactive_steps_are_not_audited():
-    x = torch.randn(8, 2 * INNER)
+def test_float32_runs_and_inactive_steps_are_not_audited(compute_device):
+    x = torch.randn(8, 2 * INNER, device=compute_device)
     assert _audited(None, lambda ops: ops.silu_and_mul(x)) == []
     audit = OpsAudit(OptimizedOps)
     record = StepRecord()

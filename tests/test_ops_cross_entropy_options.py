@@ -8,6 +8,9 @@ and 170 of 4.5 M (3 x 47 x 32000, the issue's case) up to 2x outside it.
 Options: ``reduction="none"`` with a per-token upstream gradient, z-loss
 (``lse_square_scale``, returned for logging) and ``label_smoothing``, in both
 `cross_entropy` and `linear_cross_entropy`, float32 and bfloat16.
+
+Every case runs on `compute_device` (compiled on a GPU, interpreted on the CPU), from
+inputs drawn on the CPU.
 """
 
 from __future__ import annotations
@@ -46,21 +49,25 @@ def float64_objective(logits, target, reduction, label_smoothing, lse_square_sca
 def upstream_for(loss: torch.Tensor, seed: int) -> torch.Tensor:
     """A per-token upstream gradient for ``none`` (not all equal), else a scalar != 1."""
     if loss.dim() == 0:
-        return torch.tensor(1.7)
-    return torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+        return torch.tensor(1.7, device=loss.device)
+    upstream = torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return upstream.to(loss.device)
 
 
 # --- precision ----------------------------------------------------------------------------
 
 
-def float32_case(tokens: int, vocab: int, scale: float):
+def float32_case(tokens: int, vocab: int, scale: float, device: torch.device):
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(tokens, vocab, generator=generator) * scale
-    return base, torch.randint(0, vocab, (tokens,), generator=generator)
+    target = torch.randint(0, vocab, (tokens,), generator=generator)
+    return base.to(device), target.to(device)
 
 
-def assert_liger_precision(tokens: int, vocab: int, scale: float, reduction: str) -> None:
-    base, target = float32_case(tokens, vocab, scale)
+def assert_liger_precision(
+    tokens: int, vocab: int, scale: float, reduction: str, device: torch.device
+) -> None:
+    base, target = float32_case(tokens, vocab, scale, device)
     leaf = base.clone().requires_grad_()
     loss = cross_entropy(leaf * 1, target, reduction=reduction)
     loss.backward()
@@ -80,19 +87,19 @@ def assert_liger_precision(tokens: int, vocab: int, scale: float, reduction: str
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
-def test_float32_gradients_at_liger_precision(scale, reduction):
-    assert_liger_precision(16, 4096, scale, reduction)
+def test_float32_gradients_at_liger_precision(scale, reduction, compute_device):
+    assert_liger_precision(16, 4096, scale, reduction, compute_device)
 
 
 @pytest.mark.slow
-def test_float32_gradients_at_liger_precision_issue_shape():
+def test_float32_gradients_at_liger_precision_issue_shape(compute_device):
     """B=3, T=47, V=32000, scale 10: where Liger's tests found the defect."""
-    assert_liger_precision(3 * 47, 32000, 10.0, "sum")
+    assert_liger_precision(3 * 47, 32000, 10.0, "sum", compute_device)
 
 
 @pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
-def test_bfloat16_at_every_logit_scale(scale):
-    base, target = float32_case(16, 4096, scale)
+def test_bfloat16_at_every_logit_scale(scale, compute_device):
+    base, target = float32_case(16, 4096, scale, compute_device)
     base = base.to(torch.bfloat16)
     leaf = base.clone().requires_grad_()
     loss = cross_entropy(leaf * 1, target)
@@ -107,19 +114,21 @@ def test_bfloat16_at_every_logit_scale(scale):
 # --- options: cross_entropy ---------------------------------------------------------------
 
 
-def logits_case(tokens: int, vocab: int, dtype: torch.dtype, seed: int):
+def logits_case(tokens: int, vocab: int, dtype: torch.dtype, seed: int, device: torch.device):
     generator = torch.Generator().manual_seed(seed)
     base = (torch.randn(tokens, vocab, generator=generator) * 3).to(dtype)
     target = torch.randint(0, vocab, (tokens,), generator=generator)
     target[::5] = -100
-    return base, target
+    return base.to(device), target.to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize(("label_smoothing", "lse_square_scale"), OPTIONS)
-def test_cross_entropy_options_match_float64(dtype, reduction, label_smoothing, lse_square_scale):
-    base, target = logits_case(24, 1000, dtype, seed=30)
+def test_cross_entropy_options_match_float64(
+    dtype, reduction, label_smoothing, lse_square_scale, compute_device
+):
+    base, target = logits_case(24, 1000, dtype, seed=30, device=compute_device)
     options = {"label_smoothing": label_smoothing, "lse_square_scale": lse_square_scale}
     leaf = base.clone().requires_grad_()
     loss, z_loss = cross_entropy(
@@ -141,12 +150,12 @@ def test_cross_entropy_options_match_float64(dtype, reduction, label_smoothing, 
     else:
         assert torch.equal(z_loss, torch.zeros_like(z_loss))
     if reduction == "none":
-        assert torch.equal(loss[target == -100], torch.zeros(5))
+        assert torch.equal(loss[target == -100], torch.zeros(5, device=compute_device))
 
 
-def test_options_across_vocabulary_blocks():
+def test_options_across_vocabulary_blocks(compute_device):
     """Smoothing's row sum and the z-loss carried over several 8192-wide blocks."""
-    base, target = logits_case(6, 8192 * 2 + 77, torch.float32, seed=32)
+    base, target = logits_case(6, 8192 * 2 + 77, torch.float32, seed=32, device=compute_device)
     leaf = base.clone().requires_grad_()
     loss, z_loss = cross_entropy(
         leaf * 1, target, label_smoothing=0.3, lse_square_scale=1e-2, return_z_loss=True
@@ -160,17 +169,17 @@ def test_options_across_vocabulary_blocks():
     assert rel_error(leaf.grad, reference.grad) <= 1e-5
 
 
-def test_label_smoothing_is_plain_ops():
+def test_label_smoothing_is_plain_ops(compute_device):
     """The mean with smoothing is F.cross_entropy's own (its denominator included)."""
-    base, target = logits_case(20, 300, torch.float32, seed=33)
+    base, target = logits_case(20, 300, torch.float32, seed=33, device=compute_device)
     leaf, plain_leaf = base.clone().requires_grad_(), base.clone().requires_grad_()
     cross_entropy(leaf * 1, target, label_smoothing=0.1).backward()
     F.cross_entropy(plain_leaf, target, label_smoothing=0.1).backward()
     assert rel_error(leaf.grad, plain_leaf.grad) <= 1e-5
 
 
-def test_without_grad_the_options_leave_the_logits_alone():
-    base, target = logits_case(8, 200, torch.float32, seed=34)
+def test_without_grad_the_options_leave_the_logits_alone(compute_device):
+    base, target = logits_case(8, 200, torch.float32, seed=34, device=compute_device)
     logits = base.clone()
     loss, z_loss = cross_entropy(
         logits, target, reduction="none", label_smoothing=0.1, lse_square_scale=1e-3,
@@ -184,22 +193,22 @@ def test_without_grad_the_options_leave_the_logits_alone():
 # --- options: linear_cross_entropy --------------------------------------------------------
 
 
-def linear_case(dtype: torch.dtype, seed: int):
+def linear_case(dtype: torch.dtype, seed: int, device: torch.device):
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(50, 24, generator=generator).to(dtype)
     weight = (torch.randn(301, 24, generator=generator) * 0.5).to(dtype)
     target = torch.randint(0, 301, (50,), generator=generator)
     target[::4] = -100
-    return hidden, weight, target
+    return hidden.to(device), weight.to(device), target.to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize(("label_smoothing", "lse_square_scale"), OPTIONS)
 def test_linear_cross_entropy_options_match_float64(
-    dtype, reduction, label_smoothing, lse_square_scale
+    dtype, reduction, label_smoothing, lse_square_scale, compute_device
 ):
-    hidden, weight, target = linear_case(dtype, seed=40)
+    hidden, weight, target = linear_case(dtype, seed=40, device=compute_device)
     options = {"label_smoothing": label_smoothing, "lse_square_scale": lse_square_scale}
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, z_loss = linear_cross_entropy(
@@ -221,8 +230,8 @@ def test_linear_cross_entropy_options_match_float64(
         assert rel_error(z_loss, expected_z) <= TOLERANCE[dtype]
 
 
-def test_linear_none_keeps_leading_dimensions_and_one_gradient():
-    hidden, weight, target = linear_case(torch.float32, seed=42)
+def test_linear_none_keeps_leading_dimensions_and_one_gradient(compute_device):
+    hidden, weight, target = linear_case(torch.float32, seed=42, device=compute_device)
     w = weight.clone().requires_grad_()
     loss = linear_cross_entropy(
         hidden.view(5, 10, 24), w, target.view(5, 10), reduction="none", chunk_vocab=16

@@ -1,4 +1,5 @@
-"""Grouped linear over F.grouped_mm, and the weight-gradient store."""
+"""Grouped linear over F.grouped_mm, and the weight-gradient store, on `compute_device`
+(compiled on a GPU, interpreted on the CPU)."""
 
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ def plain_grouped_linear(x, weight, offsets, bias=None):
     return torch.cat(outputs, 0)
 
 
-def make_case(rows, fan_in, fan_out, ends, dtype, seed, transposed=True):
-    """Inputs, a parameter [E, out, in] used through its transpose (or [E, in, out]), bias."""
+def make_case(rows, fan_in, fan_out, ends, dtype, seed, device, transposed=True):
+    """Inputs, a parameter [E, out, in] used through its transpose (or [E, in, out]), bias:
+    drawn on the CPU (the same values on every device), then moved to ``device``."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, fan_in, generator=generator).to(dtype)
     shape = (len(ends), fan_out, fan_in) if transposed else (len(ends), fan_in, fan_out)
     parameter = (torch.randn(shape, generator=generator) * 0.5).to(dtype)
     bias = torch.randn(len(ends), fan_out, generator=generator).to(dtype)
     grad_out = torch.randn(rows, fan_out, generator=generator).to(dtype)
-    return x, parameter, bias, torch.tensor(ends, dtype=torch.int32), grad_out
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    return tuple(t.to(device) for t in (x, parameter, bias, offsets, grad_out))
 
 
 def run(fn, x, parameter, bias, offsets, grad_out, transposed, dtype=None, use_bias=True):
@@ -64,10 +67,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_matches_plain_and_float64(dtype, case, transposed, use_bias):
+def test_matches_plain_and_float64(dtype, case, transposed, use_bias, compute_device):
     rows, fan_in, fan_out, ends = case
     seed = rows + fan_in
-    inputs = make_case(rows, fan_in, fan_out, ends, dtype, seed=seed, transposed=transposed)
+    inputs = make_case(
+        rows, fan_in, fan_out, ends, dtype, seed=seed, device=compute_device, transposed=transposed
+    )
     got = run(grouped_linear, *inputs, transposed, use_bias=use_bias)
     expected = run(plain_grouped_linear, *inputs, transposed, torch.float64, use_bias)
     plain = run(plain_grouped_linear, *inputs, transposed, use_bias=use_bias)
@@ -84,9 +89,9 @@ def test_matches_plain_and_float64(dtype, case, transposed, use_bias):
         assert rel_error(actual, same_dtype) <= TOLERANCE[dtype], name
 
 
-def deferred_backward(store, transposed=True):
+def deferred_backward(store, device, transposed=True):
     x, parameter, bias, offsets, grad_out = make_case(
-        30, 8, 12, [7, 7, 30], torch.float32, seed=50, transposed=transposed
+        30, 8, 12, [7, 7, 30], torch.float32, seed=50, device=device, transposed=transposed
     )
     x = x.requires_grad_()
     parameter = parameter.requires_grad_()
@@ -108,9 +113,9 @@ def deferred_backward(store, transposed=True):
 
 
 @pytest.mark.parametrize("transposed", [True, False])
-def test_store_defers_the_weight_gradient_until_pop(transposed):
+def test_store_defers_the_weight_gradient_until_pop(transposed, compute_device):
     store = WeightGradStore()
-    x, parameter, bias, ref = deferred_backward(store, transposed)
+    x, parameter, bias, ref = deferred_backward(store, compute_device, transposed)
     assert parameter.grad is None  # absent after backward
     assert rel_error(x.grad, ref[1]) <= 1e-5  # the input gradient came at once
     assert rel_error(bias.grad, ref[3]) <= 1e-5  # and so did the bias gradient
@@ -120,12 +125,12 @@ def test_store_defers_the_weight_gradient_until_pop(transposed):
     store.assert_empty()
 
 
-def test_the_backward_decides_whether_to_defer():
+def test_the_backward_decides_whether_to_defer(compute_device):
     """A schedule enables the store around a zero-bubble backward, not around the forward
     (which ran long before): the weight gradient waits for the pop all the same."""
     store = WeightGradStore()
     x, parameter, bias, offsets, grad_out = make_case(
-        30, 8, 12, [7, 7, 30], torch.float32, seed=50, transposed=True
+        30, 8, 12, [7, 7, 30], torch.float32, seed=50, device=compute_device, transposed=True
     )
     parameter.requires_grad_()
     out = grouped_linear(x, parameter.transpose(1, 2), offsets, None, store)
@@ -138,14 +143,14 @@ def test_the_backward_decides_whether_to_defer():
     assert torch.equal(parameter.grad, whole.grad)
 
 
-def test_deferred_work_keeps_no_autograd_history():
+def test_deferred_work_keeps_no_autograd_history(compute_device):
     """The W closure holds the input's values only. Holding the saved input itself would
     keep its grad_fn, and through it the stage's leaves and their gradients, alive until
     the W step (in the pipeline: ~0.6 MB per deferred layer on the tiny presets, seen by
     the memory tracker before this was fixed)."""
     store = WeightGradStore()
     x, parameter, _, offsets, grad_out = make_case(
-        30, 8, 12, [7, 7, 30], torch.float32, seed=52, transposed=True
+        30, 8, 12, [7, 7, 30], torch.float32, seed=52, device=compute_device, transposed=True
     )
     parameter.requires_grad_()
     source = x.clone().requires_grad_()
@@ -161,27 +166,29 @@ def test_deferred_work_keeps_no_autograd_history():
     assert parameter.grad is not None
 
 
-def test_deferred_gradient_accumulates_into_an_existing_grad():
+def test_deferred_gradient_accumulates_into_an_existing_grad(compute_device):
     store = WeightGradStore()
-    _, parameter, _, ref = deferred_backward(store)
+    _, parameter, _, ref = deferred_backward(store, compute_device)
     parameter.grad = torch.ones_like(parameter)
     store.pop()
     assert rel_error(parameter.grad - 1, ref[2]) <= 1e-5
 
 
-def test_disabled_store_computes_at_once():
+def test_disabled_store_computes_at_once(compute_device):
     store = WeightGradStore(enabled=False)
-    x, parameter, _, offsets, grad_out = make_case(20, 8, 4, [5, 20], torch.float32, seed=51)
+    x, parameter, _, offsets, grad_out = make_case(
+        20, 8, 4, [5, 20], torch.float32, seed=51, device=compute_device
+    )
     parameter.requires_grad_()
     grouped_linear(x, parameter.transpose(1, 2), offsets, None, store).backward(grad_out)
     assert parameter.grad is not None
     store.assert_empty()
 
 
-def test_unpopped_store_is_an_error_at_step_end():
+def test_unpopped_store_is_an_error_at_step_end(compute_device):
     store = WeightGradStore()
-    deferred_backward(store)
-    deferred_backward(store)
+    deferred_backward(store, compute_device)
+    deferred_backward(store, compute_device)
     store.pop()
     with pytest.raises(RuntimeError, match="1 closed group"):
         store.assert_empty()
@@ -211,17 +218,22 @@ def test_groups_pop_oldest_first_and_empty_groups_count():
     store.assert_empty()
 
 
-def test_store_needs_a_parameter_behind_the_weight():
+def test_store_needs_a_parameter_behind_the_weight(compute_device):
     store = WeightGradStore(enabled=True)
-    parameter = torch.randn(2, 4, 4, requires_grad=True)
+    parameter = torch.randn(2, 4, 4, device=compute_device, requires_grad=True)
+    x = torch.randn(8, 4, device=compute_device)
+    offsets = torch.tensor([4, 8], device=compute_device)
     with pytest.raises(ValueError, match="parameter or a view of one"):
-        grouped_linear(torch.randn(8, 4), parameter * 2, torch.tensor([4, 8]), None, store)
+        grouped_linear(x, parameter * 2, offsets, None, store)
 
 
-def test_bad_shapes_are_named():
+def test_bad_shapes_are_named(compute_device):
+    x = torch.randn(8, 4, device=compute_device)
+    weight = torch.randn(2, 4, 4, device=compute_device)
     with pytest.raises(ValueError, match="offsets must be"):
-        grouped_linear(torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([8]))
+        grouped_linear(x, weight, torch.tensor([8], device=compute_device))
     with pytest.raises(ValueError, match="bias must be"):
         grouped_linear(
-            torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([4, 8]), torch.randn(2, 3)
-        )
+            x, weight, torch.tensor([4, 8], device=compute_device),
+            torch.randn(2, 3, device=compute_device),
+        )  # fmt: skip

@@ -5,6 +5,9 @@ backward, in bfloat16 at 256 tokens x 32000 vocabulary. The figure is the peak
 of live storage beyond ``hidden``, ``W`` and their gradients, in units of one
 logits buffer. ``logits`` stays referenced through backward, as in a training
 step that wrote ``logits = head(h); loss = ce(logits, y); loss.backward()``.
+
+The storage counted is the CPU's, so the tests run on a CPU rank (`tests._ranks.on_cpu_rank`:
+in place where this process interprets Triton, in one spawned CPU rank on a GPU machine).
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import torch.nn.functional as F
 
 from optimized.ops import cross_entropy, linear_cross_entropy
 from tests._memtrack import StorageTracker
+from tests._ranks import on_cpu_rank
 
 TOKENS, VOCAB, HIDDEN = 256, 32000, 64
 
 
-@pytest.fixture(scope="module")
 def loss_path_inputs():
     generator = torch.Generator().manual_seed(20)
     hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16)
@@ -82,11 +85,16 @@ def chunked_options_path(hidden, weight, target):
 
 
 @pytest.mark.slow
-def test_loss_path_peak_memory(loss_path_inputs):
-    plain, plain_loss = peak_in_logits_buffers(loss_path_inputs, plain_path)
-    plain_float32, _ = peak_in_logits_buffers(loss_path_inputs, plain_float32_path)
-    fused, fused_loss = peak_in_logits_buffers(loss_path_inputs, fused_path)
-    chunked, chunked_loss = peak_in_logits_buffers(loss_path_inputs, chunked_path)
+def test_loss_path_peak_memory():
+    on_cpu_rank(_check_loss_path_peak_memory)
+
+
+def _check_loss_path_peak_memory() -> None:
+    inputs = loss_path_inputs()
+    plain, plain_loss = peak_in_logits_buffers(inputs, plain_path)
+    plain_float32, _ = peak_in_logits_buffers(inputs, plain_float32_path)
+    fused, fused_loss = peak_in_logits_buffers(inputs, fused_path)
+    chunked, chunked_loss = peak_in_logits_buffers(inputs, chunked_path)
     print(
         f"peak beyond hidden, W and grads, in logits buffers: F.cross_entropy {plain:.3f}, "
         f"with float32 upcast {plain_float32:.3f}, fused {fused:.3f}, linear {chunked:.3f}"
@@ -101,10 +109,15 @@ def test_loss_path_peak_memory(loss_path_inputs):
 
 
 @pytest.mark.slow
-def test_loss_path_peak_memory_with_options(loss_path_inputs):
+def test_loss_path_peak_memory_with_options():
     """``reduction="none"`` with a per-token upstream gradient, smoothing and z-loss on."""
-    fused, fused_loss = peak_in_logits_buffers(loss_path_inputs, fused_options_path)
-    chunked, chunked_loss = peak_in_logits_buffers(loss_path_inputs, chunked_options_path)
+    on_cpu_rank(_check_loss_path_peak_memory_with_options)
+
+
+def _check_loss_path_peak_memory_with_options() -> None:
+    inputs = loss_path_inputs()
+    fused, fused_loss = peak_in_logits_buffers(inputs, fused_options_path)
+    chunked, chunked_loss = peak_in_logits_buffers(inputs, chunked_options_path)
     print(f"with options, in logits buffers: fused {fused:.3f}, linear {chunked:.3f}")
     assert fused <= 1.10
     assert chunked <= 0.05

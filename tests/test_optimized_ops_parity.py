@@ -1,4 +1,5 @@
-"""OptimizedOps is a drop-in for ReferenceOps: same values and gradients in float32."""
+"""OptimizedOps is a drop-in for ReferenceOps: same values and gradients in float32, on
+`compute_device` (compiled on a GPU, interpreted on the CPU); the all-to-all on gloo ranks."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
 
 
-def random(*shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+def random(*shape, seed, device="cpu"):
+    """Drawn on the CPU (the same values on every device), then moved to ``device``."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def leaves(*tensors):
@@ -61,13 +63,15 @@ def test_implements_every_protocol_method_with_its_signature():
         (2, 2, 8, 12, None, False),  # values wider than queries
     ],
 )
-def test_attention_matches_plain_attention(heads, kv_heads, qk_dim, v_dim, window, sinks):
-    batch, seq = 2, 24
-    q = random(batch, heads, seq, qk_dim, seed=1)
-    k = random(batch, kv_heads, seq, qk_dim, seed=2)
-    v = random(batch, kv_heads, seq, v_dim, seed=3)
-    sink = random(heads, seed=4) if sinks else None
-    grad = random(batch, seq, heads * v_dim, seed=5)
+def test_attention_matches_plain_attention(
+    heads, kv_heads, qk_dim, v_dim, window, sinks, compute_device
+):
+    batch, seq, device = 2, 24, compute_device
+    q = random(batch, heads, seq, qk_dim, seed=1, device=device)
+    k = random(batch, kv_heads, seq, qk_dim, seed=2, device=device)
+    v = random(batch, kv_heads, seq, v_dim, seed=3, device=device)
+    sink = random(heads, seed=4, device=device) if sinks else None
+    grad = random(batch, seq, heads * v_dim, seed=5, device=device)
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         inputs = leaves(q, k, v) + (leaves(sink) if sinks else [])
@@ -78,10 +82,12 @@ def test_attention_matches_plain_attention(heads, kv_heads, qk_dim, v_dim, windo
         assert_close(actual, expected)
 
 
-def test_attention_saves_no_square_probabilities():
+def test_attention_saves_no_square_probabilities(compute_device):
     # 48 tokens: the output [B, S, heads * 16] is not square either.
     q, k, v = leaves(
-        random(2, 4, 48, 24, seed=1), random(2, 4, 48, 24, seed=2), random(2, 4, 48, 16, seed=3)
+        random(2, 4, 48, 24, seed=1, device=compute_device),
+        random(2, 4, 48, 24, seed=2, device=compute_device),
+        random(2, 4, 48, 16, seed=3, device=compute_device),
     )
     shapes = []
 
@@ -95,10 +101,12 @@ def test_attention_saves_no_square_probabilities():
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_cross_entropy_on_lm_head_output(reduction):
-    hidden, weight = random(24, 16, seed=1), random(500, 16, seed=2)
+def test_cross_entropy_on_lm_head_output(reduction, compute_device):
+    hidden = random(24, 16, seed=1, device=compute_device)
+    weight = random(500, 16, seed=2, device=compute_device)
     target = torch.randint(0, 500, (24,), generator=torch.Generator().manual_seed(3))
     target[::5] = -100
+    target = target.to(compute_device)
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         h, w = leaves(hidden, weight)
@@ -110,10 +118,11 @@ def test_cross_entropy_on_lm_head_output(reduction):
         assert_close(actual, expected)
 
 
-def test_gather_rows_and_scatter_add_rows():
-    source = random(40, 12, seed=4)
+def test_gather_rows_and_scatter_add_rows(compute_device):
+    source = random(40, 12, seed=4, device=compute_device)
     index = torch.randint(0, 40, (90,), generator=torch.Generator().manual_seed(5))
-    weights = random(90, 12, seed=6)
+    index = index.to(compute_device)
+    weights = random(90, 12, seed=6, device=compute_device)
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         (x,) = leaves(source)
@@ -126,10 +135,14 @@ def test_gather_rows_and_scatter_add_rows():
 
 
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_grouped_linear_with_transposed_parameter(use_bias):
-    x_source, parameter_source = random(50, 20, seed=7), random(3, 12, 20, seed=8)
-    bias_source, grad_out = random(3, 12, seed=9), random(50, 12, seed=10)
-    offsets = torch.tensor([17, 17, 45], dtype=torch.int32)  # empty group, rows past the end
+def test_grouped_linear_with_transposed_parameter(use_bias, compute_device):
+    device = compute_device
+    x_source = random(50, 20, seed=7, device=device)
+    parameter_source = random(3, 12, 20, seed=8, device=device)
+    bias_source = random(3, 12, seed=9, device=device)
+    grad_out = random(50, 12, seed=10, device=device)
+    # an empty group, and rows past the end
+    offsets = torch.tensor([17, 17, 45], dtype=torch.int32, device=device)
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         x, parameter, bias = leaves(x_source, parameter_source, bias_source)
@@ -141,8 +154,9 @@ def test_grouped_linear_with_transposed_parameter(use_bias):
 
 
 @pytest.mark.parametrize("activation", ["silu_and_mul", "clamped_swiglu"])
-def test_activations(activation):
-    source, grad_out = random(30, 2 * 24, seed=11) * 4, random(30, 24, seed=12)
+def test_activations(activation, compute_device):
+    source = random(30, 2 * 24, seed=11, device=compute_device) * 4
+    grad_out = random(30, 24, seed=12, device=compute_device)
     results = []
     for ops in (REFERENCE, OptimizedOps()):
         (x,) = leaves(source)
@@ -170,17 +184,19 @@ def expert_mlp(ops, tokens, expert_ids, up, up_bias, down, num_experts, activati
 
 @pytest.mark.parametrize("activation", ["silu_and_mul", "clamped_swiglu"])
 @pytest.mark.parametrize("with_store", [False, True])
-def test_expert_order_and_grouped_mlp_chain(activation, with_store):
+def test_expert_order_and_grouped_mlp_chain(activation, with_store, compute_device):
     num_experts, rows, hidden_size, inner = 5, 70, 12, 10
+    device = compute_device
     generator = torch.Generator().manual_seed(13)
     expert_ids = torch.randint(0, num_experts - 1, (rows,), generator=generator)  # last empty
+    expert_ids = expert_ids.to(device)
     sources = [
-        random(rows, hidden_size, seed=14),
-        random(num_experts, 2 * inner, hidden_size, seed=15) * 0.4,  # [E, out, in] parameter
-        random(num_experts, 2 * inner, seed=16),
-        random(num_experts, inner, hidden_size, seed=17) * 0.4,  # [E, in, out]
+        random(rows, hidden_size, seed=14, device=device),
+        random(num_experts, 2 * inner, hidden_size, seed=15, device=device) * 0.4,  # [E, out, in]
+        random(num_experts, 2 * inner, seed=16, device=device),
+        random(num_experts, inner, hidden_size, seed=17, device=device) * 0.4,  # [E, in, out]
     ]
-    grad_out = random(rows, hidden_size, seed=18)
+    grad_out = random(rows, hidden_size, seed=18, device=device)
     store = WeightGradStore() if with_store else None
     results, layouts = [], []
     for ops in (REFERENCE, OptimizedOps(weight_grad_store=store)):
@@ -204,8 +220,9 @@ def test_expert_order_and_grouped_mlp_chain(activation, with_store):
     for actual, expected in zip(results[1], results[0]):
         assert_close(actual, expected)
     reference_layout, optimized_layout = layouts
-    counts = torch.diff(reference_layout.offsets, prepend=torch.zeros(1, dtype=torch.int32))
-    padded = torch.diff(optimized_layout.offsets, prepend=torch.zeros(1, dtype=torch.int32))
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    counts = torch.diff(reference_layout.offsets.to(device), prepend=zero)
+    padded = torch.diff(optimized_layout.offsets.to(device), prepend=zero)
     assert torch.all(padded % 128 == 0) and torch.all((padded >= counts) & (padded - counts < 128))
 
 

@@ -196,12 +196,12 @@ def test_optimized_is_deterministic_bfloat16():
             assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
-def test_saved_tensor_profile_splits_parameters_and_activations():
+def test_saved_tensor_profile_splits_parameters_and_activations(compute_device):
     from optimized.ops import OptimizedOps
     from optimized.pipeline.profile import STAGES, profile_part
 
-    model = build_model(preset("tiny-deepseek-v2"))
-    hidden = torch.randn(1, 16, model.config.hidden_size)
+    model = build_model(preset("tiny-deepseek-v2")).to(compute_device)
+    hidden = torch.randn(1, 16, model.config.hidden_size).to(compute_device)
     profiles = profile_part(model, hidden, OptimizedOps())
     assert [p.layer for p in profiles] == list(range(model.config.num_hidden_layers))
     for profile in profiles:

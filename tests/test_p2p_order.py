@@ -25,6 +25,10 @@ meta device, every receive buffer and loss must be made there (the part's device
 Run on the schedules as they were before `models.p2p` (every stream on the default group,
 told apart by tags only), PP 2 passes and PP 3 fails: pp-rank 0's F0 activation and B1
 gradient to pp-rank 1 trade places, and the loss differs from the truth.
+
+The pipelines are CPU ranks (more ranks than a machine's GPUs, and bit-exact truths in
+float32 on the CPU), so they run on a CPU rank (`tests._ranks.on_cpu_rank`: in place where
+this process interprets Triton, in one spawned CPU rank on a GPU machine).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -49,6 +54,7 @@ from optimized.ops import OptimizedOps
 from optimized.pipeline.dualpipev import OptimizedDualPipeV
 from reference.dualpipev import ReferenceDualPipeV
 from reference.ops import ReferenceOps
+from tests._ranks import on_cpu_rank
 
 TIMEOUT_S = 60.0
 """Backstop only: a deadlock is detected as soon as every live rank is blocked."""
@@ -342,14 +348,16 @@ def _check_close(results: list[dict], expected: dict, what: str, forward_only: b
         assert float((got - want).norm() / want.norm()) <= GRAD_REL, (what, name)
 
 
-@pytest.fixture(autouse=True)
+@contextmanager
 def _one_thread():
     """One intra-op thread: the ranks take turns anyway, and a tiny step's matmuls are
     several times slower with two OpenMP threads on a loaded 2-core machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -364,6 +372,11 @@ def test_both_schedules_right_under_fifo_matching(pp):
     its order, and forward-only: within DESIGN.md's float32 bounds of the same truth (its
     kernels differ). Forward-only runs at one M: its messages (every F0, then every F1)
     do not depend on M."""
+    on_cpu_rank(_check_both_schedules, pp)
+
+
+@_one_thread()
+def _check_both_schedules(pp: int) -> None:
     config = _config(pp)
     model = whole_model(config)
     weights = model.state_dict()

@@ -14,6 +14,9 @@ Rows are compared one by one (a mean over rows could hide a per-row error), and 
 the gradient's row sums: the smoothed target sums to 1, so without z-loss each row of
 ``d loss / d logits`` sums to 0 and with it to ``2 s lse``; a uniform term of ``eps / (V
 + 1)`` leaves ``eps / (V + 1)`` in every row.
+
+The losses run on `compute_device` (compiled on a GPU, interpreted on the CPU), from
+inputs drawn on the CPU; the float64 truth runs on the same device.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ VOCAB = 1003
 """Not a power of two: the kernel's last vocabulary block is partly masked."""
 
 
-def shifted_logits(tokens: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_logits(
+    tokens: int, vocab: int, seed: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[tokens, vocab]`` float32 logits whose rows have means spread over [-20, 25] and
-    scales over [0.1, 10]; targets with every fifth row ignored."""
+    scales over [0.1, 10]; targets with every fifth row ignored (on ``device``)."""
     generator = torch.Generator().manual_seed(seed)
     means = torch.linspace(-20.0, 25.0, tokens)[torch.randperm(tokens, generator=generator)]
     scales = torch.logspace(-1, 1, tokens)[torch.randperm(tokens, generator=generator)]
@@ -44,7 +49,7 @@ def shifted_logits(tokens: int, vocab: int, seed: int) -> tuple[torch.Tensor, to
     logits = means[:, None] + scales[:, None] * noise
     target = torch.randint(0, vocab, (tokens,), generator=generator)
     target[::5] = IGNORE_INDEX
-    return logits, target
+    return logits.to(device), target.to(device)
 
 
 def float64_rows(logits: torch.Tensor, target: torch.Tensor, eps: float, s: float):
@@ -102,8 +107,8 @@ def test_the_logits_exercise_the_smoothing_term():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("eps", "s"), CASES)
-def test_fused_cross_entropy_rows_match_float64(dtype, eps, s):
-    logits, target = shifted_logits(40, VOCAB, seed=2)
+def test_fused_cross_entropy_rows_match_float64(dtype, eps, s, compute_device):
+    logits, target = shifted_logits(40, VOCAB, seed=2, device=compute_device)
     logits = logits.to(dtype)
     leaf = logits.clone().requires_grad_()
     loss, z_loss = cross_entropy(leaf * 1, target, reduction="none", label_smoothing=eps,
@@ -121,10 +126,10 @@ def test_fused_cross_entropy_rows_match_float64(dtype, eps, s):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fused_cross_entropy_reductions_match_float64(reduction):
+def test_fused_cross_entropy_reductions_match_float64(reduction, compute_device):
     """``mean`` divides by the non-ignored rows only; ``sum`` adds them (both options)."""
     eps, s = CASES[-1]
-    logits, target = shifted_logits(40, VOCAB, seed=3)
+    logits, target = shifted_logits(40, VOCAB, seed=3, device=compute_device)
     leaf = logits.clone().requires_grad_()
     loss, z_loss = cross_entropy(leaf * 1, target, reduction=reduction, label_smoothing=eps,
                                  lse_square_scale=s, return_z_loss=True)  # fmt: skip
@@ -140,10 +145,12 @@ def test_fused_cross_entropy_reductions_match_float64(reduction):
     assert_gradient_rows(leaf.grad, reference.grad, TOLERANCE[torch.float32])
 
 
-def offset_output_layer(tokens: int, hidden: int, vocab: int, seed: int, dtype: torch.dtype):
+def offset_output_layer(
+    tokens: int, hidden: int, vocab: int, seed: int, dtype: torch.dtype, device: torch.device
+):
     """Hidden states, an output weight whose rows share a component (so every token's
     logits have a mean of its own, -10 to 25: they do not cancel in a sum), and targets
-    with ignored rows."""
+    with ignored rows (drawn on the CPU, returned on ``device``)."""
     generator = torch.Generator().manual_seed(seed)
     states = torch.randn(tokens, hidden, generator=generator)
     shared = torch.randn(hidden, generator=generator)
@@ -153,17 +160,17 @@ def offset_output_layer(tokens: int, hidden: int, vocab: int, seed: int, dtype: 
     weight = torch.randn(vocab, hidden, generator=generator) * 0.5 + shared
     target = torch.randint(0, vocab, (tokens,), generator=generator)
     target[1::4] = IGNORE_INDEX
-    return states.to(dtype), weight.to(dtype), target
+    return states.to(device, dtype), weight.to(device, dtype), target.to(device)
 
 
 @pytest.mark.parametrize(
     ("dtype", "eps", "s"),
     [(torch.float32, *case) for case in CASES] + [(torch.bfloat16, *CASES[-1])],
 )
-def test_linear_cross_entropy_rows_match_float64(dtype, eps, s):
+def test_linear_cross_entropy_rows_match_float64(dtype, eps, s, compute_device):
     """The fused output layer, a chunk of 7 tokens at a time (per-token losses: the
     backward recomputes each chunk)."""
-    states, weight, target = offset_output_layer(33, 24, VOCAB, seed=4, dtype=dtype)
+    states, weight, target = offset_output_layer(33, 24, VOCAB, 4, dtype, compute_device)
     logits = states.double() @ weight.double().t()
     assert logits.mean(dim=1).abs().max() > 10  # what the smoothing term needs
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -183,11 +190,11 @@ def test_linear_cross_entropy_rows_match_float64(dtype, eps, s):
 
 
 @pytest.mark.parametrize(("eps", "s"), CASES)
-def test_the_trainer_s_output_layer_loss_matches_float64(eps, s):
+def test_the_trainer_s_output_layer_loss_matches_float64(eps, s, compute_device):
     """`SummedLinearCrossEntropy`, what the optimized stack's loss stage calls with the
     trainer's ``loss.label_smoothing`` and ``loss.z_loss``: the sum over tokens (the
     schedule divides by the global batch's labelled tokens) and the z-loss part."""
-    states, weight, target = offset_output_layer(40, 24, VOCAB, seed=5, dtype=torch.float32)
+    states, weight, target = offset_output_layer(40, 24, VOCAB, 5, torch.float32, compute_device)
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, z_loss = SummedLinearCrossEntropy(eps, s)(h, w, target)
     loss.backward()
@@ -203,10 +210,10 @@ def test_the_trainer_s_output_layer_loss_matches_float64(eps, s):
 
 @pytest.mark.parametrize("ops", [ReferenceOps(), OptimizedOps()], ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_stack_s_plain_loss_matches_float64(ops, dtype):
+def test_each_stack_s_plain_loss_matches_float64(ops, dtype, compute_device):
     """``Ops.cross_entropy`` of both stacks (the summed token loss both schedules divide
     by the labelled-token count) on the shifted logits, with ignored rows."""
-    logits, target = shifted_logits(40, VOCAB, seed=6)
+    logits, target = shifted_logits(40, VOCAB, seed=6, device=compute_device)
     logits = logits.to(dtype)
     leaf = logits.clone().requires_grad_()
     loss = ops.cross_entropy(leaf * 1, target, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -124,6 +124,11 @@ def test_skip_nonfinite_skips_the_step(monkeypatch):
 
 HANG_GUARD_S = 600
 """Subprocess timeouts catch a hang only; no test asserts how fast anything runs."""
+CPU_RANKS = {"TWINPIPE_DEVICE": "cpu", "TRITON_INTERPRET": "1"}
+"""The environment of ranks torchrun starts on the CPU (with ``--set device=cpu``): each
+resolves its device itself (``auto`` takes a GPU per rank where there are enough) and
+imports Triton in the mode it finds before reading its config (this process's own on a
+GPU machine: compiled), so both are set for it."""
 
 
 def _cli(*args: str, timeout: float = HANG_GUARD_S, **env: str) -> subprocess.CompletedProcess:
@@ -153,9 +158,11 @@ def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
          "-m", "harness.cli", "train", "--model", "tiny-deepseek-v2", "--seq-len", "16",
-         "--micro-batch-size", "1", "--micro-batches", "2", "--dp", "2", "--steps", "50"],
+         "--micro-batch-size", "1", "--micro-batches", "2", "--dp", "2", "--steps", "50",
+         "--set", "device=cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S,
-        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, "TWINPIPE_FAULT": "crash@1:1"},
+        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, "TWINPIPE_FAULT": "crash@1:1",
+             **CPU_RANKS},
     )  # fmt: skip
     assert done.returncode != 0
     assert "rank 1 crashed at step 2" in done.stderr
