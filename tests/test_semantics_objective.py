@@ -168,13 +168,14 @@ def offset_output_layer(
     [(torch.float32, *case) for case in CASES] + [(torch.bfloat16, *CASES[-1])],
 )
 def test_linear_cross_entropy_rows_match_float64(dtype, eps, s, compute_device):
-    """The fused output layer, a chunk of 7 tokens at a time (per-token losses: the
-    backward recomputes each chunk)."""
+    """The fused output layer, 300 vocabulary columns at a time (four chunks, the last one
+    ragged: the log-sum-exp, the smoothing sum and the z-loss are carried across chunks, and
+    the backward recomputes each chunk)."""
     states, weight, target = offset_output_layer(33, 24, VOCAB, 4, dtype, compute_device)
     logits = states.double() @ weight.double().t()
     assert logits.mean(dim=1).abs().max() > 10  # what the smoothing term needs
     h, w = states.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, z_loss = linear_cross_entropy(h, w, target, reduction="none", chunk_tokens=7,
+    loss, z_loss = linear_cross_entropy(h, w, target, reduction="none", chunk_vocab=300,
                                         label_smoothing=eps, lse_square_scale=s,
                                         return_z_loss=True)  # fmt: skip
     loss.sum().backward()

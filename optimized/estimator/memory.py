@@ -322,9 +322,11 @@ def buffer_bytes(config: EstimateConfig, layers) -> int:
 
 
 def batch_bytes(config: EstimateConfig) -> int:
-    """Every rank draws the whole global batch's int64 ids and labels, and the step's loss."""
+    """Every rank draws the whole global batch's int64 ids and labels; the step's loss and
+    its token count (`models.training.token_count`: a 0-dim int64 on the device, so that
+    nothing is read on the host) live through the step."""
     global_batch = config.dp * config.num_microbatches * config.micro_batch_size
-    return 2 * I64 * global_batch * config.seq_len + F32
+    return 2 * I64 * global_batch * config.seq_len + F32 + I64
 
 
 def static_bytes(
