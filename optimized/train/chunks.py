@@ -171,7 +171,6 @@ class CachedReader(dcp.FileSystemReader):
             piece = self._slice_file(stream, info)
             return torch.load(piece, map_location="cpu", weights_only=True)
 
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's read, but a region of a stored chunk is read as its own byte range.
 
@@ -214,8 +213,10 @@ class CachedReader(dcp.FileSystemReader):
             if tuple(target.shape) != tuple(lengths):
                 return False
             direct = target.is_contiguous() and target.dtype == stored.dtype
-            out = target if direct and target.device.type == "cpu" else torch.empty(
-                tuple(lengths), dtype=stored.dtype
+            out = (
+                target
+                if direct and target.device.type == "cpu"
+                else torch.empty(tuple(lengths), dtype=stored.dtype)
             )
             stream.seek(info.offset + record + start[0] * row)
             read_exactly(stream, out.reshape(-1), f"{path} ({request.dest_index.fqn})")
