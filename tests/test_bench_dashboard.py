@@ -207,6 +207,49 @@ def test_dashboard_page_holds_the_figures_it_was_given(tmp_path, capsys):
     assert "notes.json" in capsys.readouterr().err
 
 
+def test_a_gpu_run_is_its_own_series(tmp_path):
+    """A history that holds CPU runs and one GPU run: the GPU's op figures form a series of
+    their own, named after the device, and its compare run gets its own section; no CPU
+    series holds a GPU figure."""
+    history = tmp_path / "history"
+    _write_history(history)
+    gpu = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3"}
+    benches = [
+        dict(_bench("test_cross_entropy", "cross_entropy", impl, median, 1), extra_info=gpu)
+        for impl, median in (("optimized", 0.0008), ("plain", 0.0016))
+    ]
+    entry = {"kind": "bench", "git_commit": "ddddddd4444", "date": "2026-11-27T10:00:00Z",
+             "machine": "gpu machine", "benchmark": {"benchmarks": benches}}  # fmt: skip
+    (history / "bench-3.json").write_text(json.dumps(entry))
+    report = json.loads((DATA / "compare_report.json").read_text())
+    report["device"] = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}
+    entry = {"kind": "compare", "git_commit": "ddddddd4444", "date": "2026-11-27T11:00:00Z",
+             "machine": "gpu machine", "report": report}  # fmt: skip
+    (history / "compare-3.json").write_text(json.dumps(entry))
+
+    entries = bench.read_history(history)
+    series = dashboard.collect_ops(entries)["cross_entropy"]
+    on_gpu = "256x32000 on cuda (NVIDIA H100 80GB HBM3)"
+    assert sorted(series) == ["256x32000", on_gpu]
+    assert [p.commit for p in series["256x32000"]] == ["aaaaaaa1111", "bbbbbbb2222", "ccccccc3333"]
+    (point,) = series[on_gpu]
+    assert (point.optimized_time, point.plain_time, point.speedup) == (0.0008, 0.0016, 2.0)
+    runs = dashboard.collect_compare(entries)
+    assert [r.device for r in runs] == ["cpu"] * 3 + ["cuda (NVIDIA H100 80GB HBM3)"]
+
+    site = tmp_path / "site"
+    assert main(["dashboard", str(history), "--out", str(site)]) == 0
+    page = (site / "index.html").read_text()
+    assert "Compare runs: optimized against reference on cpu</h2>" in page
+    assert "on cuda (NVIDIA H100 80GB HBM3)</h2>" in page
+    for image in ("compare-memory-cpu.png", "compare-memory-cuda-nvidia-h100-80gb-hbm3.png"):
+        assert f"src='{image}'" in page
+        assert (site / image).read_bytes().startswith(PNG_MAGIC)
+    # The CPU section's table lists the three CPU commits only.
+    cpu_section = page.split("on cpu</h2>")[1].split("<h2>")[0]
+    assert "ccccccc3333" in cpu_section and "ddddddd4444" not in cpu_section
+
+
 def test_dashboard_of_an_empty_or_missing_history(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["dashboard", str(tmp_path / "empty"), "--out", str(tmp_path / "site")]) == 0

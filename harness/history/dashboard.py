@@ -15,7 +15,9 @@ The plain counterpart is the benchmark whose ``extra_info["implementation"]``
 (or ``"impl"``, ``"role"``), or else a parameter or name part, says ``plain``,
 ``reference``, ``torch``, ``baseline``, ``eager`` or ``naive``; every other
 benchmark of the op is the optimized one. Other parameters (shapes) make
-separate series. Peak memory is read from ``extra_info["peak_bytes"]`` or
+separate series, and so does the device: a variant measured on a GPU is its own series,
+and compare runs get one section per device (`harness.history.dashboard_data`).
+Peak memory is read from ``extra_info["peak_bytes"]`` or
 ``extra_info["peak_memory_bytes"]`` (what benchmarks/_common.py records), or
 else the first ``extra_info`` key with ``bytes`` in its name.
 
@@ -157,13 +159,21 @@ def render(history_dir: str | Path, out_dir: str | Path) -> Path:
     runs = collect_compare(entries)
     if runs:
         compare_labels = {r.run: _label(e) for r, e in zip(runs, compare_entries)}
-        parts.append("<h2>Compare runs: optimized against reference</h2>")
-        if any(r.ranks for r in runs):
-            plot_compare_memory(runs, compare_labels, out / "compare-memory.png")
-            parts.append("<img src='compare-memory.png' alt='peak memory per rank'>")
-        plot_compare_agreement(runs, compare_labels, out / "compare-agreement.png")
-        parts.append("<img src='compare-agreement.png' alt='loss and gradient agreement'>")
-        parts.append(_compare_table(runs))
+        devices = sorted({r.device for r in runs}, key=lambda d: (d != "cpu", d))
+        for device in devices:
+            # One section per device: a GPU's peaks and a CPU's are never one series.
+            on_device = [r for r in runs if r.device == device]
+            suffix = "" if len(devices) == 1 else f"-{_slug(device)}"
+            where = f" on {html.escape(device)}" if suffix else ""
+            parts.append(f"<h2>Compare runs: optimized against reference{where}</h2>")
+            if any(r.ranks for r in on_device):
+                image = f"compare-memory{suffix}.png"
+                plot_compare_memory(on_device, compare_labels, out / image)
+                parts.append(f"<img src='{image}' alt='peak memory per rank'>")
+            image = f"compare-agreement{suffix}.png"
+            plot_compare_agreement(on_device, compare_labels, out / image)
+            parts.append(f"<img src='{image}' alt='loss and gradient agreement'>")
+            parts.append(_compare_table(on_device))
     parts.append("</body></html>")
     page = out / "index.html"
     page.write_text("\n".join(parts))

@@ -1,5 +1,11 @@
 """The dashboard's data: benchmark runs paired into optimized-against-plain series per op,
 and compare runs' memory and agreement per commit (`harness.history.dashboard` says how).
+
+A series never mixes devices: times and peaks measured on a GPU and on a CPU differ by
+their nature, not by a change (`twinpipe diff` refuses the pair for the same reason). An op
+variant measured on a device other than the CPU is its own series, named after the device
+(``variant on cuda (NVIDIA H100 80GB HBM3)``); compare runs carry their device, and the page
+draws one section per device.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from harness.history.documents import classify, document_device
 
 PLAIN_WORDS = ("plain", "reference", "torch", "baseline", "eager", "naive")
 OPTIMIZED_WORDS = ("optimized", "fused", "triton", "liger", "fast")
@@ -60,6 +68,19 @@ class CompareRun:
     grad_rel_error: float | None
     ranks: dict[int, dict[str, float | None]] = field(default_factory=dict)
     tolerance: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    """Where the run's ranks computed (`entry_device`)."""
+
+
+def entry_device(entry: dict[str, Any]) -> str:
+    """The device a history entry's figures were measured on, as the page names it: ``cpu``,
+    or the type and the name (``cuda (NVIDIA H100 80GB HBM3)``). Benchmark runs that name no
+    device and compare reports written before the device was recorded ran on CPUs."""
+    kind, payload = classify(entry)
+    device = document_device(kind, payload) if kind else None
+    if device is None or device[0] == "cpu":
+        return "cpu"
+    return f"{device[0]} ({device[1]})" if device[1] else device[0]
 
 
 def _tokens(text: str) -> list[str]:
@@ -126,11 +147,13 @@ def collect_ops(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[OpPoi
 
     Of several implementations with one role (``plain`` and ``plain_float32``),
     the one named after the role, else the first, is the pair's; the rest are
-    kept in ``OpPoint.others``.
+    kept in ``OpPoint.others``. A variant measured off the CPU is named after its device
+    (`entry_device`), so a CPU series and a GPU series of one op stay apart.
     """
     ops: dict[str, dict[str, list[OpPoint]]] = defaultdict(lambda: defaultdict(list))
     runs = [e for e in entries if e.get("kind") == "bench"]
     for run, entry in enumerate(runs):
+        device = entry_device(entry)
         by_key: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = defaultdict(
             lambda: {"optimized": [], "plain": []}
         )
@@ -155,6 +178,8 @@ def collect_ops(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[OpPoi
                             "time": median,
                             "peak": peak_bytes(bench),
                         }
+            if device != "cpu":
+                variant = f"{variant} on {device}" if variant else f"on {device}"
             ops[op][variant].append(point)
     return {op: dict(variants) for op, variants in sorted(ops.items())}
 
@@ -190,6 +215,7 @@ def collect_compare(entries: list[dict[str, Any]]) -> list[CompareRun]:
                 grad_rel_error=_max((report.get("grads") or {}).get("max_rel_error")),
                 ranks=ranks,
                 tolerance=dict(report.get("tolerance") or {}),
+                device=entry_device(entry),
             )
         )
     return runs
