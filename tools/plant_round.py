@@ -53,47 +53,47 @@ NORMALISATION = ("tests/test_semantics_loss_scale.py", "tests/test_reference_pip
 CHECKPOINT = ("tests/test_semantics_trainer.py", "tests/test_checkpointing.py",
               "tests/test_train.py", "tests/test_optimizer_precision.py")  # fmt: skip
 
-CE = "optimized/ops/cross_entropy.py"
+CE_KERNELS = "optimized/ops/cross_entropy_kernels.py"
 ADAMW = "optimized/train/optimizer.py"
 BUGS = [
     # ------------------------------------------------------------------ the objective
     Bug(
         "smoothing-mean-over-v-plus-1",
-        CE,
-        "    smooth = tl.where(label_smoothing > 0.0, label_smoothing * (logit_sum / n_cols), 0.0)",
-        "    smooth = tl.where(label_smoothing > 0.0, label_smoothing * (logit_sum / (n_cols + 1)), 0.0)",  # noqa: E501
+        CE_KERNELS,
+        "        smooth = tl.where(label_smoothing > 0.0, label_smoothing * (logit_sum / vocab), 0.0)",  # noqa: E501
+        "        smooth = tl.where(label_smoothing > 0.0, label_smoothing * (logit_sum / (vocab + 1)), 0.0)",  # noqa: E501
         OBJECTIVE,
         "issue 33's first blind spot: eps * sum(x) / (V + 1)",
     ),
     Bug(
         "smoothing-uniform-gradient-over-v-plus-1",
-        CE,
-        "        uniform = label_smoothing / n_cols",
-        "        uniform = label_smoothing / (n_cols + 1)",
+        CE_KERNELS,
+        "    uniform = label_smoothing / vocab",
+        "    uniform = label_smoothing / (vocab + 1)",
         OBJECTIVE,
         "the gradient's eps / V term over V + 1",
     ),
     Bug(
         "smoothing-target-weight-forgotten",
-        CE,
-        "    loss = log_sum_exp - (1.0 - label_smoothing) * target_logit - smooth + z_loss",
-        "    loss = log_sum_exp - target_logit - smooth + z_loss",
+        CE_KERNELS,
+        "        loss = log_sum_exp - (1.0 - label_smoothing) * target_logit - smooth + z_loss",
+        "        loss = log_sum_exp - target_logit - smooth + z_loss",
         OBJECTIVE,
         "the target's (1 - eps) weight dropped from the loss",
     ),
     Bug(
         "z-loss-gradient-factor-1",
-        CE,
-        "        probability_scale = 1.0 + 2.0 * lse_square_scale * log_sum_exp",
-        "        probability_scale = 1.0 + lse_square_scale * log_sum_exp",
+        CE_KERNELS,
+        "    probability_scale = 1.0 + 2.0 * lse_square_scale * log_sum_exp",
+        "    probability_scale = 1.0 + lse_square_scale * log_sum_exp",
         OBJECTIVE,
         "d(s lse^2)/dx = 2 s lse p: the 2 dropped",
     ),
     Bug(
         "z-loss-not-squared",
-        CE,
-        "    z_loss = lse_square_scale * log_sum_exp * log_sum_exp",
-        "    z_loss = lse_square_scale * log_sum_exp * tl.abs(log_sum_exp - 1.0)",
+        CE_KERNELS,
+        "        z_loss = lse_square_scale * log_sum_exp * log_sum_exp",
+        "        z_loss = lse_square_scale * log_sum_exp * tl.abs(log_sum_exp - 1.0)",
         OBJECTIVE,
         "the z-loss's value off (lse * |lse - 1|), its gradient right",
     ),
@@ -109,8 +109,8 @@ BUGS = [
     Bug(
         "token-count-includes-ignored",
         "models/training.py",
-        "    return max(int((labels != IGNORE_INDEX).sum()), 1)",
-        "    return max(int(labels.numel()), 1)",
+        "    return (labels != IGNORE_INDEX).sum().clamp(min=1)",
+        "    return torch.tensor(labels.numel(), device=labels.device)",
         NORMALISATION,
         "the mean's denominator counts ignored tokens",
     ),
@@ -134,8 +134,8 @@ BUGS = [
     Bug(
         "clip-at-twice-max-norm",
         ADAMW,
-        "        if max_norm > 0 and norm > max_norm:",
-        "        if max_norm > 0 and norm > 2 * max_norm:",
+        "            factor = torch.where(norm > max_norm, factor, 1.0)",
+        "            factor = torch.where(norm > 2 * max_norm, factor, 1.0)",
         OPTIMIZER + ("tests/test_semantics_trainer.py",),
         "issue 33's second blind spot",
     ),
@@ -146,6 +146,14 @@ BUGS = [
         "            self.scale = (max_norm / (norm + 1e-6)) ** 0.5",
         OPTIMIZER + ("tests/test_semantics_trainer.py",),
         "clipped to sqrt(max_norm * norm)",
+    ),
+    Bug(
+        "device-clip-factor-square-root",
+        ADAMW,
+        "            factor = torch.full_like(norm, max_norm) / (norm + 1e-6)",
+        "            factor = (torch.full_like(norm, max_norm) / (norm + 1e-6)) ** 0.5",
+        OPTIMIZER + ("tests/test_semantics_trainer.py",),
+        "the trainer's on-device factor (a tensor norm) clipped to sqrt(max_norm * norm)",
     ),
     Bug(
         "clip-factor-never-applied",
