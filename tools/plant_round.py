@@ -140,6 +140,14 @@ BUGS = [
         "issue 33's second blind spot",
     ),
     Bug(
+        "host-clip-at-twice-max-norm",
+        ADAMW,
+        "        elif norm > max_norm:",
+        "        elif norm > 2 * max_norm:",
+        OPTIMIZER + ("tests/test_semantics_trainer.py",),
+        "issue 33's second blind spot on the host path (a float norm)",
+    ),
+    Bug(
         "clip-factor-square-root",
         ADAMW,
         "            self.scale = max_norm / (norm + 1e-6)",
