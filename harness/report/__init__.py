@@ -10,6 +10,8 @@ dashboard.
   audit, the harness's own memory, the largest tensors at each peak;
 - `communication`: the communication tables (the section's schema: `harness.compare`);
 - `plots`: loss per step, and peak memory per rank by category (matplotlib);
+- `expert_load`: the expert-load picture, layers x experts over steps (matplotlib), from a
+  compare run's load or a training run's metrics file;
 - `write`: ``report.json``, the plots and ``report.md`` into a folder;
 - `provenance`: the commit, the machine and the device a figure comes from.
 
@@ -17,6 +19,7 @@ May import `models` only; never another `harness` subpackage, `optimized` or `re
 reports are read where no stack runs.
 """
 
+from harness.report.expert_load import load_from_metrics, max_over_mean, plot_expert_load
 from harness.report.formatting import format_bytes, format_moment, format_number
 from harness.report.provenance import (
     cpu_name,
@@ -50,9 +53,12 @@ __all__ = [
     "format_table",
     "git_commit",
     "is_compare_report",
+    "load_from_metrics",
     "load_report",
     "machine_description",
     "machine_line",
+    "max_over_mean",
+    "plot_expert_load",
     "read_json",
     "render_markdown",
     "report_device",

@@ -292,6 +292,12 @@ class CheckpointWeights:
     def __repr__(self) -> str:
         return f"CheckpointWeights({self.layout.path!r})"
 
+    def holds(self, name: str) -> bool:
+        """Whether the folder has the training-state buffer ``name`` (an expert bias; where the
+        family's layout has none, `models.hf.hf_layout.hf_stores_expert_bias`, never): one it
+        lacks starts at zero (`models.network.materialise`)."""
+        return name in self.layout.tensors
+
     def _into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out``."""
         read_rows(self.layout.tensors[name], out, start)

@@ -12,6 +12,12 @@ but the files differ from memory in three ways, and this module says how:
   (``[E, 2I, H / 32, 16]`` for our ``gate_up_proj [E, H, 2I]``).
 - With tied embeddings ``lm_head.weight`` is not written; it is the embedding.
 
+The routers' expert bias (``...mlp.gate.e_score_correction_bias``, aux-loss-free balancing:
+a training-state buffer, `models.network.state_buffers`) is written and read only where the
+family's layout has it (`hf_stores_expert_bias`, the one place that decides it): elsewhere a
+trained bias has no tensor to go to, so writing leaves it out (and `twinpipe export` warns)
+and a read starts it at zero.
+
 DeepSeek-V2 in transformers always builds shared experts, of width
 ``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width
 ``shared_experts`` tensors, which we write and accept (our model has no module for them).
@@ -24,7 +30,7 @@ import re
 import torch
 
 from models.hf.mxfp4 import BLOCK
-from models.network import SINGLE, CausalLM, ExpertParallel, ModelConfig
+from models.network import SINGLE, CausalLM, ExpertParallel, ModelConfig, Router
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -36,6 +42,25 @@ MXFP4 = "mxfp4"
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 """safetensors dtypes a weight may be stored in (it is cast to the model's dtype on load)."""
 _LIST_AT_MOST = 12
+
+
+HF_EXPERT_BIAS_FAMILIES: frozenset[str] = frozenset()
+"""Families whose Hugging Face layout stores each MoE router's ``e_score_correction_bias``
+(DeepSeek-V3's does; DeepSeek-V2's, GPT-OSS's and Qwen3-MoE's have no such tensor)."""
+
+
+def hf_stores_expert_bias(config: ModelConfig) -> bool:
+    """Whether ``config``'s family stores the routers' expert bias in its HF layout: where
+    not, a trained bias is not written (the export warns: the exported model routes
+    without it) and a read leaves it at zero."""
+    return config.model_type in HF_EXPERT_BIAS_FAMILIES
+
+
+def is_state_buffer(name: str) -> bool:
+    """Whether ``name`` (our naming) is a training-state buffer, not a parameter (the
+    routers' expert bias, `models.network.state_buffers`): a checkpoint made before a run
+    turned it on lacks it, and it then starts at zero."""
+    return name.rsplit(".", 1)[-1] in Router.FLOAT32_BUFFERS
 
 
 class CheckpointError(ValueError):
@@ -120,6 +145,8 @@ def to_hf_state_dict(
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if is_state_buffer(name) and not hf_stores_expert_bias(config):
+            continue  # no such tensor in the family's layout
         out.update(hf_tensors(name, tensor, config))
     if config.model_type == "deepseek_v2" and not config.n_shared_experts:
         reference = state_dict["model.embed_tokens.weight"]

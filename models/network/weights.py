@@ -19,7 +19,7 @@ Sources:
   The blocks do not depend on the layout, so the same seed gives the same weights at any
   PP, DP, EP or FSDP layout, and a rank draws only the blocks its rows touch;
 - `models.hf.CheckpointWeights`: slices of a Hugging Face checkpoint;
-- `optimized.train.checkpointing.TrainingCheckpointWeights`: slices of a training
+- `optimized.train.checkpoint_weights.TrainingCheckpointWeights`: slices of a training
   checkpoint (DCP);
 - `StateDictWeights`: a state dict already in this process (tests, one-process tools).
 

@@ -6,12 +6,16 @@
   the device through buffers allocated once);
 - `optimizer`: AdamW over sharded parameters with float32 state;
 - `checkpointing`: DCP checkpoints, atomic, layout-free, each rank's own piece written
-  as an explicit DCP chunk (`chunks`, which `export` reads too); `export`: Hugging Face out;
+  as an explicit DCP chunk (`chunks`, which `export` reads too), the expert biases with
+  them; `checkpoint_weights`: a checkpoint as the weight source a run builds from;
+  `export`: Hugging Face out;
 - `preflight`: everything ``twinpipe train`` checks before a process group starts, and
   the run it plans;
 - `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
-  (the optimized runner only) and the z-loss for the log; `metrics`: a step's figures,
-  its log line with TFLOP/s and MFU, the JSON-lines and TensorBoard sink; `phases`: the
+  (the optimized runner only), the z-loss for the log, and the ``[moe]`` section set on
+  the model; `metrics`: a step's figures, its log line with TFLOP/s and MFU, the
+  JSON-lines and TensorBoard sink; `expert_load`: the tokens each expert got, per MoE
+  layer and step, gathered in one collective; `phases`: the
   peak memory of each phase (load, train, save); `profiling`: torch.profiler traces and
   top-op tables of chosen steps (``--profile``), reusable around any region;
 - `sizing`: a training config as the memory estimator's question (the defaults of

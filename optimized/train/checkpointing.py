@@ -30,8 +30,14 @@ trainer refuses to start a different run in a folder that holds one unless told 
 A checkpoint is written to ``.tmp-step-...`` and renamed when complete, so a crash never
 leaves a half-written ``step-*``; on resume each candidate is verified against its
 manifest, and one that is incomplete or corrupt is skipped with a warning naming it.
-Resuming reads the parameters as the part is built (`TrainingCheckpointWeights`, a
-weight source) and the optimizer state into the slices each rank owns (`load_checkpoint`).
+Resuming reads the parameters as the part is built
+(`optimized.train.checkpoint_weights.TrainingCheckpointWeights`, a weight source) and the
+optimizer state into the slices each rank owns (`load_checkpoint`).
+
+Training-state buffers (the routers' expert biases, `models.network.state_buffers`) are
+saved beside the parameters, ``model.<name>`` whole (float32 ``[E]``; each pipeline rank
+writes its layers', DP replicas' identical pieces once). A checkpoint without them (made
+before the run turned the bias on) is still this model's: the bias starts at zero.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import math
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from models.hf import CheckpointError, config_to_hf, expected_state_shapes
+from models.hf import CheckpointError, config_to_hf, expected_state_shapes, is_state_buffer
 from models.network import ModelConfig, is_expert_parameter
 from models.runtime import BadInput, Layout, ProgressLine, read_json
 from optimized.train import chunks
@@ -242,15 +249,18 @@ def save_checkpoint(
     config_toml: str,
     keep_last: int,
     run_id: str | None = None,
+    buffers: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> Path:
     """Write ``root/step-<step>`` atomically (collective); keep the newest ``keep_last`` of
     this run's (``run_id``'s) checkpoints, never touching another run's. Each rank writes
-    only its own pieces (`local_state`). A failure on any rank raises `CheckpointSaveError`
-    on every rank."""
+    only its own pieces (`local_state`) and its training-state ``buffers`` (``(name,
+    tensor)``, `models.network.state_buffers`). A failure on any rank raises
+    `CheckpointSaveError` on every rank."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     state = local_state(optimizer, layout)
+    state.update({f"model.{n}": chunks.rows(t, 0, tuple(t.shape)) for n, t in buffers})
     trainer_state = {**trainer_state, "optimizer_steps": optimizer.step_count}
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(
@@ -325,8 +335,10 @@ def check_keys(folder: str | os.PathLike, wanted: dict[str, tuple[int, ...]]) ->
 
 def validate_training_checkpoint(folder: str | os.PathLike, config: ModelConfig) -> None:
     """Check a training checkpoint's parameters against ``config`` from DCP's metadata
-    alone (no process group); `CheckpointError` names each key and both shapes."""
-    wanted = {f"model.{n}": tuple(s) for n, s in expected_state_shapes(config).items()}
+    alone (no process group); `CheckpointError` names each key and both shapes. An expert
+    bias may be absent (it then starts at zero)."""
+    shapes = expected_state_shapes(config).items()
+    wanted = {f"model.{n}": tuple(s) for n, s in shapes if not is_state_buffer(n)}
     if config.tie_word_embeddings:
         wanted.pop("model.lm_head.weight", None)
     check_keys(folder, wanted)
@@ -404,10 +416,13 @@ def precision_changes(
 
 
 def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The whole model's state dict (our naming) from a checkpoint, in one process."""
+    """The whole model's state dict (our naming) from a checkpoint, in one process (an
+    expert bias it lacks is zeros)."""
     stored = _metadata(folder)
     shapes = expected_state_shapes(config)
     names = [n for n in shapes if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    absent = [n for n in names if is_state_buffer(n) and f"model.{n}" not in stored]
+    names = [n for n in names if n not in absent]
     validate_training_checkpoint(folder, config)
     out = {n: torch.empty(shapes[n], dtype=stored[f"model.{n}"].properties.dtype) for n in names}
     state = {f"model.{n}": Chunk(out[n], (0,) * len(shapes[n]), tuple(shapes[n])) for n in names}
@@ -416,46 +431,7 @@ def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str
         chunks.load(state, folder, collective=False)
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
-# ------------------------------------------------------------------ as a source
-class TrainingCheckpointWeights:
-    """A training checkpoint's parameters as a weight source (`models.network.weights`): a rank
-    reads only its rows of each ``model.<name>``, straight into its parameter, from the
-    DCP chunks that overlap them (whatever layout saved it). Picklable; no process group
-    needed."""
-
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = str(folder)
-        self._reader: chunks.CachedReader | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"folder": self.folder}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.folder, self._reader = state["folder"], None
-
-    def __repr__(self) -> str:
-        return f"TrainingCheckpointWeights({self.folder!r})"
-
-    def _shapes(self) -> dict[str, TensorStorageMetadata]:
-        if self._reader is None:
-            self._reader = chunks.CachedReader(self.folder)
-        return chunks.tensor_metadata(self._reader.read_metadata())
-
-    def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
-        shapes = self._shapes()
-        key = f"model.{name}"
-        if key not in shapes and name == "lm_head.weight":  # tied: the embedding
-            key = "model.embed_tokens.weight"
-        if key not in shapes:
-            raise ValueError(f"checkpoint {self.folder} has no tensor {key}")
-        global_shape = tuple(shapes[key].size)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            chunks.load({key: chunks.rows(out, start, global_shape)}, reader=self._reader,
-                        collective=False)  # fmt: skip
+    return {**out, **{n: torch.zeros(shapes[n]) for n in absent}}
 
 
 # ------------------------------------------------------------------ RNG

@@ -13,23 +13,18 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
-
 
 DTYPES = ("float32", "bfloat16")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 """``optim.state_dtype`` values (`optimized.train.optimizer.STATE_DTYPES`)."""
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
+MOE_AUX_LOSSES = ("auto", "none", "pooled", "layer", "sequence")
+"""``moe.aux_loss`` values (`models.network.balancing.AUX_FORMS` and ``auto``)."""
 DEFAULT_WARMUP_STEPS = 10
 """Warmup of a run that sets none, clamped to its length: ``--steps 5`` warms up 5 steps."""
 
@@ -151,6 +146,30 @@ class LossSection:
 
 
 @dataclass(slots=True)
+class MoeSection:
+    """How tokens are steered to experts (`models.network.balancing`); applied to the model's
+    config before anything is built (`optimized.train.objective.with_moe`)."""
+
+    aux_loss: str = "auto"
+    """Load-balancing loss: ``auto`` (what the model's config.json asks: Qwen3-MoE and GPT-OSS
+    with output_router_logits pool every layer, DeepSeek-V2 with aux_loss_alpha per
+    sequence), ``none``, ``pooled`` (transformers' loss over all layers), ``layer`` or
+    ``sequence`` (DeepSeek-V2's, per layer)."""
+    aux_loss_coef: float | None = None
+    """The load-balancing loss's coefficient; unset: the model's own (router_aux_loss_coef,
+    or DeepSeek's aux_loss_alpha)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE: ``coef * mean(logsumexp(router logits)**2)`` per
+    MoE layer); 0 turns it off. Not ``loss.z_loss``, which acts on the output logits."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a float32 bias per MoE layer, added to the
+    router's scores to choose experts only, moved once per optimizer step by
+    ``expert_bias_rate * sign(mean load - load)``; checkpointed."""
+    expert_bias_rate: float = 1e-3
+    """How far one optimizer step moves each expert's bias."""
+
+
+@dataclass(slots=True)
 class CheckpointSection:
     """Where and how often training state is saved."""
 
@@ -213,6 +232,8 @@ class TrainConfig:
     """Optimizer and learning-rate schedule."""
     loss: LossSection = field(default_factory=LossSection)
     """The objective: z-loss and label smoothing."""
+    moe: MoeSection = field(default_factory=MoeSection)
+    """Expert balancing: load-balancing loss, router z-loss, expert bias."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Saving and resuming."""
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -387,6 +408,19 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "loss.label_smoothing",
         "must be in [0, 1) (0 turns smoothing off)",
     )
+
+    moe = cfg.moe
+    check(moe.aux_loss in MOE_AUX_LOSSES, "moe.aux_loss",
+          f"must be one of {', '.join(MOE_AUX_LOSSES)}")  # fmt: skip
+    check(
+        moe.aux_loss_coef is None or (finite(moe.aux_loss_coef) and moe.aux_loss_coef >= 0),
+        "moe.aux_loss_coef",
+        "must be a finite number >= 0, or unset for the model's own coefficient",
+    )
+    check(finite(moe.z_loss_coef) and moe.z_loss_coef >= 0, "moe.z_loss_coef",
+          "must be a finite number >= 0 (0 turns the router z-loss off)")  # fmt: skip
+    check(finite(moe.expert_bias_rate) and moe.expert_bias_rate > 0, "moe.expert_bias_rate",
+          "must be a finite number > 0 (moe.expert_bias = false turns the bias off)")  # fmt: skip
 
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")

@@ -4,7 +4,8 @@ Values come from, in increasing precedence:
 
 1. the defaults written in `optimized.train.config`,
 2. a TOML file (``--config run.toml``; top-level keys, then ``[model]``, ``[data]``,
-   ``[parallel]``, ``[optim]``, ``[checkpoint]``, ``[logging]`` tables),
+   ``[parallel]``, ``[optim]``, ``[loss]``, ``[moe]``, ``[checkpoint]``, ``[logging]``
+   tables),
 3. ``--set key=value`` overrides, dotted for sections (``--set optim.lr=1e-3``),
 4. one flag per field, generated from the fields (``--micro-batch-size 4``, ``--lr 1e-3``).
 

@@ -15,6 +15,13 @@ chunk plus the tensor being written (a tensor made of several chunks, such as a 
 weight in FSDP2 rows, is assembled in its own buffer), never a shard and never the model.
 Weights are written in the trained dtype (or ``--dtype``);
 a GPT-OSS model imported from MXFP4 is exported unquantised, and the command says so.
+
+A trained expert bias (``moe.expert_bias``: ``e_score_correction_bias`` per MoE layer) is
+written where the family's Hugging Face layout has the tensor
+(`models.hf.hf_stores_expert_bias`). Where it has none (DeepSeek-V2, GPT-OSS, Qwen3-MoE)
+the export cannot carry it, and the exported model chooses experts without it, so
+differently from the trained one: the export warns, naming the layers and the bias's
+largest magnitude, and records them in its report (`ExportReport.dropped`).
 """
 
 from __future__ import annotations
@@ -161,6 +168,8 @@ class ExportReport(NamedTuple):
     total_bytes: int
     largest_tensor_bytes: int
     """The largest tensor written: with the stored chunk it came from, the export's memory."""
+    dropped: tuple[str, ...] = ()
+    """Trained tensors the family's HF layout has no place for, left out (expert biases)."""
 
 
 def export(
@@ -187,6 +196,8 @@ def export_checkpoint(
         Planned,
         ShardWriter,
         expected_state_shapes,
+        hf_stores_expert_bias,
+        is_state_buffer,
         plan_shards,
         to_hf_state_dict,
         write_config,
@@ -206,6 +217,13 @@ def export_checkpoint(
     reader = chunks.CachedReader(folder)
     stored = chunks.tensor_metadata(reader.read_metadata())
     source = StoredChunks(reader, stored)
+    biases = sorted(k.removeprefix("model.") for k in stored if is_state_buffer(k))
+    dropped: tuple[str, ...] = ()
+    if biases and hf_stores_expert_bias(config):
+        config = config.replace(expert_bias=True)  # written under the family's HF name
+    elif biases:
+        dropped = tuple(biases)
+        warnings.warn(_dropped_bias(config, dropped, source), stacklevel=2)
     trained = stored["model.model.embed_tokens.weight"].properties.dtype
     target = DTYPES[dtype] if dtype else trained
     plan = []  # (our name or None: zero-width, disk name, shape, region in ours)
@@ -242,8 +260,25 @@ def export_checkpoint(
     respect_umask(p for p in Path(out).iterdir() if p.name.endswith((".safetensors", ".json")))
     return ExportReport(
         folder, target, len(plan), len(writer.shards), writer.total_bytes,
-        writer.largest_tensor_bytes,
+        writer.largest_tensor_bytes, dropped,
     )  # fmt: skip
+
+
+def _dropped_bias(config: ModelConfig, names: tuple[str, ...], source: StoredChunks) -> str:
+    """The warning of an export that leaves a trained expert bias out."""
+    largest = 0.0
+    for name in names:
+        shape = tuple(source.stored[f"model.{name}"].size)
+        region = tuple((0, size) for size in shape)
+        bias = source.piece(f"model.{name}", torch.Size(shape), region, torch.float32)
+        largest = max(largest, float(bias.abs().max()))
+    layers = ", ".join(name.split(".")[2] for name in names)
+    return (
+        f"the checkpoint holds a trained expert bias (e_score_correction_bias, moe.expert_bias) "
+        f"of MoE layers {layers}, largest |bias| {largest:.4g}; {config.model_type}'s Hugging "
+        "Face layout has no such tensor, so it is left out of the export, and the exported "
+        "model chooses its experts without it: differently from the trained model"
+    )
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -290,15 +325,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"twinpipe export: error: {problem}", file=sys.stderr)
         return 2
     try:
-        report = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_bytes)
     except ValueError as error:  # a checkpoint that does not match its own config.json
         print(f"twinpipe export: error: {error}", file=sys.stderr)
         return 2
+    for w in caught:
+        print(f"twinpipe export: warning: {w.message}", file=sys.stderr)
     dtype = str(report.dtype).removeprefix("torch.")
     print(
         f"exported {report.folder} to {args.out}: {report.tensors} tensors in {report.shards} "
         f"shard(s), {report.total_bytes / 1e9:.2f} GB, every weight in {dtype} (unquantised: "
         f"GPT-OSS experts read from MXFP4 are written in {dtype}); largest tensor "
         f"{report.largest_tensor_bytes / 1e9:.2f} GB"
-    )
+        + (f"; left out: {len(report.dropped)} expert biases (see the warning)"
+           if report.dropped else "")
+    )  # fmt: skip
     return 0

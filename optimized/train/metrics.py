@@ -68,6 +68,24 @@ class StepMetrics:
     """The model FLOPs of one token's forward and backward (`TrainingFlops.model`)."""
     peak_tflops: float | None = None
     """The peak TFLOP/s of one device the MFU divides by; None on a CPU or an unknown GPU."""
+    moe_layers: list[int] | None = None
+    """The model's MoE layers: the rows of the per-layer figures below (None: a dense model).
+    These figures are `optimized.train.expert_load`'s."""
+    expert_load: list[list[int]] | None = None
+    """Per MoE layer, the copies routed to each expert this step, over the global batch."""
+    load_max_over_mean: list[float] | None = None
+    """Per MoE layer, the busiest expert's load over the mean (1: balanced)."""
+    load_max_over_mean_worst: float | None = None
+    """The worst layer's ``load_max_over_mean``: the one the log line shows."""
+    expert_bias_min: list[float] | None = None
+    """Per MoE layer, the smallest expert bias the step routed with (``moe.expert_bias``)."""
+    expert_bias_max: list[float] | None = None
+    """Per MoE layer, the largest."""
+    aux_loss: float | None = None
+    """The step's load-balancing loss as the objective holds it (coefficient included; None
+    when off). Not part of ``loss``, which stays the language-model loss."""
+    router_z_loss: float | None = None
+    """The step's router z-loss, coefficient included (``moe.z_loss_coef``; None when off)."""
 
     def line(self) -> str:
         cross_entropy, z_loss = self.loss, ""
@@ -78,11 +96,16 @@ class StepMetrics:
             f"cross-entropy-loss {cross_entropy:.4f} | {z_loss}"
             f"learning-rate {self.learning_rate:.6e} | "
             f"gradient-norm {self.gradient_norm:.4f} | "
+            f"{self._load()}"
             f"tokens-per-second {self.tokens_per_second:,.0f} | "
             f"{self._throughput()}"
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
         )
         return text + (" | skipped (non-finite)" if self.skipped else "")
+
+    def _load(self) -> str:
+        worst = self.load_max_over_mean_worst
+        return "" if worst is None else f"load-max/mean {worst:.2f} | "
 
     def _throughput(self) -> str:
         if self.tflops is None:
@@ -170,19 +193,27 @@ def slowest_rank(values: list[float], group: dist.ProcessGroup | None = None) ->
 
 
 class LoggedScalars:
-    """The device's scalars a step logs (loss, gradient norm, z-loss), read on the host in
-    one copy through a buffer kept from step to step (`models.network.HostCopy`)."""
+    """The device's values a step logs (loss, gradient norm, z-loss, the expert load), read
+    on the host in one copy through a buffer kept from step to step
+    (`models.network.HostCopy`)."""
 
     def __init__(self) -> None:
         self.host = HostCopy()
 
-    def read(self, *values: torch.Tensor | None) -> list[float | None]:
-        """Each 0-dim tensor of ``values`` as a float (None stays None); one read."""
-        present = [v.detach().reshape(()).to(torch.float64) for v in values if v is not None]
+    def read(self, *values: torch.Tensor | None) -> list[float | list[float] | None]:
+        """Each 0-dim tensor of ``values`` as a float, each vector as a list of floats (None
+        stays None); one read."""
+        present = [v.detach().reshape(-1).to(torch.float64) for v in values if v is not None]
         if not present:
             return [None] * len(values)
-        read = iter(self.host.tolist(torch.stack(present)))
-        return [None if v is None else next(read) for v in values]
+        read = iter(self.host.tolist(torch.cat(present)))
+        out: list[float | list[float] | None] = []
+        for v in values:
+            if v is None or v.dim() == 0:
+                out.append(None if v is None else next(read))
+            else:
+                out.append([next(read) for _ in range(v.numel())])
+        return out
 
 
 class MetricsSink:
@@ -219,13 +250,26 @@ class MetricsSink:
             self.file.flush()
         if self.writer:
             for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second",
-                        "tflops", "mfu"):  # fmt: skip
+                        "tflops", "mfu", "aux_loss", "router_z_loss",
+                        "load_max_over_mean_worst"):  # fmt: skip
                 if getattr(m, key) is not None:
                     self.writer.add_scalar(key, getattr(m, key), m.step)
+            self._load_scalars(m)
         if self.bar:
             done = int(30 * m.step / m.steps)
             sys.stderr.write(f"[{'#' * done}{'.' * (30 - done)}] {m.step}/{m.steps}")
             sys.stderr.flush()
+
+    def _load_scalars(self, m: StepMetrics) -> None:
+        """Per MoE layer: the max/mean ratio and the bias range as scalars, the load over the
+        experts as a histogram (``moe/<figure>/layer_<n>``)."""
+        for row, layer in enumerate(m.moe_layers or []):
+            for key in ("load_max_over_mean", "expert_bias_min", "expert_bias_max"):
+                values = getattr(m, key)
+                if values is not None:
+                    self.writer.add_scalar(f"moe/{key}/layer_{layer}", values[row], m.step)
+            load = torch.tensor(m.expert_load[row], dtype=torch.float64)
+            self.writer.add_histogram(f"moe/expert_load/layer_{layer}", load, m.step)
 
     def close(self) -> None:
         if self.bar:

@@ -13,6 +13,7 @@ configs, headers and indexes and checks:
 - the data: a prepared folder, enough tokens for one global batch, no token id beyond the
   model's vocabulary;
 - the objective: ``loss.z_loss`` and ``loss.label_smoothing`` need the optimized runner;
+  the ``[moe]`` section is set on the model and must suit it (`objective.with_moe`);
 - every output path: the checkpoint dir, the metrics file (when it exists, JSON-lines
   text: a resume reads it back), the TensorBoard dir, the profile dir;
 - the checkpoint dir's owner: a folder belongs to one run (``run.json``). Resuming picks
@@ -45,7 +46,7 @@ from models.network import ModelConfig
 from models.runtime import BadInput, ParallelConfig, check_output_dir, check_output_file, read_text
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
-from optimized.train.objective import objective_options
+from optimized.train.objective import objective_options, with_moe
 
 
 class NothingToDo(Exception):
@@ -81,7 +82,7 @@ _PARALLEL_KEYS = {
 
 def plan_run(cfg: TrainConfig) -> RunPlan:
     """Check ``cfg`` against the files it names; the plan, or `BadInput` / `NothingToDo`."""
-    model = _model(cfg)
+    model = with_moe(cfg, _model(cfg))
     _layout(cfg, model)
     if cfg.model.init_from:
         _init_from(cfg.model.init_from, model)

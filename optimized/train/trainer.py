@@ -13,14 +13,18 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    rest (experts where EP = DP, a tied output layer) is all-reduced;
 3. `ShardedAdamW` takes float32 gradient slices, the global norm is checked (a NaN or
    inf stops the run naming the step and ranks, or skips the step), clipped, stepped;
-4. rank 0 logs one line, a JSON record, TensorBoard scalars; checkpoints are saved every
-   ``save_every`` steps, at the end, and when SIGTERM arrives.
+   then, once per step taken (never a skipped one), the runner moves the expert biases
+   (``moe.expert_bias``) from the step's load;
+4. rank 0 logs one line, a JSON record, TensorBoard scalars, the expert load of every MoE
+   layer among them (`optimized.train.expert_load`: one all-reduce a step); checkpoints
+   are saved every ``save_every`` steps, at the end, and when SIGTERM arrives.
 
 The host never waits for the device in a step except where it needs a value: the MoE
-layers' split sizes (`models.network.decoder.MoE.split_sizes`) and, once, the logged loss, norm and
-z-loss, read together before the update (`LoggedScalars`); the norm, the clipping factor
-and the loss stay on the device until then, and the host's own figures (time, memory,
-traffic) reduce over the gloo host group. ``tests/test_host_syncs.py`` holds it to that.
+layers' split sizes (`models.network.decoder.MoE.split_sizes`) and, once, the logged loss,
+norm, z-loss and expert load, read together before the update (`LoggedScalars`); the norm,
+the clipping factor and the loss stay on the device until then, and the host's own figures
+(time, memory, traffic) reduce over the gloo host group. ``tests/test_host_syncs.py``
+holds it to that.
 
 A run stops early on SIGTERM or SIGINT (the launcher forwards both to every rank): the
 ranks agree at the end of the step, save, and return ``signal``; the command exits
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from models.hf import CheckpointWeights
-from models.network import ModelConfig, Reporting, SeededWeights, WeightSource
+from models.network import ModelConfig, Reporting, SeededWeights, WeightSource, state_buffers
 from models.runtime import (
     CommunicationCounter,
     Layout,
@@ -64,8 +68,10 @@ from models.runtime import (
 )
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
+from optimized.train.checkpoint_weights import TrainingCheckpointWeights
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
+from optimized.train.expert_load import ExpertLoad
 from optimized.train.loader import BatchToDevice, TokenDataset, TokenLoader
 from optimized.train.metrics import (
     LoggedScalars,
@@ -106,13 +112,13 @@ def weight_source(
     being resumed, else ``init_from`` (a twinpipe checkpoint or an HF folder), else a
     random initialisation from ``seed``."""
     if resume is not None:
-        return checkpointing.TrainingCheckpointWeights(resume)
+        return TrainingCheckpointWeights(resume)
     source = cfg.model.init_from
     if source is None:
         return SeededWeights(model, cfg.seed)
     folder = checkpointing.newest_valid(source, warn=False)
     if folder is not None:
-        return checkpointing.TrainingCheckpointWeights(folder)
+        return TrainingCheckpointWeights(folder)
     return CheckpointWeights(source, model)
 
 
@@ -212,7 +218,8 @@ def train(
     profiler = _profiler(cfg, start, layout, device)
     if layout.rank == 0:
         print(throughput.describe(), flush=True)
-    saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
+    saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config, runner.part)
+    expert_load = ExpertLoad.of(runner, layout)  # None: no MoE layer
     fault = _fault()
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
@@ -244,9 +251,10 @@ def train(
             if cfg.loss.z_loss:
                 with counter.paused():  # logged only: not the step's traffic
                     z_loss = mean_z_loss(runner.schedule, layout)
-            # The step's one read of the device's scalars (the skip needs them before the
-            # update): loss, gradient norm and z-loss, one copy.
-            loss, norm, z_loss = scalars.read(loss, norm_on_device, z_loss)
+            load = expert_load.gather(runner.balance) if expert_load else None
+            # The step's one read of the device's values (the skip needs them before the
+            # update): loss, gradient norm, z-loss and the expert load, one copy.
+            loss, norm, z_loss, load = scalars.read(loss, norm_on_device, z_loss, load)
             lr = lr_at(step, cfg)
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if skipped:
@@ -254,6 +262,7 @@ def train(
             else:
                 optimizer.clip(norm_on_device, opt.grad_clip)
                 optimizer.step(lr)
+                runner.update_expert_biases()  # once per step taken (`moe.expert_bias`)
             traffic = step_traffic(counter.stop(), layout.host_group)
             peaks.end("train")
             elapsed = time.perf_counter() - began
@@ -278,6 +287,7 @@ def train(
                     z_loss,
                     int(state_bytes),
                     **throughput.figures(tokens_per_step / max(slowest, 1e-9)),
+                    **(expert_load.figures(load) if expert_load else {}),
                 )
             )
             profiler.end(step + 1)
@@ -355,9 +365,10 @@ class _Saver:
     """Saves checkpoints into ``checkpoint.dir``; when a save fails there (the disk filled
     or went away), into a rescue folder that every later save uses too, named on stdout."""
 
-    def __init__(self, cfg, run_id, optimizer, loader, layout, model_config) -> None:
+    def __init__(self, cfg, run_id, optimizer, loader, layout, model_config, part) -> None:
         self.cfg, self.run_id, self.optimizer = cfg, run_id, optimizer
         self.loader, self.layout, self.model_config = loader, layout, model_config
+        self.buffers = state_buffers(part)  # the expert biases: training state too
         self.root = cfg.checkpoint.dir
         self.rescued: str | None = None
 
@@ -382,7 +393,7 @@ class _Saver:
                  "world_size": dist.get_world_size()}  # fmt: skip
         return checkpointing.save_checkpoint(
             root, done, self.optimizer, self.layout, state, self.model_config,
-            config_to_toml(self.cfg), self.cfg.checkpoint.keep_last, self.run_id,
+            config_to_toml(self.cfg), self.cfg.checkpoint.keep_last, self.run_id, self.buffers,
         )  # fmt: skip
 
 
