@@ -12,7 +12,8 @@ counted at PP 1 and PP 2 with EP 2, and held on each rank to
 
 with ``M`` micro-batches and ``L`` MoE layers on the rank:
 
-- ``PER_STEP = 1``: the logged scalars (loss, gradient norm, z-loss) in one read;
+- ``PER_STEP = 1``: the logged values (loss, gradient norm, z-loss, the expert load of
+  every MoE layer: `optimized.train.expert_load`) in one read;
 - ``PER_MICRO_BATCH = 0``: nothing per micro-batch (the loss checks its targets on the
   device);
 - ``PER_MOE_LAYER_MICRO_BATCH = 1``: the all-to-all split sizes of a MoE layer's forward,
@@ -154,12 +155,20 @@ LAYOUTS = {
     "pp1-dp2-ep2": ("parallel.pp=1", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=2"),
     "pp2-dp2-ep2": ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=4"),
 }
+BALANCING = ("moe.aux_loss=pooled", "moe.aux_loss_coef=0.01", "moe.z_loss_coef=1e-3",
+             "moe.expert_bias=true")  # fmt: skip
+"""The pooled loss (its counts travel beside the activations), the router z-loss and the
+expert bias (its load all-reduced over DP, the update on the device): no read of their own;
+the expert load every MoE step logs is read in the step's one read."""
 CASES = [
     ("pp1-dp2-ep2", "tiny-deepseek-v2", ()),
     ("pp2-dp2-ep2", "tiny-gpt-oss", ("loss.z_loss=1e-4",)),  # the z-loss read with the loss
     ("pp1-dp1-ep1", "tiny-qwen3-moe", ()),  # one rank, as the H100 profile (GPU.md) ran
+    ("pp1-dp1-ep1", "tiny-qwen3-moe", BALANCING),
+    ("pp2-dp2-ep2", "tiny-qwen3-moe", BALANCING),
 ]
-"""Each family once (one launch costs about 10 s here); gradient clipping is on (1.0)."""
+"""Each family once, and balancing at PP 1 and 2 (one launch costs about 10 s here);
+gradient clipping is on (1.0)."""
 
 
 @pytest.mark.parametrize(("layout", "model", "options"), CASES)

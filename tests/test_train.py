@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.runtime import RankFailed, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
@@ -55,26 +56,41 @@ def test_loss_falls_over_50_steps(tmp_path):
     assert records[0]["peak_memory_source"] == "max-rss"
 
 
-@pytest.mark.parametrize("ep", [2, 1])
-def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep):
+BIAS_ON = ("moe.expert_bias=true", "moe.expert_bias_rate=0.01", "moe.aux_loss=sequence",
+           "moe.aux_loss_coef=0.01")  # fmt: skip
+"""Balancing on: the expert bias (training state a resume must restore) and a loss."""
+
+
+@pytest.mark.parametrize(
+    ("ep", "moe"), [(2, ()), (1, ()), (2, BIAS_ON)], ids=["ep2", "ep1", "ep2-expert-bias"]
+)
+def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
     """2 steps, SIGTERM (checkpoint), resume to 4 == 4 uninterrupted steps, bit for bit,
     with parameters, gradients and optimizer state sharded by FSDP2 over DP (experts over
     EP; at EP=1 over their 2 replicas by FSDP2 too); and the same losses and gradient
-    norms as unsharded, up to float32 rounding."""
-    common = ("steps=4", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true")
-    whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}"))[0]["losses"]
+    norms as unsharded, up to float32 rounding. With the expert bias on, every router's
+    bias after the resumed run equals the uninterrupted run's, bit for bit (both saved
+    at step 4)."""
+    common = ("steps=4", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true", *moe)
+    kept = [f"checkpoint.dir={tmp_path / 'whole'}"] if moe else []
+    whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}", *kept))
+    whole = whole[0]["losses"]
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     norms = [json.loads(x)["gradient_norm"] for x in lines]
     (tmp_path / "m.jsonl").unlink()
-    cfg = config(*common, f"checkpoint.dir={tmp_path}")
+    folder = tmp_path / "run"
+    cfg = config(*common, f"checkpoint.dir={folder}")
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@1:1")
     first = train(cfg)[0]
     assert first["signal"] and first["stopped_at"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-00000002"]
+    assert sorted(p.name for p in folder.iterdir()) == ["run.json", "step-00000002"]
     monkeypatch.delenv("TWINPIPE_FAULT")
     second = train(cfg)[0]
     assert second["start"] == 2
     assert first["losses"] + second["losses"] == whole
+    if moe:
+        _assert_same_biases(tmp_path / "whole" / "step-00000004", folder / "step-00000004")
+        return
     # Sharding changes no loss and no gradient norm beyond float32 rounding. FSDP2 sums each
     # micro-batch's reduced gradient, unsharded runs reduce the summed ones: the first step
     # differs by that rounding only (rel <= 1e-6). AdamW then amplifies it where a gradient
@@ -89,6 +105,19 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep):
     for index, (a, b) in enumerate(pairs):
         bound = 1e-6 if index % len(whole) == 0 else 1e-5
         assert abs(a - b) <= bound * abs(b), (whole, plain[0]["losses"], norms, plain_norms)
+
+
+def _assert_same_biases(a: Path, b: Path) -> None:
+    """Both checkpoints hold every MoE layer's expert bias, moved, and bit for bit equal."""
+    from optimized.train.checkpoint_weights import TrainingCheckpointWeights
+
+    sources = TrainingCheckpointWeights(a), TrainingCheckpointWeights(b)
+    for layer in (1, 2, 3):  # tiny-deepseek-v2's MoE layers
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        biases = [torch.empty(8), torch.empty(8)]
+        for source, bias in zip(sources, biases):
+            source.fill(name, bias)
+        assert torch.equal(biases[0], biases[1]) and biases[0].abs().max() > 0, (name, biases)
 
 
 @pytest.mark.parametrize("ep", [(2, 4), (1, 2)], ids=["ep2-ep4", "ep1-ep2"])

@@ -44,8 +44,10 @@ from optimized.train.config_io import (
     load_config,
     print_config,
 )
+from optimized.train.expert_load import ExpertLoad
 from optimized.train.export import export, export_checkpoint
 from optimized.train.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
+from optimized.train.metrics import LoggedScalars
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 from optimized.train.preparation import (
     INDEX_FILE,
@@ -71,7 +73,9 @@ __all__ = [
     "token_dtype",
     "Batch",
     "ByteTokenizer",
+    "ExpertLoad",
     "HFTokenizer",
+    "LoggedScalars",
     "ParamShard",
     "ShardedAdamW",
     "ShardedSampler",

@@ -368,7 +368,7 @@ class _Saver:
     def __init__(self, cfg, run_id, optimizer, loader, layout, model_config, part) -> None:
         self.cfg, self.run_id, self.optimizer = cfg, run_id, optimizer
         self.loader, self.layout, self.model_config = loader, layout, model_config
-        self.buffers = state_buffers(part)  # the expert biases: training state too
+        self.part = part  # its expert biases are training state too (`state_buffers`)
         self.root = cfg.checkpoint.dir
         self.rescued: str | None = None
 
@@ -393,7 +393,8 @@ class _Saver:
                  "world_size": dist.get_world_size()}  # fmt: skip
         return checkpointing.save_checkpoint(
             root, done, self.optimizer, self.layout, state, self.model_config,
-            config_to_toml(self.cfg), self.cfg.checkpoint.keep_last, self.run_id, self.buffers,
+            config_to_toml(self.cfg), self.cfg.checkpoint.keep_last, self.run_id,
+            state_buffers(self.part),
         )  # fmt: skip
 
 
