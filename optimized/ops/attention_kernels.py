@@ -250,7 +250,7 @@ def attention_forward_kernel(
         QK_DIM, V_DIM, BLOCK_QK, BLOCK_V, BLOCK_N, PACK, True, dtype, UPCAST,
     )  # fmt: skip
     # Rows past the sequence end may have seen nothing; they are not stored.
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a NaN stays NaN: the log-sum-exp carries it
     out_base = _base(out_ptr, row_pairs, heads, 1, stride_ob, stride_oh, PACK)
     _store_tile(out_base, rows, stride_os, v_dims, seq_len, acc / l_i[:, None], V_DIM)
     lse = (m_i + tl.math.log2(l_i)) * LN2
@@ -303,12 +303,15 @@ def _backward_kv_range(
         s_t = tl.dot(key, tl.trans(q), input_precision="ieee") * scale
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)
         if MASKED:
-            p_t = tl.where(_visible_t(cols, key_pairs, rows, row_pairs, window, PACK), p_t, 0.0)
+            visible = _visible_t(cols, key_pairs, rows, row_pairs, window, PACK)
+            p_t = tl.where(visible, p_t, 0.0)
         grad = _load_tile(grad_base, rows, stride_gs, v_dims, seq_len, V_DIM, BLOCK_V, MASKED,
                           UPCAST)  # fmt: skip
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), grad, dv, input_precision="ieee")
         dp_t = tl.dot(value, tl.trans(grad), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:  # 0 * NaN: a NaN row must not reach keys it cannot see
+            ds_t = tl.where(visible, ds_t, 0.0)
         dk = tl.dot(_operand(ds_t, DTYPE, UPCAST), q, dk, input_precision="ieee")
     return dk, dv
 
@@ -395,9 +398,12 @@ def _backward_q_range(
         s = tl.dot(q, tl.trans(key), input_precision="ieee") * scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(rows, row_pairs, cols, col_pairs, window, PACK), p, 0.0)
+            visible = _visible(rows, row_pairs, cols, col_pairs, window, PACK)
+            p = tl.where(visible, p, 0.0)
         dp = tl.dot(grad, tl.trans(value), input_precision="ieee")
         ds = p * (dp - delta[:, None])
+        if MASKED:
+            ds = tl.where(visible, ds, 0.0)
         dq = tl.dot(_operand(ds, DTYPE, UPCAST), key, dq, input_precision="ieee")
     return dq
 
