@@ -17,9 +17,8 @@ from harness.compare.lockstep import run_rank
 from harness.compare.planted import round_toward_zero
 from harness.compare.rank import RankPlan
 from harness.compare.verdict import build_report
-from models import SeededWeights, preset
-from models.distributed import ParallelConfig, launch
-from models.training import OptimizerConfig
+from models.network import SeededWeights, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch
 from tests._nonfinite import NONFINITE
 
 PARALLEL = ParallelConfig(
@@ -109,7 +108,7 @@ def test_a_planted_bug_fails(run, plant):
     floor = report["noise_floor"]["steps"][0]
     assert not floor["passed"], floor["problems"]
     # The ops audit (`harness.compare.ops_audit`) names the op too, for every bug that lives in one:
-    # the fused loss is not an op of `models.ops.Ops`, its gradient bug only the step shows.
+    # the fused loss is not an op of `models.network.Ops`, its gradient bug only the step shows.
     audit = report["ops_audit"]
     if plant == "cross-entropy-grad-1.01":
         assert audit["passed"]

@@ -11,9 +11,10 @@ any process group starts.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from models.network.balancing import AUX_FORMS, Balancing
 
 FAMILIES = ("deepseek_v2", "gpt_oss", "qwen3_moe")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -103,6 +104,29 @@ class ModelConfig:
     """GPT-OSS: clamp of the gate (above) and up (both sides) projections."""
     num_mtp_layers: int = 0
     """Multi-token-prediction layers (counted by the estimator; twinpipe trains none)."""
+    # Routing controls (`models.network.balancing`): the HF fields, then a run's choices.
+    output_router_logits: bool = False
+    """Qwen3-MoE, GPT-OSS (HF): train on the language-model loss plus
+    ``router_aux_loss_coef`` times transformers' pooled load-balancing loss."""
+    router_aux_loss_coef: float = 0.0
+    """Qwen3-MoE, GPT-OSS (HF): that loss's coefficient (published: 0.001 and 0.9)."""
+    aux_loss_alpha: float = 0.0
+    """DeepSeek-V2 (HF): coefficient of DeepSeek's own balancing loss (transformers' modeling
+    ignores it; DeepSeek's trains with it): on when positive."""
+    seq_aux: bool = True
+    """DeepSeek-V2 (HF): that loss per sequence (else per layer over the micro-batch)."""
+    aux_loss: str = "auto"
+    """The run's load-balancing loss: ``auto`` (what the HF fields above ask), ``none``, or a
+    form of `models.network.balancing.AUX_FORMS` (the ``[moe]`` section's ``aux_loss``)."""
+    aux_loss_coef: float | None = None
+    """The run's coefficient of that loss; None: the family's HF field."""
+    router_z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE; 0: off)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing: a float32 bias per MoE layer, added to the router's scores to
+    choose experts (``e_score_correction_bias``)."""
+    expert_bias_rate: float = 1e-3
+    """How far each optimizer step moves the expert bias (DeepSeek-V3's gamma)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +152,28 @@ class ModelConfig:
         if self.layer_types is None:
             return "full_attention"
         return self.layer_types[layer]
+
+    @property
+    def moe_layers(self) -> int:
+        """How many decoder layers route to experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def balancing(self) -> Balancing:
+        """The routing controls this config trains with (`models.network.Balancing`)."""
+        if self.model_type == "deepseek_v2":
+            coef = self.aux_loss_alpha
+            family_form = "sequence" if self.seq_aux else "layer"
+            family_form = family_form if coef > 0 else "none"
+        else:
+            coef = self.router_aux_loss_coef
+            family_form = "pooled" if self.output_router_logits else "none"
+        form = family_form if self.aux_loss == "auto" else self.aux_loss
+        if self.aux_loss_coef is not None:
+            coef = self.aux_loss_coef
+        return Balancing(
+            form, float(coef), float(self.router_z_loss_coef), self.expert_bias,
+            float(self.expert_bias_rate),
+        )  # fmt: skip
 
     @property
     def qk_head_dim(self) -> int:
@@ -233,165 +279,28 @@ class ModelConfig:
                     raise bad("sliding_window", window, "sliding layers need an integer >= 1")
             if self.swiglu_limit <= 0:
                 raise bad("swiglu_limit", self.swiglu_limit, "expected a positive float")
+        if self.aux_loss not in ("auto", *AUX_FORMS):
+            raise bad("aux_loss", self.aux_loss, f"expected 'auto' or one of {AUX_FORMS}")
+        for name in ("router_aux_loss_coef", "aux_loss_alpha", "router_z_loss_coef",
+                     "expert_bias_rate"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+                raise bad(name, value, "expected a float >= 0")
+        if self.aux_loss_coef is not None and not (
+            isinstance(self.aux_loss_coef, int | float) and self.aux_loss_coef >= 0
+        ):
+            raise bad("aux_loss_coef", self.aux_loss_coef, "expected None or a float >= 0")
+        balancing = self.balancing()
+        if self.aux_loss not in ("auto", "none") and not balancing.aux_coef > 0:
+            raise bad(
+                "aux_loss",
+                self.aux_loss,
+                "a load-balancing loss needs a positive coefficient: set aux_loss_coef (the "
+                "model's config gives none)",
+            )
         if self.model_type == "qwen3_moe":
             for layer in self.mlp_only_layers:
                 if not 0 <= layer < self.num_hidden_layers:
                     raise bad(
                         "mlp_only_layers", layer, f"layers are 0..{self.num_hidden_layers - 1}"
                     )
-
-    # ---------------------------------------------------------------- HF I/O
-    @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` (a path to it, its folder, or its dict)."""
-        from models.config_json import ModelConfigError, check_supported, read_config_json
-
-        if isinstance(path_or_dict, dict):
-            where, raw = "config", dict(path_or_dict)
-        else:
-            where, raw = read_config_json(path_or_dict)
-        model_type = raw.get("model_type")
-        if model_type not in FAMILIES:
-            raise ModelConfigError(
-                f"{where}: model_type={model_type!r} is not supported; expected one of {FAMILIES}"
-            )
-        check_supported(raw, where)
-        try:
-            return cls._from_raw(raw, model_type)
-        except KeyError as error:
-            raise ModelConfigError(
-                f"{where}: required field {error.args[0]!r} is missing for a {model_type} model"
-            ) from None
-        except (TypeError, ValueError, AttributeError) as error:
-            raise ModelConfigError(f"{where}: {error}") from None
-
-    @classmethod
-    def _from_raw(cls, raw: dict[str, Any], model_type: str) -> ModelConfig:
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope = dict(rope)
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-        num_experts = raw.get("n_routed_experts")
-        if num_experts is None:
-            num_experts = raw.get("num_local_experts", raw.get("num_experts"))
-        heads = raw["num_attention_heads"]
-        common = dict(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            intermediate_size=raw["intermediate_size"],
-            num_experts=num_experts or 0,
-            num_experts_per_tok=raw.get("num_experts_per_tok") or 1,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            initializer_range=raw.get("initializer_range", 0.02),
-            attention_bias=raw.get("attention_bias", model_type == "gpt_oss"),
-        )
-        if model_type == "deepseek_v2":
-            return cls(
-                **common,
-                head_dim=raw.get("qk_rope_head_dim", 64),
-                moe_intermediate_size=raw["moe_intermediate_size"],
-                topk_method=raw.get("topk_method", "greedy"),
-                n_group=raw.get("n_group"),
-                topk_group=raw.get("topk_group"),
-                routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
-                norm_topk_prob=raw.get("norm_topk_prob", False),
-                n_shared_experts=raw.get("n_shared_experts") or 0,
-                first_k_dense_replace=raw.get("first_k_dense_replace", 0),
-                q_lora_rank=raw.get("q_lora_rank"),
-                kv_lora_rank=raw["kv_lora_rank"],
-                qk_nope_head_dim=raw["qk_nope_head_dim"],
-                qk_rope_head_dim=raw["qk_rope_head_dim"],
-                v_head_dim=raw["v_head_dim"],
-            )
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        if model_type == "gpt_oss":
-            return cls(
-                **common,
-                head_dim=head_dim,
-                moe_intermediate_size=raw["intermediate_size"],
-                sliding_window=raw.get("sliding_window"),
-                layer_types=list(raw["layer_types"]) if raw.get("layer_types") else None,
-                swiglu_alpha=raw.get("swiglu_alpha", 1.702),
-                swiglu_limit=raw.get("swiglu_limit", 7.0),
-            )
-        return cls(
-            **common,
-            head_dim=head_dim,
-            moe_intermediate_size=raw["moe_intermediate_size"],
-            norm_topk_prob=raw.get("norm_topk_prob", False),
-            mlp_only_layers=list(raw.get("mlp_only_layers") or []),
-            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        """The Hugging Face ``config.json`` dict of this config (transformers 5 names)."""
-        rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            rope_parameters.update(self.rope_scaling)
-        out: dict[str, Any] = dict(
-            model_type=self.model_type,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            intermediate_size=self.intermediate_size,
-            num_experts_per_tok=self.num_experts_per_tok,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=rope_parameters,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            initializer_range=self.initializer_range,
-            attention_bias=self.attention_bias,
-            hidden_act="silu",
-        )
-        if self.model_type == "deepseek_v2":
-            out.update(
-                architectures=["DeepseekV2ForCausalLM"],
-                head_dim=self.qk_rope_head_dim,
-                moe_intermediate_size=self.moe_intermediate_size,
-                n_routed_experts=self.num_experts,
-                topk_method=self.topk_method,
-                n_group=self.n_group,
-                topk_group=self.topk_group,
-                routed_scaling_factor=self.routed_scaling_factor,
-                norm_topk_prob=self.norm_topk_prob,
-                n_shared_experts=self.n_shared_experts,
-                first_k_dense_replace=self.first_k_dense_replace,
-                q_lora_rank=self.q_lora_rank,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.qk_rope_head_dim,
-                v_head_dim=self.v_head_dim,
-            )
-        elif self.model_type == "gpt_oss":
-            out.update(
-                architectures=["GptOssForCausalLM"],
-                head_dim=self.head_dim,
-                num_local_experts=self.num_experts,
-                sliding_window=self.sliding_window,
-                layer_types=self.layer_types,
-                swiglu_alpha=self.swiglu_alpha,
-                swiglu_limit=self.swiglu_limit,
-            )
-        else:
-            out.update(
-                architectures=["Qwen3MoeForCausalLM"],
-                head_dim=self.head_dim,
-                moe_intermediate_size=self.moe_intermediate_size,
-                num_experts=self.num_experts,
-                norm_topk_prob=self.norm_topk_prob,
-                mlp_only_layers=list(self.mlp_only_layers),
-                decoder_sparse_step=self.decoder_sparse_step,
-            )
-        return out

@@ -18,7 +18,7 @@ Sources:
   and each block is drawn from its own generator, seeded from ``(seed, name, block)``.
   The blocks do not depend on the layout, so the same seed gives the same weights at any
   PP, DP, EP or FSDP layout, and a rank draws only the blocks its rows touch;
-- `models.checkpoint.CheckpointWeights`: slices of a Hugging Face checkpoint;
+- `models.hf.CheckpointWeights`: slices of a Hugging Face checkpoint;
 - `optimized.train.checkpointing.TrainingCheckpointWeights`: slices of a training
   checkpoint (DCP);
 - `StateDictWeights`: a state dict already in this process (tests, one-process tools).
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from models.config import ModelConfig
+from models.network.config import ModelConfig
 
 EXPERT_MARKER = ".mlp.experts."
 """Routed-expert parameters (``model.layers.3.mlp.experts.gate_up_proj``): dim 0 is experts."""
@@ -46,16 +46,20 @@ SEED_BLOCK_ELEMENTS = 1 << 20
 """Elements per seeded block of a non-expert tensor (whole rows; at least one row)."""
 
 Progress = Callable[[str, int], None]
-"""``progress(name, nbytes)``: one more tensor of ``nbytes`` done (`models.progress`)."""
+"""``progress(name, nbytes)``: one more tensor of ``nbytes`` done (`models.runtime.progress`)."""
 
 
 @runtime_checkable
 class WeightSource(Protocol):
-    """Fills a parameter's rows from wherever the weights live."""
+    """Fills a parameter's rows from wherever the weights live.
+
+    A source may also have ``holds(name) -> bool``: whether it has a training-state buffer
+    (`state_buffers`: an expert bias); one it lacks starts at zero. Without ``holds``, every
+    buffer is asked for."""
 
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Write rows ``[start, start + out.shape[0])`` of the whole model's tensor ``name``
-        (our naming and layout, `models.model.CausalLM`) into ``out``, in ``out``'s dtype."""
+        (our naming and layout, `models.network.CausalLM`) into ``out``, in ``out``'s dtype."""
         ...
 
 
@@ -124,6 +128,9 @@ class StateDictWeights:
             raise KeyError(f"the state dict has no tensor {name}")
         out.copy_(self.state[name][start : start + out.shape[0]])
 
+    def holds(self, name: str) -> bool:
+        return name in self.state
+
 
 class Reporting:
     """A source that reports each tensor it fills to ``progress`` (a `ProgressLine`)."""
@@ -136,6 +143,10 @@ class Reporting:
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         self.inner.fill(name, out, start)
         self.progress(name, out.numel() * out.element_size())
+
+    def holds(self, name: str) -> bool:
+        holds = getattr(self.inner, "holds", None)
+        return holds is None or holds(name)
 
 
 def as_source(weights: WeightSource | Mapping[str, torch.Tensor]) -> WeightSource:
@@ -159,7 +170,9 @@ def chunk_rows(rows: int, size: int, index: int) -> tuple[int, int]:
 
 def _row_offset(module: nn.Module, param: torch.Tensor) -> int:
     """First row of the whole model's tensor this rank's ``param`` holds."""
-    start = getattr(module, "first_expert", 0)  # models.layers.Experts: this EP rank's block
+    start = getattr(
+        module, "first_expert", 0
+    )  # models.network.layers.Experts: this EP rank's block
     if isinstance(param, DTensor):
         if tuple(param.placements) != (Shard(0),):
             raise ValueError(f"cannot place rows of a DTensor with placements {param.placements}")
@@ -195,3 +208,31 @@ def materialise(part: nn.Module, source: WeightSource, device: torch.device | st
         local = param.to_local() if isinstance(param, DTensor) else param.data
         if local.numel():
             source.fill(name, local, _row_offset(owners[name], param))
+    for name, buffer in state_buffers(part):
+        holds = getattr(source, "holds", None)
+        if holds is None or holds(name):
+            source.fill(name, buffer)
+        else:  # a checkpoint made before the run turned the expert bias on: it starts at 0
+            buffer.zero_()
+
+
+def state_buffers(part: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that are training state, not derived from the config (the routers' expert
+    biases): read from a weight source and written to checkpoints like parameters, in
+    float32 whatever the model's dtype (``FLOAT32_BUFFERS`` of their module)."""
+    found = []
+    for prefix, module in part.named_modules():
+        for attribute in getattr(module, "FLOAT32_BUFFERS", ()):
+            buffer = module._buffers.get(attribute)
+            if buffer is not None:
+                found.append((f"{prefix}.{attribute}" if prefix else attribute, buffer))
+    return found
+
+
+def keep_float32(part: nn.Module) -> None:
+    """Put `state_buffers` back in float32 after ``part.to(dtype)`` cast them."""
+    for module in part.modules():
+        for attribute in getattr(module, "FLOAT32_BUFFERS", ()):
+            buffer = module._buffers.get(attribute)
+            if buffer is not None and buffer.dtype != torch.float32:
+                module._buffers[attribute] = buffer.float()

@@ -10,7 +10,7 @@ core."""
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from models.network.config import ModelConfig
 
 _PRESETS: dict[str, dict] = {
     "deepseek-v2-lite": dict(
@@ -48,6 +48,8 @@ _PRESETS: dict[str, dict] = {
             mscale_all_dim=0.707,
         ),
         max_position_embeddings=163840,
+        aux_loss_alpha=0.001,
+        seq_aux=True,
     ),
     "gpt-oss-20b": dict(
         model_type="gpt_oss",
@@ -75,6 +77,7 @@ _PRESETS: dict[str, dict] = {
             truncate=False,
         ),
         max_position_embeddings=131072,
+        router_aux_loss_coef=0.9,
     ),
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe",
@@ -92,6 +95,7 @@ _PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
         max_position_embeddings=40960,
+        router_aux_loss_coef=0.001,
     ),
     "tiny-deepseek-v2": dict(
         model_type="deepseek_v2",
@@ -198,17 +202,3 @@ def preset(name: str, **overrides) -> ModelConfig:
     fields = dict(_PRESETS[name])
     fields.update(overrides)
     return ModelConfig(**fields)
-
-
-def resolve_model(name_or_path: str) -> ModelConfig:
-    """A preset name, a Hugging Face ``config.json``, or a checkpoint folder holding one."""
-    if name_or_path in _PRESETS:
-        return preset(name_or_path)
-    import os  # noqa: PLC0415
-
-    if os.path.exists(name_or_path):
-        return ModelConfig.from_hf(name_or_path)
-    raise ValueError(
-        f"model {name_or_path!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
-        "nor a path to a Hugging Face config.json"
-    )

@@ -172,7 +172,7 @@ class RoutingTape:
         differ = (own.sort(dim=-1).values != replayed.sort(dim=-1).values).any(dim=-1)
         for token in differ.nonzero().flatten().tolist():
             ours, recorded = own[token], replayed[token]
-            total = mine[token, ours].sum().clamp_min(1e-30)
+            total = mine[token, ours].abs().sum().clamp_min(1e-30)  # biased logits: any sign
             gap = float((mine[token, ours].sum() - mine[token, recorded].sum()) / total)
             involved = torch.unique(torch.cat([ours, recorded]))
             drift = mine[token, involved] - theirs[token, involved]
@@ -304,7 +304,7 @@ class BalancedRouting:
 
 def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | None) -> int:
     """Route every router of ``part`` through ``tape`` (``None`` detaches). Returns how many."""
-    from models.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
+    from models.network.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
 
     count = 0
     for name, module in part.named_modules():
