@@ -24,6 +24,14 @@ the mask and the bounds checks. Rows past the sequence end load zeros and a log-
 ``+inf``, so their probabilities are exactly 0 in the backward. "No window" is a window of
 the sequence length.
 
+Addresses: a row's offset (row index times row stride) is formed in 64 bits, as are the
+batch and head offsets and the statistics' indices: ``rows * stride`` passes 2^31 at 262 K
+tokens of 8192-wide rows, where 32-bit arithmetic would wrap to a wrong address. The grid
+is one axis, (query or key blocks) x (programs of pairs), folded (`_grid_position`), so no
+batch x heads count meets CUDA's 65 535 limit on a grid's other axes
+(`optimized.ops.attention_blocks.attention_grid` refuses, with the shape, what even one
+axis cannot hold).
+
 Packing: a program normally serves one (batch x head) pair (``PACK = 1``, scalar base
 addresses: the GPU path). With ``PACK > 1`` it serves ``PACK`` consecutive pairs at once,
 its tiles ``PACK`` times as tall, each row carrying its pair's base address, and every
@@ -88,6 +96,15 @@ def _operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     return x
 
 
+def _grid_position(seq_len, BLOCK: tl.constexpr):
+    """(block of the sequence, program of pairs) of this program. The grid is one axis
+    (CUDA lets only the first pass 65 535 programs): each program of pairs takes the
+    sequence's blocks in a row, as a two-axis grid's first axis would."""
+    blocks = (seq_len + BLOCK - 1) // BLOCK
+    program = tl.program_id(0)
+    return program % blocks, program // blocks
+
+
 def _pairs(program, BLOCK: tl.constexpr, PACK: tl.constexpr):
     """(pair, position in the block) of each row of a program's tile: one (batch x head)
     pair for ``PACK == 1``, else ``PACK`` consecutive pairs of ``BLOCK`` rows each."""
@@ -118,7 +135,7 @@ def _load_tile(
 ):  # fmt: skip
     """``[len(index), BLOCK_DIM]``: rows ``index`` of the ``[rows, DIM]`` matrix at ``base``;
     with ``CHECK`` rows at or past ``bound`` (and always columns past ``DIM``) read 0."""
-    pointers = base + index[:, None] * stride + dims[None, :]
+    pointers = base + index.to(tl.int64)[:, None] * stride + dims[None, :]
     if CHECK:
         if DIM == BLOCK_DIM:
             x = tl.load(pointers, mask=(index < bound)[:, None], other=0.0)
@@ -137,7 +154,7 @@ def _load_tile(
 def _store_tile(base, index, stride, dims, bound, value, DIM: tl.constexpr):
     """Rows ``index`` below ``bound`` of the ``[rows, DIM]`` matrix at ``base``, rounded to
     nearest even."""
-    pointers = base + index[:, None] * stride + dims[None, :]
+    pointers = base + index.to(tl.int64)[:, None] * stride + dims[None, :]
     mask = (index < bound)[:, None] & (dims < DIM)[None, :]
     tl.store(pointers, cast_rne(value, pointers.dtype.element_ty), mask=mask)
 
@@ -159,10 +176,13 @@ def _visible_t(cols, col_pairs, rows, row_pairs, window, PACK: tl.constexpr):
     return visible
 
 
-_row_max, _row_sum, _operand, _pairs, _base, _load_tile, _store_tile, _visible, _visible_t = map(
-    _jit,
-    (_row_max, _row_sum, _operand, _pairs, _base, _load_tile, _store_tile, _visible, _visible_t),
-)
+(
+    _row_max, _row_sum, _operand, _grid_position, _pairs, _base, _load_tile, _store_tile,
+    _visible, _visible_t,
+) = map(_jit, (
+    _row_max, _row_sum, _operand, _grid_position, _pairs, _base, _load_tile, _store_tile,
+    _visible, _visible_t,
+))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- forward
@@ -210,9 +230,10 @@ def attention_forward_kernel(
     """One program per (query block, ``PACK`` batch x head pairs): the output and the
     log-sum-exp of its rows. ``scale`` is ``scaling * log2(e)``; ``BLOCK_M`` is a multiple
     of ``BLOCK_N``."""
-    start_m = tl.program_id(0) * BLOCK_M
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)
-    col_pairs, col_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
+    block, pair_program = _grid_position(seq_len, BLOCK_M)
+    start_m = block * BLOCK_M
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)
+    col_pairs, col_local = _pairs(pair_program, BLOCK_N, PACK)
     rows = start_m + row_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty
@@ -332,10 +353,11 @@ def attention_backward_kv_kernel(
     """One program per (key block, ``PACK`` batch x KV-head pairs): dK and dV of its keys,
     summed over the ``groups`` query heads that share them. ``BLOCK_N`` is a multiple of
     ``BLOCK_M``."""
-    start_n = tl.program_id(0) * BLOCK_N
+    block, pair_program = _grid_position(seq_len, BLOCK_N)
+    start_n = block * BLOCK_N
     kv_heads = heads // groups
-    key_pairs, key_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)  # KV pairs of the rows
+    key_pairs, key_local = _pairs(pair_program, BLOCK_N, PACK)
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)  # KV pairs of the rows
     cols = start_n + key_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty
@@ -423,9 +445,10 @@ def attention_backward_q_kernel(
 ):  # fmt: skip
     """One program per (query block, ``PACK`` batch x head pairs): dQ of its rows.
     ``BLOCK_M`` is a multiple of ``BLOCK_N``; the key blocks are the forward's."""
-    start_m = tl.program_id(0) * BLOCK_M
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)
-    col_pairs, col_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
+    block, pair_program = _grid_position(seq_len, BLOCK_M)
+    start_m = block * BLOCK_M
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)
+    col_pairs, col_local = _pairs(pair_program, BLOCK_N, PACK)
     rows = start_m + row_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty
