@@ -29,11 +29,11 @@ import torch
 
 from harness.memory import MemoryTracker
 from harness.report import cpu_name
-from models.device import triton_device
+from models.runtime import triton_device
 
 DEVICE = triton_device()
 """Where the benchmarks compute: what `twinpipe bench --device` chose (it hands the device and
-the Triton mode to this process), else a GPU when there is one (`models.device`)."""
+the Triton mode to this process), else a GPU when there is one (`models.runtime.device`)."""
 ON_CUDA = DEVICE.type == "cuda"
 ROUNDS = 20 if ON_CUDA else 3
 WARMUP_ROUNDS = 2 if ON_CUDA else 0

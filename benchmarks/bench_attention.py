@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._common import DEVICE, ON_CUDA, bench, pick
-from models.layers import causal_mask, eager_attention
+from models.network import causal_mask, eager_attention
 from optimized.ops import flash_attention
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = pick(gpu=(1, 64, 8, 4096, 64), cpu=(1, 8, 2, 256, 64))

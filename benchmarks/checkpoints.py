@@ -6,7 +6,7 @@ on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``)
 
 - ``write``: a ``mid-*`` preset built by transformers at random weights in bf16 and saved
   with transformers' ``save_pretrained``; ``--mxfp4`` then re-writes GPT-OSS's experts as
-  published (`models.checkpoint_write.write_mxfp4`).
+  published (`models.hf.write_mxfp4`).
 - ``load``: `models.from_pretrained` in a fresh process; its peak resident memory (``VmHWM``,
   which counts the checkpoint's mapped pages, and the anonymous memory it allocated) over the
   process's own baseline, against the target 1.10 x the model's bytes + its largest tensor.
@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from models.hf import config_from_hf, config_to_hf
 
 _STATUS = re.compile(r"(VmRSS|VmHWM|RssAnon|RssFile):\s+(\d+) kB")
 
@@ -69,11 +71,11 @@ class _AnonymousPeak:
 def write(args: argparse.Namespace) -> None:
     import transformers
 
-    from models import preset
+    from models.network import preset
 
     config = preset(args.model)
     torch.manual_seed(args.seed)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
     hf_config.dtype = torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     out = Path(args.out)
@@ -81,7 +83,7 @@ def write(args: argparse.Namespace) -> None:
     model.save_pretrained(bf16, max_shard_size="1GB")
     del model
     if args.mxfp4:
-        from models.checkpoint_write import write_mxfp4
+        from models.hf import write_mxfp4
 
         write_mxfp4(bf16, out / "mxfp4", max_shard_bytes=1 << 30)
     print(json.dumps({"written": str(out), "mxfp4": args.mxfp4}))
@@ -89,7 +91,7 @@ def write(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- load
 def _load_child(path: str, dtype: str) -> dict:
-    from models import from_pretrained
+    from models.hf import from_pretrained
 
     before = _memory()
     baseline = before["VmRSS"]
@@ -155,13 +157,11 @@ NOISE_SLACK = 1e-3
 def export_check(args: argparse.Namespace) -> None:
     import transformers
 
-    from models import from_pretrained
-    from models.config import ModelConfig
-    from models.hf_layout import expected_state_shapes
+    from models.hf import expected_state_shapes, from_pretrained
     from reference.ops import ReferenceOps
 
     result = _in_child("_export_child", args.checkpoint, args.out, str(args.max_shard_bytes))
-    config = ModelConfig.from_hf(args.out)
+    config = config_from_hf(args.out)
     largest = max(s.numel() for s in expected_state_shapes(config).values())
     # The issue's bound: the largest tensor (ours: a layer's experts stacked, bf16) plus one
     # shard's buffer. The streaming writer holds no shard, so it stays well under.
@@ -208,7 +208,7 @@ def export_check(args: argparse.Namespace) -> None:
 def _disk_bytes(name: str, count: int, shape: torch.Size, quantized: bool) -> int:
     """Bytes of ``count`` rows of our tensor ``name`` (whole shape ``shape``) in the
     published on-disk format: bf16, GPT-OSS experts as MXFP4 blocks and scales."""
-    from models.hf_layout import FUSED_EXPERTS, mxfp4_shapes
+    from models.hf import FUSED_EXPERTS, mxfp4_shapes
 
     per_row = math.prod(shape[1:])
     if quantized and FUSED_EXPERTS.match(name):
@@ -226,12 +226,9 @@ def dry_run_report(
     published checkpoint, from parts built on the meta device: totals against the
     checkpoint's size; ``per_rank`` adds each rank's count and bytes, ``tensors`` its reads
     (our tensor name, first row, rows -- experts, for routed experts -- and bytes on disk)."""
-    from models import preset
-    from models.decoder import ExpertParallel
-    from models.distributed import ParallelConfig
-    from models.hf_layout import MXFP4, expected_hf_shapes, expected_state_shapes
-    from models.model import CausalLM
-    from models.training import even_partition, rank_chunks
+    from models.hf import MXFP4, expected_hf_shapes, expected_state_shapes
+    from models.network import CausalLM, ExpertParallel, preset
+    from models.runtime import ParallelConfig, even_partition, rank_chunks
     from optimized.pipeline import default_partition, held_rows
 
     config = preset(model)

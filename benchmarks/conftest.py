@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from models.device import choose_triton_mode  # noqa: E402  (after the path is set)
+from models.runtime import choose_triton_mode  # noqa: E402  (after the path is set)
 
 choose_triton_mode()  # a process that computes on the CPU interprets Triton kernels
 

@@ -84,7 +84,7 @@ def machine() -> dict[str, Any]:
     import torch
     import triton
 
-    from models.device import cuda_support
+    from models.runtime import cuda_support
 
     support = cuda_support()
     return {

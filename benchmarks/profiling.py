@@ -7,7 +7,7 @@ chrome://tracing) with each benchmark marked by its test id, and ``DIR/bench.top
 the top kernels (on a GPU) and host ops by self time. A plugin rather than a conftest, so
 that any benchmark folder can be profiled.
 
-The device is where the benchmarks compute (`models.device.triton_device`: what
+The device is where the benchmarks compute (`models.runtime.triton_device`: what
 ``twinpipe bench --device`` handed the run): its kernels are recorded on a GPU.
 """
 
@@ -33,7 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     folder = session.config.getoption("--profile-dir")
     if folder:
-        from models.device import triton_device
+        from models.runtime import triton_device
         from optimized.train import profile_region
 
         device = triton_device()

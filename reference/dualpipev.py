@@ -11,7 +11,7 @@ weight gradients at once, so the W steps have nothing left to do. The step
 structure stays the paper's so that a reader can check it line by line.
 
 Communication: activations and gradients travel point to point, one stream per
-direction and chunk, each its own process group (`models.p2p`: NCCL ignores tags and
+direction and chunk, each its own process group (`models.runtime.p2p`: NCCL ignores tags and
 matches sends to receives in order per pair, which one stream per group makes right).
 Sends are posted as soon as a tensor exists and waited at the end of the step;
 receives are posted when the data is needed. Because the schedule is a valid DualPipeV
@@ -30,8 +30,7 @@ from collections import deque
 
 import torch
 
-from models.distributed import Layout
-from models.p2p import BACKWARD, FORWARD, PointToPoint, TorchPointToPoint
+from models.runtime import BACKWARD, FORWARD, Layout, PointToPoint, TorchPointToPoint
 
 
 class ReferenceDualPipeV:
@@ -52,7 +51,8 @@ class ReferenceDualPipeV:
         """Optional object told of every backward before it runs (``before_backward(chunk)``):
         FSDP2 (`twinpipe train` can shard this stack too) reduces at the chunk's last one."""
         self.p2p: PointToPoint = TorchPointToPoint()
-        """How tensors travel to the neighbours, on the layout's stream groups (`models.p2p`)."""
+        """How tensors travel to the neighbours, on the layout's stream groups
+        (`models.runtime.p2p`)."""
 
     defers_weight_gradients = False
     """A backward computes its weight gradients at once; the W steps complete nothing."""

@@ -1,7 +1,7 @@
 """Plain PyTorch ops: the truth the optimized kernels are held against.
 
 Nothing here is fused, padded, deferred or freed early; autograd saves what it
-saves. Read each method next to its docstring in `models.ops.Ops`.
+saves. Read each method next to its docstring in `models.network.Ops`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.distributed import all_to_all
-from models.layers import causal_mask, eager_attention
-from models.ops import ExpertLayout
+from models.network import ExpertLayout, causal_mask, eager_attention
+from models.runtime import all_to_all
 
 
 class ReferenceOps:
-    """The plain implementation of `models.ops.Ops`."""
+    """The plain implementation of `models.network.Ops`."""
 
     name = "reference"
     recompute_attention = False

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ModelConfig
-from models.model import build_part
-from models.training import OptimizerConfig
-from models.weights import WeightSource
+from models.network import ModelConfig, WeightSource, build_part
+from models.runtime import OptimizerConfig
 from reference.ops import ReferenceOps
 
 

@@ -6,16 +6,15 @@ from collections.abc import Callable
 
 import torch
 
-from models.config import ModelConfig
-from models.distributed import Layout, ParallelConfig
-from models.model import build_part
-from models.training import (
+from models.network import ModelConfig, WeightSource, build_part
+from models.runtime import (
+    Layout,
     OptimizerConfig,
+    ParallelConfig,
     PipelineRunner,
     even_partition,
     rank_chunks,
 )
-from models.weights import WeightSource
 from reference.dualpipev import ReferenceDualPipeV
 from reference.ops import ReferenceOps
 
@@ -36,7 +35,7 @@ class ReferencePipeline(PipelineRunner):
         device: torch.device | str = "cpu",
         shard: Callable[[torch.nn.Module], object] | None = None,
     ) -> None:
-        """``source``: where this rank reads its weights (`models.weights`); ``shard``:
+        """``source``: where this rank reads its weights (`models.network.weights`); ``shard``:
         applied to the meta-device part before it is materialised (FSDP2)."""
         self.model_config, self.parallel, self.layout = model, parallel, layout
         self.ops = ReferenceOps()

@@ -68,7 +68,7 @@ def read_until(stream, prefix: str) -> list[str]:
 
 def rank_pids(launcher: subprocess.Popen) -> list[int]:
     """The pids of the ranks ``launcher`` (from `started`) spawned, rank 0 first:
-    `models.launch` starts them in rank order, and its one other child is
+    `models.runtime.spawn` starts them in rank order, and its one other child is
     multiprocessing's resource tracker."""
     children = []
     for task in os.listdir(f"/proc/{launcher.pid}/task"):

@@ -84,7 +84,7 @@ def _record_first_config(self: Autotuner, *args, **kwargs):
 
 
 def _vocabularies() -> list[int]:
-    from models.presets import PRESET_NAMES, preset
+    from models.network import PRESET_NAMES, preset
 
     return sorted({preset(name).vocab_size for name in PRESET_NAMES})
 

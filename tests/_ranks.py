@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from models.device import triton_device
+from models.runtime import triton_device
 
 
 def on_cpu_rank(fn: Callable[..., Any], *args: Any) -> Any:
@@ -21,7 +21,7 @@ def on_cpu_rank(fn: Callable[..., Any], *args: Any) -> Any:
     inside ``fn`` fail the test with the rank's traceback)."""
     if triton_device().type == "cpu":
         return fn(*args)
-    from models.distributed import launch  # noqa: PLC0415
+    from models.runtime import launch  # noqa: PLC0415
 
     return launch(_call, 1, (fn, args), device="cpu")[0]
 

@@ -3,9 +3,9 @@ in-process kernel tests compute on.
 
 The same ``pytest`` runs on a CPU machine and on a machine with a GPU. This process
 compiles Triton kernels when it has a GPU and interprets them otherwise
-(`models.device.choose_triton_mode`); kernel tests take their tensors on `compute_device`,
+(`models.runtime.choose_triton_mode`); kernel tests take their tensors on `compute_device`,
 so they run compiled on CUDA and through the interpreter elsewhere. Multi-process tests
-start their ranks on the CPU unless they ask for CUDA (`models.distributed.launch`), and
+start their ranks on the CPU unless they ask for CUDA (`models.runtime.launch`), and
 each CPU rank interprets whatever this process chose. Tests marked ``gpu`` need CUDA and
 are skipped, with the reason, where there is none.
 """
@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from models.device import cuda_support, triton_device  # noqa: E402  (after the path is set)
+from models.runtime import cuda_support, triton_device  # noqa: E402  (after the path is set)
 
 DEVICE = triton_device()
 """Where this process's Triton kernels take their tensors: ``cuda`` when it compiles them,

@@ -1,4 +1,4 @@
-"""bfloat16 products on CPUs without native bfloat16 GEMM (`models.bf16_gemm`): each is the
+"""bfloat16 products on CPUs without native bfloat16 GEMM (`models.runtime.cpu_gemm`): each is the
 float32 product of the same bfloat16 values, rounded once, whatever the op, direction or
 layout; float32 work is untouched; a tracker entered later sees only bfloat16."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.bf16_gemm import GEMM_ENV, Bf16Gemm, bf16_gemm, float32_products, native_bf16_gemm
+from models.runtime import GEMM_ENV, Bf16Gemm, bf16_gemm, float32_products, native_bf16_gemm
 
 BF16 = torch.bfloat16
 

@@ -20,8 +20,9 @@ import shutil
 
 import pytest
 
-from models import build_model, preset, save_pretrained
-from models.distributed import launch
+from models.hf import save_pretrained
+from models.network import build_model, preset
+from models.runtime import launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from tests._cli import REFERENCE_RUNNER, small_data, twinpipe

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness.compare.bisect import bisect, stack_ops
-from models import build_model, preset, shift_labels
+from models.network import build_model, preset, shift_labels
 from optimized.ops import OptimizedOps
 
 

@@ -10,22 +10,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models import (
-    ExpertParallel,
-    ModelConfig,
-    build_model,
-    from_pretrained,
-    preset,
-    save_pretrained,
-)
-from models.checkpoint import (
+from models.hf import (
     INDEX_NAME,
     WEIGHTS_NAME,
     CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    from_pretrained,
     load_state_dict_hf,
+    save_pretrained,
     to_hf_state_dict,
     validate_checkpoint,
 )
+from models.network import ExpertParallel, ModelConfig, build_model, preset
 
 FAMILIES = ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe"]
 
@@ -143,7 +140,7 @@ def test_loads_sharded_checkpoint_written_by_transformers(name, tmp_path):
     config = small(name, tie_word_embeddings=name == "tiny-qwen3-moe")
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config.to_hf())
+        transformers.AutoConfig.for_model(**config_to_hf(config))
     )
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / INDEX_NAME).exists()
@@ -163,7 +160,7 @@ def test_written_config_loads_in_transformers(tmp_path):
         hf_config = transformers.AutoConfig.from_pretrained(tmp_path / name)
         assert hf_config.model_type == config.model_type
         assert hf_config.tie_word_embeddings
-        assert ModelConfig.from_hf(tmp_path / name) == config
+        assert config_from_hf(tmp_path / name) == config
 
 
 # ------------------------------------------------------------- expert parallel

@@ -10,8 +10,8 @@ from collections import defaultdict
 import pytest
 
 from benchmarks.checkpoints import dry_run_report, main
-from models import preset
-from models.hf_layout import expected_state_shapes
+from models.hf import expected_state_shapes
+from models.network import preset
 
 PUBLISHED_BYTES = {
     "deepseek-v2-lite": 31_412_968_448,

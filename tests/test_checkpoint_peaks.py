@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from models.distributed import launch
+from models.runtime import launch
 from tests.test_train import _reference_runner, config  # noqa: F401
 
 BOUND = 1.10

@@ -1,4 +1,4 @@
-"""Reading stored rows straight into a parameter (`models.checkpoint.read_rows`, #15): the
+"""Reading stored rows straight into a parameter (`models.hf.read_rows`, #15): the
 same values as safetensors' own slices, in any dtype, into contiguous or strided rows."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.checkpoint import CheckpointError, read_header, read_rows
+from models.hf import CheckpointError, read_header, read_rows
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_rows_equal_safetensors_slices_in_any_dtype(stored, name, dtype):
 
 
 def test_into_strided_rows_and_through_a_small_buffer(stored, monkeypatch):
-    import models.checkpoint as checkpoint
+    import models.hf.checkpoint as checkpoint
 
     file, header = stored
     with safe_open(file, "pt") as handle:

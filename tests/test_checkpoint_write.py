@@ -8,8 +8,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models.checkpoint_write import Planned, ShardWriter, plan_shards, safetensors_header
-from models.hf_layout import INDEX_NAME, WEIGHTS_NAME, shard_file_name
+from models.hf import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    Planned,
+    ShardWriter,
+    plan_shards,
+    safetensors_header,
+    shard_file_name,
+)
 
 
 def _tensors() -> dict[str, torch.Tensor]:

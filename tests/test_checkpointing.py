@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import preset, save_pretrained
-from models.config import ModelConfig
-from models.distributed import launch
-from models.hf_layout import INDEX_NAME, expected_state_shapes, shard_file_name
-from models.model import CausalLM, build_model
+from models.hf import (
+    INDEX_NAME,
+    config_from_hf,
+    expected_state_shapes,
+    save_pretrained,
+    shard_file_name,
+)
+from models.network import CausalLM, build_model, preset
+from models.runtime import launch
 from optimized.train import TokenDataset, TokenLoader, default_dataset
 from optimized.train.checkpointing import load_model_state, newest_valid
 from optimized.train.chunks import CachedReader, tensor_metadata
@@ -162,7 +166,7 @@ def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
         logits = hf(input_ids=ids).logits.float()
     hf_loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
 
-    model_config = ModelConfig.from_hf(str(folder / "config.json"))
+    model_config = config_from_hf(str(folder / "config.json"))
     ours = CausalLM(model_config, ReferenceOps())
     ours.load_state_dict(load_model_state(folder, model_config))
     with torch.no_grad():

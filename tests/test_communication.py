@@ -1,4 +1,4 @@
-"""The communication counter (`models.communication`): every kind, its bytes by the direct
+"""The communication counter (`models.runtime.communication`): every kind, its bytes by the direct
 model (never a rank's own slice), groups by name, only the outermost entry point, and
 nothing counted outside `counting` or after the counter is removed."""
 
@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models.communication import CommunicationCounter, Traffic, by_kind, group_names
-from models.distributed import ParallelConfig, launch, make_layout
+from models.runtime import (
+    CommunicationCounter,
+    ParallelConfig,
+    Traffic,
+    by_kind,
+    group_names,
+    launch,
+    make_layout,
+)
 
 
 def _every_kind() -> dict:
@@ -86,7 +93,7 @@ def test_every_kind_counted_by_the_direct_model():
         assert a2a["bytes_received"] == (2 - dp_rank) * 8
         kind = "send" if root else "recv"
         assert c[kind]["calls"] == 2 and c[kind]["bytes"] == 32
-        # A p2p stream's group is named after the stream (`models.p2p`).
+        # A p2p stream's group is named after the stream (`models.runtime.p2p`).
         assert c[kind]["groups"]["world"]["bytes"] == 24
         assert c[kind]["groups"]["forward0"]["bytes"] == 8
         assert "recv" not in c if root else "send" not in c

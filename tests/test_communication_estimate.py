@@ -1,5 +1,5 @@
 """The communication estimate (`optimized.estimator.communication`) against the counter
-(`models.communication`) on real runs: every rank, kind and group, calls and bytes sent
+(`models.runtime.communication`) on real runs: every rank, kind and group, calls and bytes sent
 and received, to the byte, for the reference, optimized and FSDP2 runners with balanced
 routing; with real routing every kind but the all-to-all still exact, and the all-to-all
 exact once the routing the run saw is given (what is left is the routing's skew)."""
@@ -13,11 +13,16 @@ import pytest
 import torch
 
 from harness.compare.stacks import stack_class as _stack_class
-from models import build_model, resolve_model
-from models.communication import counted_step
-from models.distributed import ParallelConfig, launch, make_layout
-from models.routing import BalancedRouting, RoutingTape, attach_routing_tape
-from models.training import OptimizerConfig, synthetic_batch
+from models.hf import resolve_model
+from models.network import BalancedRouting, RoutingTape, attach_routing_tape, build_model
+from models.runtime import (
+    OptimizerConfig,
+    ParallelConfig,
+    counted_step,
+    launch,
+    make_layout,
+    synthetic_batch,
+)
 from optimized.estimator.communication import balanced_rows, predict_traffic
 from optimized.estimator.config import EstimateConfig
 

@@ -10,9 +10,8 @@ import pytest
 from harness.cli import main
 from harness.compare.communication import communication_section
 from harness.report import format_table, render_markdown
-from models.communication import Traffic
-from models.distributed import ParallelConfig
-from models.presets import resolve_model
+from models.hf import resolve_model
+from models.runtime import ParallelConfig, Traffic
 from optimized.estimator.communication import predict_ranks
 from optimized.estimator.config import EstimateConfig
 

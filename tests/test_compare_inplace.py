@@ -21,10 +21,8 @@ from torch.distributed.tensor import DTensor
 from harness.compare.inplace import Comparer, RankPlace, Sums, compare_sums, pair_sums, pieces
 from harness.compare.stacks import shadow_update
 from harness.compare.tolerances import compare_tensors
-from models import SeededWeights, build_model, preset
-from models.distributed import ParallelConfig, launch, make_layout
-from models.model import is_expert_parameter
-from models.training import OptimizerConfig, synthetic_batch
+from models.network import SeededWeights, build_model, is_expert_parameter, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch, make_layout, synthetic_batch
 
 
 # ------------------------------------------------ the old whole-tensor comparison
@@ -151,7 +149,7 @@ def test_nonfinite_is_infinite_error():
     ],
 )
 def test_pieces_count_each_row_once(dp_rank, ep, whole, experts_count, others_count):
-    """Data-parallel copies count once (as `models.training.reduce_gradients` reduces
+    """Data-parallel copies count once (as `models.runtime.reduce_gradients` reduces
     them): a non-expert tensor on dp-rank 0, an expert shard on the first EP block. A copy
     counted twice leaves 1 - cos and the relative error of that tensor unchanged, so
     only this rule, and the element counts, can see it."""

@@ -26,9 +26,8 @@ from harness.compare.rank import Rank, RankPlan
 from harness.compare.record import StepRecord
 from harness.compare.stacks import stack_class
 from harness.memory import MemoryTracker
-from models import SeededWeights, preset
-from models.distributed import ParallelConfig, launch, make_layout
-from models.training import OptimizerConfig, synthetic_batch
+from models.network import SeededWeights, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch, make_layout, synthetic_batch
 
 
 def _buffer_bytes(part: torch.nn.Module) -> int:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from models import CausalLM, ModelConfig, preset
-from models.presets import PRESET_NAMES
+from models.hf import config_from_hf, config_to_hf
+from models.network import PRESET_NAMES, CausalLM, preset
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -139,10 +139,10 @@ def test_from_hf_reads_transformers_config_json(case, tmp_path):
     """to_hf -> a transformers config -> its save_pretrained -> from_hf gives the config back."""
     name, overrides = ROUND_TRIP.get(case, (case, {}))
     config = preset(name, **overrides)
-    transformers.AutoConfig.for_model(**config.to_hf()).save_pretrained(tmp_path)
-    assert ModelConfig.from_hf(tmp_path) == config
-    assert ModelConfig.from_hf(tmp_path / "config.json") == config
-    assert ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text())) == config
+    transformers.AutoConfig.for_model(**config_to_hf(config)).save_pretrained(tmp_path)
+    assert config_from_hf(tmp_path) == config
+    assert config_from_hf(tmp_path / "config.json") == config
+    assert config_from_hf(json.loads((tmp_path / "config.json").read_text())) == config
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "gpt_oss", "qwen3_moe"])
@@ -150,7 +150,7 @@ def test_from_hf_reads_transformers_defaults(model_type, tmp_path):
     """A config written by transformers with its own defaults builds the same model shapes."""
     hf_config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=3)
     hf_config.save_pretrained(tmp_path)
-    config = ModelConfig.from_hf(tmp_path)
+    config = config_from_hf(tmp_path)
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
         ours = CausalLM(config, ops=object())
@@ -267,14 +267,14 @@ PUBLISHED_STYLE = {
 @pytest.mark.parametrize("name", list(PUBLISHED_STYLE))
 def test_from_hf_reads_published_style_config(name, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_STYLE[name]))
-    assert ModelConfig.from_hf(tmp_path) == preset(name)
+    assert config_from_hf(tmp_path) == preset(name)
 
 
 def test_from_hf_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ModelConfig.from_hf(tmp_path)
+        config_from_hf(tmp_path)
     with pytest.raises(ValueError, match="model_type='mixtral'"):
-        ModelConfig.from_hf({"model_type": "mixtral"})
+        config_from_hf({"model_type": "mixtral"})
 
 
 # ------------------------------------------------------------- published sizes
@@ -291,7 +291,7 @@ def test_published_preset_parameter_counts(name):
     config = preset(name)
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**config.to_hf())
+            transformers.AutoConfig.for_model(**config_to_hf(config))
         )
         ours = CausalLM(config, ops=object())
     assert sum(p.numel() for p in hf_model.parameters()) == PUBLISHED_TOTALS[name]
@@ -318,7 +318,7 @@ def test_mid_presets_have_published_widths(name):
     assert config.vocab_size == 32000
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**config.to_hf())
+            transformers.AutoConfig.for_model(**config_to_hf(config))
         )
         ours = CausalLM(config, ops=object())
     total = sum(p.numel() for p in ours.parameters())

@@ -1,4 +1,4 @@
-"""The device policy: `models.device.resolve_device` chooses once, in the parent; the
+"""The device policy: `models.runtime.resolve_device` chooses once, in the parent; the
 launcher hands each rank its device and its Triton mode at spawn."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 
-from models.device import CudaSupport, DeviceError, DevicePlan, resolve_device
-from models.distributed import launch
+from models.runtime import CudaSupport, DeviceError, DevicePlan, launch, resolve_device
 
 NO_GPU = CudaSupport(0, (), "torch 2.13.0+cpu is a build without CUDA")
 ONE_H100 = CudaSupport(1, ("NVIDIA H100 80GB HBM3",))
@@ -70,7 +69,7 @@ def test_an_unknown_device_names_the_choices():
 
 def test_this_machine_is_described_truthfully():
     """Whatever this machine has: ``auto`` for one rank runs where a GPU is usable."""
-    from models.device import cuda_support
+    from models.runtime import cuda_support
 
     support = cuda_support()
     plan = resolve_device("auto", 1, support=support)
@@ -82,7 +81,7 @@ def test_this_machine_is_described_truthfully():
 def _rank_environment():
     import triton  # noqa: F401  (imported in the rank, after the launcher chose its mode)
 
-    from models.device import rank_device
+    from models.runtime import rank_device
     from optimized.ops._triton import INTERPRETED
 
     return os.environ["TRITON_INTERPRET"], INTERPRETED, str(rank_device())

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from models.presets import preset
+from models.network import preset
 from optimized.estimator import EstimateConfig, estimate
 from optimized.estimator.cli import add_arguments, config_from_args
 from optimized.estimator.plan import PlanRequest, layouts

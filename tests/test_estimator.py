@@ -6,8 +6,8 @@ import json
 import pytest
 
 from harness.cli import main as cli_main
-from models.model import CausalLM
-from models.presets import preset
+from models.hf import config_to_hf
+from models.network import CausalLM, preset
 from optimized.estimator import EstimateConfig, compute_weight_and_optimizer_memory, estimate
 from optimized.estimator.params import attention_params, layer_params, model_params, shard
 from optimized.estimator.schedule import walk
@@ -147,7 +147,7 @@ def test_cli_json_and_errors(capsys):
 
 def test_hf_config_json(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(preset("tiny-gpt-oss").to_hf()))
+    path.write_text(json.dumps(config_to_hf(preset("tiny-gpt-oss"))))
     assert cli_main(["estimate", "--model", str(path), "--pp", "2"]) == 0
 
 

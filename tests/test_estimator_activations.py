@@ -9,8 +9,7 @@ import weakref
 import pytest
 import torch
 
-from models.decoder import DecoderLayer
-from models.presets import preset
+from models.network import DecoderLayer, preset
 from optimized.estimator.activations import layer_saved
 from optimized.estimator.config import EstimateConfig
 from reference.ops import ReferenceOps

@@ -27,9 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.decoder import DecoderLayer
-from models.layers import RMSNorm, Router
-from models.presets import preset
+from models.network import DecoderLayer, RMSNorm, Router, preset
 from optimized.estimator import EstimateConfig, estimate_for_compare
 from optimized.estimator.memory import layer_profile
 from optimized.estimator.steps import step_profile

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from models.presets import preset
+from models.network import preset
 from optimized.estimator import EstimateConfig, compute_weight_and_optimizer_memory, estimate
 from optimized.estimator.megatron import (
     MegatronArgs,

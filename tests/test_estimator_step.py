@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness.cli import main
-from models.presets import preset
+from models.network import preset
 from optimized.estimator import EstimateConfig, estimate
 
 

@@ -32,9 +32,8 @@ import torch
 
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
-from models import SeededWeights, preset
-from models.distributed import ParallelConfig, launch
-from models.training import OptimizerConfig
+from models.network import SeededWeights, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch
 from optimized.estimator import estimate_for_compare
 from optimized.estimator.routing import received_loads
 

@@ -24,9 +24,8 @@ import harness.compare.meter as meter
 from harness.compare.estimates import stack_estimate
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
-from models import SeededWeights, preset
-from models.distributed import ParallelConfig, launch
-from models.training import OptimizerConfig
+from models.network import SeededWeights, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch
 from optimized.estimator.routing import received_loads
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

@@ -15,11 +15,16 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from harness.cli import main
-from models import build_model, from_pretrained, preset, save_pretrained
-from models.checkpoint_write import write_mxfp4
-from models.config import ModelConfig
-from models.hf_layout import INDEX_NAME, to_hf_state_dict
-from models.progress import ProgressLine
+from models.hf import (
+    INDEX_NAME,
+    config_from_hf,
+    from_pretrained,
+    save_pretrained,
+    to_hf_state_dict,
+    write_mxfp4,
+)
+from models.network import build_model, preset
+from models.runtime import ProgressLine
 from optimized.train.checkpointing import load_model_state
 from optimized.train.chunks import CachedReader
 from optimized.train.export import export_checkpoint
@@ -91,7 +96,7 @@ def _exported(folder) -> dict[str, torch.Tensor]:
 
 
 def _assert_equal_to_checkpoint(report, out, dtype: torch.dtype) -> None:
-    model_config = ModelConfig.from_hf(str(report.folder / "config.json"))
+    model_config = config_from_hf(str(report.folder / "config.json"))
     expected = to_hf_state_dict(load_model_state(report.folder, model_config), model_config)
     exported = _exported(out)
     assert sorted(exported) == sorted(expected)

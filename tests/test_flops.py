@@ -8,9 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.layers import causal_mask
-from models.model import build_model
-from models.presets import preset
+from models.network import build_model, causal_mask, preset
 from optimized.estimator.flops import (
     attended_keys,
     forward_flops,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from models import from_pretrained, preset
+from models.hf import config_to_hf, from_pretrained
+from models.network import preset
 from reference.ops import ReferenceOps
 
 SEQ = 160  # past GPT-OSS's sliding window of 128
@@ -37,7 +38,7 @@ def _write_checkpoint(path) -> None:
         vocab_size=1024,
     )
     torch.manual_seed(0)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

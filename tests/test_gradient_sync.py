@@ -10,11 +10,16 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from models import build_model, resolve_model
-from models.communication import counted_step
-from models.distributed import ParallelConfig, launch, make_layout
-from models.routing import BalancedRouting, attach_routing_tape
-from models.training import OptimizerConfig, synthetic_batch
+from models.hf import resolve_model
+from models.network import BalancedRouting, attach_routing_tape, build_model
+from models.runtime import (
+    OptimizerConfig,
+    ParallelConfig,
+    counted_step,
+    launch,
+    make_layout,
+    synthetic_batch,
+)
 from optimized.estimator.communication import _rank_part, fsdp_units, runner_partition
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.schedule import rank_actions

@@ -1,6 +1,6 @@
 """Parity with Hugging Face transformers, through the checkpoint files.
 
-Each case builds a tiny transformers model from our config (``cfg.to_hf()``), adds noise to
+Each case builds a tiny transformers model from our config (``config_to_hf(cfg)``), adds noise to
 every parameter (so no norm is 1 and no bias or sink is 0: a dropped term would show),
 writes it with transformers' ``save_pretrained`` and loads it with our `from_pretrained`.
 Logits and the gradient of every parameter, compared by name, must then agree: this checks
@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from models import from_pretrained, preset, save_pretrained
+from models.hf import config_to_hf, from_pretrained, save_pretrained
+from models.network import preset
 from reference.ops import ReferenceOps
 
 # transformers' DeepSeek-V2 without shared experts initialises zero-width ones, and says so.
@@ -90,7 +91,7 @@ CASES = {
 def hf_model(config, noise: float = 0.05, seed: int = 0):
     """A transformers model of our config with eager math and noise on every parameter."""
     torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
     model.set_attn_implementation("eager")
     model.set_experts_implementation("eager")

@@ -1,5 +1,5 @@
 """A steady-state `twinpipe train` step does not hold the host back: its host
-synchronisations, counted on every rank (`models.host_sync`), stay within a budget.
+synchronisations, counted on every rank (`models.runtime.host_sync`), stay within a budget.
 
 On one H100 the optimized stack's step spent 28% of the GPU's busy time in host-device
 copies and left the GPU idle a third of the step (`../shared/GPU.md`): every ``.item()``,
@@ -33,8 +33,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from models.distributed import launch
-from models.host_sync import HostSyncCounter, count_by_kind, describe, host_side
+from models.network import host_side
+from models.runtime import HostSyncCounter, count_by_kind, describe_syncs, launch
 from optimized.ops import cross_entropy, linear_cross_entropy
 from optimized.train import TrainConfig, apply_overrides, validate_config
 
@@ -49,7 +49,7 @@ HOST_SIDE_SITES = {
     "optimized/train/optimizer.py",
     "optimized/ops/grouped_linear.py",
 }
-"""Files whose reads of host-resident tensors (inside `models.host_sync.host_side`) a step
+"""Files whose reads of host-resident tensors (inside `models.network.host_side`) a step
 may make: the metrics' host-group reductions, AdamW's step count, the interpreter-only
 tail of the grouped GEMM."""
 
@@ -66,9 +66,8 @@ def _count_rank(cfg: TrainConfig) -> dict:
     """Train ``cfg``, counting the host synchronisations of `WATCHED_STEP` on this rank."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from models import preset  # noqa: PLC0415
-    from models.host_sync import HostSyncCounter  # noqa: PLC0415
-    from models.training import rank_chunks  # noqa: PLC0415
+    from models.network import preset  # noqa: PLC0415
+    from models.runtime import HostSyncCounter, rank_chunks
     from optimized.pipeline.runner import default_partition  # noqa: PLC0415
     from optimized.train.trainer import parallel_config, train  # noqa: PLC0415
 
@@ -146,7 +145,7 @@ def test_the_loss_makes_no_host_sync(fused, compute_device):
         else:
             loss = linear_cross_entropy(hidden, weight, target, reduction="sum")
         loss.backward()
-    assert counter.events == [], describe(counter.events)
+    assert counter.events == [], describe_syncs(counter.events)
     assert weight.grad is not None and torch.isfinite(weight.grad).all()
 
 
@@ -175,7 +174,7 @@ def test_a_steady_step_syncs_the_host_within_budget(layout, model, options):
         report.append(
             f"rank {rank}: {len(events)} events {kinds}, budget {allowed} "
             f"({moe} MoE layers x {cfg.data.micro_batches} micro-batches)\n"
-            f"{describe(events)}\n  host-side:\n{describe(result['host'])}"
+            f"{describe_syncs(events)}\n  host-side:\n{describe_syncs(result['host'])}"
         )
     text = "\n".join(report)
     print(text)

@@ -10,10 +10,17 @@ import torch
 import transformers
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from models import ExpertParallel, build_model, checkpoint, from_pretrained, preset, save_pretrained
-from models.checkpoint import CheckpointError, validate_checkpoint
-from models.checkpoint_write import write_mxfp4
-from models.mxfp4 import dequantize, quantize
+from models.hf import (
+    CheckpointError,
+    checkpoint,
+    dequantize,
+    from_pretrained,
+    quantize,
+    save_pretrained,
+    validate_checkpoint,
+    write_mxfp4,
+)
+from models.network import ExpertParallel, build_model, preset
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

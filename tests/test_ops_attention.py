@@ -24,8 +24,7 @@ import re
 import pytest
 import torch
 
-from models.model import build_model
-from models.presets import preset
+from models.network import build_model, preset
 from optimized.ops import FlashAttention, OptimizedOps
 from optimized.ops.attention import flash_attention, sdpa_attention
 from optimized.ops.attention_blocks import Blocks

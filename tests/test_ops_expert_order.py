@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.host_sync import HostSyncCounter
+from models.runtime import HostSyncCounter
 from optimized.ops import (
     GROUPED_GEMM_ROW_ALIGNMENT,
     gather_from_grouped,

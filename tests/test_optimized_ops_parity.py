@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.ops import Ops
+from models.network import Ops
 from optimized.ops import OptimizedOps, WeightGradStore
 from reference.ops import ReferenceOps
 

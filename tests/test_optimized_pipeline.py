@@ -4,7 +4,7 @@ Both stacks run inside one launched world (process start-up dominates), on the
 same weights and the same data; losses and every gradient are compared under
 DESIGN.md's policy, at the same expert choices: the optimized run replays the
 reference's routing, and every choice it would have made differently must be a
-near-tie (`models.routing`; in float32 there must be none). Further tests: the
+near-tie (`models.network.routing`; in float32 there must be none). Further tests: the
 early frees happen and nothing freed is read again (EP = 1 included, where
 buffers share storage), the weight-gradient store is drained at the end of each
 step, forward-only evaluation, determinism, and the saved-tensor profile.
@@ -17,9 +17,8 @@ import dataclasses
 import pytest
 import torch
 
-from models import SeededWeights, build_model, preset
-from models.distributed import ParallelConfig, launch, make_layout
-from models.training import OptimizerConfig, synthetic_batch
+from models.network import SeededWeights, build_model, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch, make_layout, synthetic_batch
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 TOLERANCE = {"float32": (1e-5, 1e-8), "bfloat16": (1e-4, 2e-3)}
@@ -72,7 +71,7 @@ def _run(pipeline, model, parallel, baseline=None) -> dict:
 def _compare_worker(names, parallel, states, repeat_optimized):
     """Every dtype of ``states`` (float32, bfloat16) and every model, in one launched world:
     starting the ranks costs more than the tiny models' steps."""
-    from models.routing import RoutingTape, attach_routing_tape
+    from models.network import RoutingTape, attach_routing_tape
     from optimized.pipeline import OptimizedPipeline
     from reference.pipeline import ReferencePipeline
 
@@ -132,7 +131,7 @@ def _check(results, names, dtype):
                 # Every early free really released its storage.
                 assert all(nbytes == 0 for _, nbytes in optimized["freed"]), name
                 # Same expert choices (replayed), and each choice the optimized stack would
-                # have made differently is a near-tie (models.routing).
+                # have made differently is a near-tie (models.network.routing).
                 optimized["routing"].check()
                 if dtype == "float32":
                     assert not optimized["routing"].swaps, (name, optimized["routing"].as_dict())

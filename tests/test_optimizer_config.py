@@ -1,4 +1,4 @@
-"""`models.training.OptimizerConfig`, the AdamW every stack of a comparison builds: the
+"""`models.runtime.OptimizerConfig`, the AdamW every stack of a comparison builds: the
 stacks share it, so a comparison of two stacks cannot see a mistake in it. Checked here
 against AdamW's update written out by hand."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from models.training import OptimizerConfig
+from models.runtime import OptimizerConfig
 
 
 def test_two_steps_equal_adamw_by_hand():

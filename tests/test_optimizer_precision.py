@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models.presets import resolve_model
+from models.hf import resolve_model
 from optimized.estimator import EstimateConfig, estimate
 from optimized.estimator import memory as estimator_memory
 from optimized.train import optimizer as sharded_adamw

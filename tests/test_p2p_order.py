@@ -1,9 +1,9 @@
 """Both DualPipeV schedules under NCCL's matching rule: the k-th send from one rank to
-another on one communicator is the k-th receive there, tags ignored (`models.p2p`).
+another on one communicator is the k-th receive there, tags ignored (`models.runtime.p2p`).
 
 gloo matches by tag, so the multi-process tests cannot see a schedule that relies on
 tags. Here the PP ranks of one pipeline run as threads of this process, each with its
-own part and its schedule's real ``step()``, and the schedules' `models.p2p.PointToPoint`
+own part and its schedule's real ``step()``, and the schedules' `models.runtime.PointToPoint`
 seam is an in-process network that matches as NCCL does: per (group, sender, receiver),
 in posting order, whatever the tags; a send's ``wait`` returns once the receiver has
 taken it; the first operation of a pair of ranks on a group waits for the other rank's
@@ -22,7 +22,7 @@ within the float32 bounds of DESIGN.md of that same truth. A message received in
 buffer of another shape, dtype or device fails at once; with the reference's parts on the
 meta device, every receive buffer and loss must be made there (the part's device).
 
-Run on the schedules as they were before `models.p2p` (every stream on the default group,
+Run on the schedules as they were before `models.runtime.p2p` (every stream on the default group,
 told apart by tags only), PP 2 passes and PP 3 fails: pp-rank 0's F0 activation and B1
 gradient to pp-rank 1 trade places, and the loss differs from the truth.
 
@@ -43,13 +43,15 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from models import preset
-from models.distributed import Layout
-from models.model import build_part
-from models.p2p import StreamGroups
-from models.routing import BalancedRouting, attach_routing_tape
-from models.training import even_partition, rank_chunks, token_count
-from models.weights import SeededWeights, StateDictWeights
+from models.network import (
+    BalancedRouting,
+    SeededWeights,
+    StateDictWeights,
+    attach_routing_tape,
+    build_part,
+    preset,
+)
+from models.runtime import Layout, StreamGroups, even_partition, rank_chunks, token_count
 from optimized.ops import OptimizedOps
 from optimized.pipeline.dualpipev import OptimizedDualPipeV
 from reference.dualpipev import ReferenceDualPipeV
@@ -162,7 +164,7 @@ class _Work:
 
 
 class _Endpoint:
-    """One rank's `models.p2p.PointToPoint` on the network. A ``tag`` is accepted and
+    """One rank's `models.runtime.PointToPoint` on the network. A ``tag`` is accepted and
     ignored, as NCCL ignores it (the schedules pass none; the network's own test does)."""
 
     def __init__(self, network: FifoNetwork, rank: int) -> None:

@@ -2,7 +2,7 @@
 
 import itertools
 
-from models.presets import preset
+from models.network import preset
 from optimized.estimator import EstimateConfig, largest_peak
 from optimized.pipeline.partition import (
     choose_partition,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness.cli import main as cli_main
-from models.presets import preset
+from models.network import preset
 from optimized.estimator.bubble import simulate
 from optimized.estimator.plan import PlanRequest, layouts, parse_size, plan, smallest_change
 from optimized.estimator.schedule import rank_actions
@@ -157,9 +157,8 @@ def test_top_layouts_run_and_fit():
     the run saw, and the balanced figure the plan used within what skewed routing moves."""
     from harness.compare.lockstep import run_rank
     from harness.compare.rank import RankPlan
-    from models import build_model
-    from models.distributed import ParallelConfig, launch
-    from models.training import OptimizerConfig
+    from models.network import build_model
+    from models.runtime import OptimizerConfig, ParallelConfig, launch
     from optimized.estimator import estimate_for_compare
     from optimized.estimator.routing import received_loads
 

@@ -15,9 +15,8 @@ import pytest
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
 from harness.compare.verdict import build_report
-from models import SeededWeights, preset
-from models.distributed import ParallelConfig, launch
-from models.training import OptimizerConfig
+from models.network import SeededWeights, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch
 
 PARALLEL = ParallelConfig(
     pp=2, dp=1, ep=1, micro_batches=4, micro_batch_size=1, seq_len=32, dtype="bfloat16"
@@ -106,7 +105,7 @@ def test_a_planted_bug_fails(run, plant):
     floor = report["noise_floor"]["steps"][0]
     assert not floor["passed"], floor["problems"]
     # The ops audit (`harness.compare.ops_audit`) names the op too, for every bug that lives in one:
-    # the fused loss is not an op of `models.ops.Ops`, its gradient bug only the step shows.
+    # the fused loss is not an op of `models.network.Ops`, its gradient bug only the step shows.
     audit = report["ops_audit"]
     if plant == "cross-entropy-grad-1.01":
         assert audit["passed"]

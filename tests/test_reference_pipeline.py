@@ -7,9 +7,15 @@ import pytest
 from harness.compare.inplace import compare_sums
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
-from models import SeededWeights, build_model, preset
-from models.distributed import ParallelConfig, RankFailed, launch, make_layout
-from models.training import OptimizerConfig, synthetic_batch
+from models.network import SeededWeights, build_model, preset
+from models.runtime import (
+    OptimizerConfig,
+    ParallelConfig,
+    RankFailed,
+    launch,
+    make_layout,
+    synthetic_batch,
+)
 from reference.pipeline import ReferencePipeline
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
@@ -71,7 +77,7 @@ def _check_against_oracle(configs, parallel, steps=1):
 @pytest.mark.parametrize(
     "pp,dp,ep",
     # EP = 1 with DP = 2: every expert has two replicas whose gradients must be averaged
-    # (`models.training.reduce_gradients`), a rule no optimized-vs-reference test can check.
+    # (`models.runtime.reduce_gradients`), a rule no optimized-vs-reference test can check.
     [(2, 1, 1), (1, 2, 2), (2, 2, 2), (1, 2, 1), (2, 2, 1)],
 )
 def test_reference_matches_oracle(pp, dp, ep):

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main
-from models import build_model, preset, save_pretrained
+from models.hf import save_pretrained
+from models.network import build_model, preset
 from optimized.train import TrainConfig
 from optimized.train.preparation import prepare_data
 from optimized.train.tokenizers import ByteTokenizer

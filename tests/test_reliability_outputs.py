@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from models.inputs import BadInput, check_output_dir, check_output_file, write_or_rescue
+from models.runtime import BadInput, check_output_dir, check_output_file, write_or_rescue
 from optimized.train.preparation import prepare_data
 from optimized.train.tokenizers import ByteTokenizer
 

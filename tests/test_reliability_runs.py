@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import SUBCOMMANDS, main
-from models.launch import describe_failure
+from models.runtime import describe_failure
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.checkpointing import RUN_FILE, checkpoint_run, read_run, verify
 from optimized.train.config import lr_at, warmup_of

@@ -1,13 +1,11 @@
-"""Routing tapes (`models.routing`): record, replay, near-tie swaps, misuse."""
+"""Routing tapes (`models.network.routing`): record, replay, near-tie swaps, misuse."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models import preset
-from models.layers import Router
-from models.routing import RoutingTape, attach_routing_tape
+from models.network import Router, RoutingTape, attach_routing_tape, preset
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 
@@ -128,7 +126,7 @@ def test_call_count_and_shape_mismatches_raise():
 
 
 def test_keys_are_the_models_own_names_and_detach():
-    from models import build_model
+    from models.network import build_model
 
     model = build_model(preset("tiny-qwen3-moe"))
     tape = RoutingTape()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.routing import RoutingTape
+from models.network import RoutingTape
 from optimized.pipeline import ExecutionContext, FreedStorageRead
 from optimized.train.checkpointing import rng_state, set_rng_state
 
@@ -117,7 +117,7 @@ def test_resume_restores_each_ranks_rng_state(tmp_path, monkeypatch):
     """After a resume the next torch, Python and numpy draws on every rank equal those of
     an uninterrupted run: the checkpoint restored each rank's own state, not rank 0's and
     not a fresh one."""
-    from models.distributed import launch
+    from models.runtime import launch
     from tests.test_train import REFERENCE_RUNNER, config
 
     monkeypatch.setenv("TWINPIPE_RUNNER", REFERENCE_RUNNER)

@@ -2,7 +2,7 @@
 process computing the whole batch in float64.
 
 The step's loss is the mean over every labelled token of the global batch, and the
-gradients are that mean's (`models.training`). Each micro-batch's summed loss is divided
+gradients are that mean's (`models.runtime.training`). Each micro-batch's summed loss is divided
 by the global count, DP ranks sum their gradients, and pipeline rank 0 holds the loss.
 A rank that divided by its own count, a micro-batch that took its own mean, or a count
 that included ignored tokens would all give the same loss on a batch where every
@@ -25,10 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from models import SeededWeights, build_model, preset
-from models.distributed import ParallelConfig, launch, make_layout
-from models.model import IGNORE_INDEX
-from models.training import OptimizerConfig
+from models.network import IGNORE_INDEX, SeededWeights, build_model, preset
+from models.runtime import OptimizerConfig, ParallelConfig, launch, make_layout
 from optimized.pipeline import OptimizedPipeline, sharding
 from optimized.train.optimizer import ShardedAdamW
 from reference.ops import ReferenceOps

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.model import IGNORE_INDEX
+from models.network import IGNORE_INDEX
 from optimized.ops import OptimizedOps, cross_entropy, linear_cross_entropy
 from optimized.pipeline.dualpipev import SummedLinearCrossEntropy
 from reference.ops import ReferenceOps

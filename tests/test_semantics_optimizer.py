@@ -34,8 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from models.distributed import Layout, ParallelConfig, launch, make_layout
-from models.training import reduce_gradients
+from models.runtime import Layout, ParallelConfig, launch, make_layout, reduce_gradients
 from optimized.train.optimizer import ShardedAdamW
 
 BETAS, EPS, WEIGHT_DECAY = (0.8, 0.9), 1e-3, 0.1

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models.model import build_model
-from models.presets import resolve_model
+from models.hf import resolve_model
+from models.network import build_model
 from optimized.train import (
     TrainConfig,
     apply_overrides,

@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from models.distributed import launch, make_layout
-from models.model import is_expert_parameter
-from models.presets import resolve_model
-from models.training import OptimizerConfig
+from models.hf import resolve_model
+from models.network import is_expert_parameter
+from models.runtime import OptimizerConfig, launch, make_layout
 from optimized.ops.grouped_linear import WeightGradStore
 from optimized.pipeline import gradient_sync, sharding
 from optimized.train import TokenDataset, TokenLoader, default_dataset, trainer

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import pkgutil
 import re
 import subprocess
 import sys
@@ -36,12 +35,30 @@ def _loaded_after(statement: str) -> set[str]:
     return {name.split(".")[0] for name in out} & set(PACKAGES)
 
 
+def _models_modules() -> list[str]:
+    names = [
+        _module_name(p) for p in sorted((ROOT / "models").rglob("*.py")) if p.name != "__init__.py"
+    ]
+    assert len(names) > 20, f"the models modules were not found: {names}"
+    return names
+
+
 def test_models_imports_neither_stack():
     """Every `models` module, imported in a fresh process, loads nothing of `reference`,
     `optimized` or `harness`."""
-    names = [m.name for m in pkgutil.walk_packages([str(ROOT / "models")], "models.")]
-    assert len(names) > 15, f"the models modules were not found: {names}"
-    assert _loaded_after(f"import models, {', '.join(names)}") == {"models"}
+    assert _loaded_after(f"import models, {', '.join(_models_modules())}") == {"models"}
+
+
+def test_the_network_loads_neither_checkpoints_nor_runtime():
+    """Every module of the math, imported in a fresh process, loads no module of `models.hf`
+    or `models.runtime` (the Triton switch lives in `models` itself for this reason)."""
+    network = [m for m in _models_modules() if m.startswith("models.network.")]
+    code = f"import sys, {', '.join(network)}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    loaded = sorted(m for m in out if m.startswith(("models.hf", "models.runtime")))
+    assert len(network) >= 8 and not loaded, f"importing the math loaded {loaded}"
 
 
 def test_optimized_does_not_import_reference_or_harness():
@@ -126,7 +143,7 @@ def imports_of(path: Path) -> Iterator[tuple[str, int, bool]]:
                 for alias in child.names:
                     yield alias.name, child.lineno, in_function
             elif isinstance(child, ast.ImportFrom):
-                where = f"{path.relative_to(ROOT)}:{child.lineno}"
+                where = f"{path}:{child.lineno}"
                 assert child.level == 0 and child.module, f"{where}: a relative import"
                 for alias in child.names:
                     yield _module_of(child.module, alias.name), child.lineno, in_function
@@ -405,8 +422,94 @@ def test_callers_import_optimized_subpackages_not_their_files():
     assert not wrong, "import these from the subpackage:\n" + "\n".join(wrong)
 
 
+MODELS_MAY_IMPORT = {"network": set(), "hf": {"network", "runtime"}, "runtime": {"network"}}
+"""The other `models` subpackages each one may import anywhere, as its docstring says (all
+may import `models` itself, which holds only the Triton switch)."""
+
+
+def test_every_models_subpackage_says_what_it_may_import():
+    """Each `models` subpackage's docstring names exactly the subpackages of the table above
+    and every module file it holds; `models/` holds only its package file and the three."""
+    for package, others in MODELS_MAY_IMPORT.items():
+        named, text = _may_import(ROOT / "models" / package / "__init__.py")
+        mine = {n for n in named if n.startswith("models.")}
+        expected = {f"models.{other}" for other in others}
+        assert mine == expected, f"models.{package}: docstring {mine}, table {expected}"
+        modules = [p.stem for p in (ROOT / "models" / package).rglob("*.py")]
+        unnamed = sorted(m for m in modules if m != "__init__" and f"`{m}`" not in text)
+        assert not unnamed, f"models.{package}'s docstring does not name {unnamed}"
+    top = sorted(p.name for p in (ROOT / "models").glob("*.py"))
+    assert top == ["__init__.py"], f"models/ holds {top}: put them in a subpackage"
+    folders = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(MODELS_MAY_IMPORT), f"models' subpackages: {folders}"
+
+
+def models_edge_violations(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Imports in ``files`` (each in `models/<sub>/` under ``root``) against the table."""
+    wrong = []
+    for path in files:
+        package = path.relative_to(root).parts[1]
+        for module, line, _ in imports_of(path):
+            parts = module.split(".")
+            where = f"{path.relative_to(root)}:{line} imports {module}"
+            if parts[0] in ("reference", "optimized", "harness", "benchmarks"):
+                wrong.append(where)
+            elif parts[0] == "models" and len(parts) > 1 and parts[1] != package:
+                if parts[1] not in MODELS_MAY_IMPORT[package]:
+                    wrong.append(where)
+    return wrong
+
+
+def test_every_models_import_follows_the_subpackage_edges():
+    """Every import in `models/<sub>/`, function-level ones included: the math imports
+    neither the checkpoints nor the runtime; the runtime never the checkpoints."""
+    files = sorted(p for sub in MODELS_MAY_IMPORT for p in (ROOT / "models" / sub).rglob("*.py"))
+    assert len(files) > 20, "the models files were not found"
+    wrong = models_edge_violations(files)
+    assert not wrong, "imports against models' edges:\n" + "\n".join(wrong)
+
+
+def test_the_models_edge_check_finds_a_wrong_edge(tmp_path):
+    """A math module importing the runtime, or a stack, is reported (the check can fail)."""
+    bad = tmp_path / "models" / "network" / "probe.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('"""probe"""\n\nfrom models.runtime import launch\nimport optimized.ops\n')
+    assert models_edge_violations([bad], root=tmp_path) == [
+        "models/network/probe.py:3 imports models.runtime",
+        "models/network/probe.py:4 imports optimized.ops",
+    ]
+
+
+MODELS_DEEP_IMPORTS_ALLOWED = {
+    ("tests/test_checkpoint_read.py", "models.hf.checkpoint"): (
+        "the test shrinks the module's read buffer (`READ_BUFFER_BYTES`) to exercise it"
+    ),
+    ("tests/test_mxfp4.py", "models.hf.checkpoint"): (
+        "the test replaces the module's `safe_open` to prove a load maps no checkpoint file"
+    ),
+}
+"""(file, module) -> why it may import a file inside a `models` subpackage."""
+
+
+def test_callers_import_models_subpackages_not_their_files():
+    """Outside `models`, code and tests import `models.network`, never
+    `models.network.config`: each subpackage re-exports its public names."""
+    wrong = []
+    folders = ("reference", "optimized", "harness", "benchmarks", "tests", "tools")
+    files = sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+    assert len(files) > 100, "the callers were not found"
+    for path in files:
+        name = str(path.relative_to(ROOT))
+        for module, line, _ in imports_of(path):
+            parts = module.split(".")
+            if parts[0] == "models" and len(parts) > 2:
+                if (name, module) not in MODELS_DEEP_IMPORTS_ALLOWED:
+                    wrong.append(f"{name}:{line} imports {module}")
+    assert not wrong, "import these from the subpackage:\n" + "\n".join(wrong)
+
+
 def test_a_model_without_ops_refuses_to_run_and_says_how():
-    from models import build_model, preset
+    from models.network import build_model, preset
 
     model = build_model(preset("tiny-qwen3-moe"))
     with pytest.raises(RuntimeError, match="ReferenceOps"):
@@ -414,9 +517,8 @@ def test_a_model_without_ops_refuses_to_run_and_says_how():
 
 
 def _marks_worker(names):
-    from models import SeededWeights, preset
-    from models.distributed import ParallelConfig, make_layout
-    from models.training import OptimizerConfig, synthetic_batch
+    from models.network import SeededWeights, preset
+    from models.runtime import OptimizerConfig, ParallelConfig, make_layout, synthetic_batch
     from optimized.pipeline import OptimizedPipeline
     from reference.pipeline import ReferencePipeline
 
@@ -440,7 +542,7 @@ def test_both_stacks_mark_the_same_schedule():
     """Every action, W included, reports itself to the observer in both stacks. The
     optimized stack marks an overlapped pair once (``F0&B1``), the reference its F, then
     its B: expanded, the two sequences are equal."""
-    from models.distributed import launch
+    from models.runtime import launch
 
     results = launch(_marks_worker, 2, (None,))
     for rank, marks in enumerate(results):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from models.distributed import RankFailed, launch
+from models.runtime import RankFailed, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.distributed import launch
-from models.inputs import BadInput
-from models.model import IGNORE_INDEX, build_model
-from models.presets import resolve_model
+from models.hf import resolve_model
+from models.network import IGNORE_INDEX, build_model
+from models.runtime import BadInput, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
 from optimized.train.loader import TokenDataset, TokenLoader

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from models.distributed import launch
-from models.presets import preset
+from models.network import preset
+from models.runtime import launch
 from optimized.estimator.flops import training_flops
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main

@@ -15,9 +15,8 @@ from harness.compare.inplace import pair_sums
 from harness.compare.rank import RankPlan
 from harness.compare.record import StepRecord
 from harness.compare.verdict import build_report
-from models import preset
-from models.distributed import ParallelConfig
-from models.training import OptimizerConfig
+from models.network import preset
+from models.runtime import OptimizerConfig, ParallelConfig
 
 TRUTH = {
     name: torch.randn(64, generator=torch.Generator().manual_seed(i), dtype=torch.float64)

@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import ExpertParallel, SeededWeights, StateDictWeights, build_model, preset
-from models.model import build_part
-from models.training import even_partition, rank_chunks
+from models.network import (
+    ExpertParallel,
+    SeededWeights,
+    StateDictWeights,
+    build_model,
+    build_part,
+    preset,
+)
+from models.runtime import even_partition, rank_chunks
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 
@@ -118,8 +124,8 @@ def test_a_state_dict_is_a_source_and_rope_tables_are_rebuilt():
 
 
 def _sharded_build_worker(cases):
-    from models.distributed import ParallelConfig, make_layout
-    from models.model import CausalLM
+    from models.network import CausalLM
+    from models.runtime import ParallelConfig, make_layout
     from optimized.pipeline.sharding import apply_fsdp, held_rows
 
     out = []
@@ -149,7 +155,7 @@ def test_fsdp_on_meta_reads_exactly_the_planned_rows():
     """FSDP2 applied to the meta part (DP=2; EP=1, experts over 2 replicas, and EP=2):
     each rank reads once, for every parameter, exactly the rows `held_rows` plans without a
     process group (the dry run's figures), and holds those rows of the whole model."""
-    from models.distributed import launch
+    from models.runtime import launch
 
     cases = [("tiny-gpt-oss", 1), ("tiny-deepseek-v2", 2)]
     per_rank = launch(_sharded_build_worker, 2, (cases,))

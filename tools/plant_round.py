@@ -108,7 +108,7 @@ BUGS = [
     # ----------------------------------------------------- normalisation of the loss
     Bug(
         "token-count-includes-ignored",
-        "models/training.py",
+        "models/runtime/training.py",
         "    return (labels != IGNORE_INDEX).sum().clamp(min=1)",
         "    return torch.tensor(labels.numel(), device=labels.device)",
         NORMALISATION,
@@ -124,7 +124,7 @@ BUGS = [
     ),
     Bug(
         "micro-batches-overlap-across-dp",
-        "models/training.py",
+        "models/runtime/training.py",
         "    first = dp_rank * parallel.micro_batches * size",
         "    first = dp_rank * size",
         NORMALISATION + ("tests/test_semantics_trainer.py",),

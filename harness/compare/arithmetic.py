@@ -1,6 +1,6 @@
 """How a compare rank computes, and what its report says of it.
 
-A rank computes on the device its launcher handed it (`models.device.rank_device`: the
+A rank computes on the device its launcher handed it (`models.runtime.rank_device`: the
 parent resolved ``--device`` once and started every rank with it and its Triton mode).
 Everything the rank builds takes its device from there or from the tensors and parts made
 there: the stacks, the float32 truth, the oracle, the batches, the bisection's model.
@@ -13,7 +13,7 @@ Two settings make a comparison mean what it says:
   step) would then measure TF32's rounding, not the stacks'. Every rank turns it off
   (`exact_float32`); on a CPU this changes nothing.
 - **bfloat16 products as a GPU computes them.** On a CPU without native bfloat16 GEMM the
-  rank computes them as float32 products rounded once (`models.bf16_gemm`), for both
+  rank computes them as float32 products rounded once (`models.runtime.cpu_gemm`), for both
   stacks alike, entered for the rank's whole work before any memory tracker; the report
   says so.
 
@@ -31,8 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from harness.report import device_description
-from models.bf16_gemm import bf16_gemm, float32_products
-from models.device import rank_device
+from models.runtime import bf16_gemm, float32_products, rank_device
 
 
 def exact_float32() -> dict[str, Any]:
@@ -79,7 +78,7 @@ def device_section(
 @contextmanager
 def rank_arithmetic(dtype: torch.dtype) -> Iterator[RankArithmetic]:
     """A rank's work computes inside this: on its device, TF32 off, bfloat16 products as a
-    GPU's (`models.bf16_gemm.bf16_gemm`, entered before any memory tracker)."""
+    GPU's (`models.runtime.bf16_gemm`, entered before any memory tracker)."""
     device = rank_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)

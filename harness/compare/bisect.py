@@ -27,10 +27,16 @@ from typing import Any
 
 import torch
 
-from models import WeightSource, build_part
-from models.config import ModelConfig
-from models.decoder import AttentionOut, CombineOut, DispatchOut, ExpertsOut
-from models.model import IGNORE_INDEX
+from models.network import (
+    IGNORE_INDEX,
+    AttentionOut,
+    CombineOut,
+    DispatchOut,
+    ExpertsOut,
+    ModelConfig,
+    WeightSource,
+    build_part,
+)
 
 
 @dataclass(slots=True)
@@ -259,7 +265,7 @@ def bisect_rank(plan: Any) -> dict[str, Any] | None:
     or None when every stage agrees."""
     from harness.compare.arithmetic import rank_arithmetic  # noqa: PLC0415
     from harness.compare.planted import planted  # noqa: PLC0415
-    from models.training import synthetic_batch  # noqa: PLC0415
+    from models.runtime import synthetic_batch  # noqa: PLC0415
 
     parallel = plan.parallel
     with rank_arithmetic(parallel.torch_dtype) as arithmetic, planted(plan.plant):

@@ -18,11 +18,11 @@ reference's (`harness.compare.noise_floor`); DESIGN.md's fixed bounds stay as a 
 information. Against the oracle the trajectory is always free.
 
 Two pipeline sides compare at the same expert choices (``--routing pinned``, the
-default): later stacks replay the first one's routing (`models.routing`). ``--routing
+default): later stacks replay the first one's routing (`models.network.routing`). ``--routing
 free`` lets each side route itself, to see the effect of top-k's discontinuity.
 
 The ranks compute on one device, chosen once here before any rank starts (``--device
-auto|cuda|cpu``, `models.device.resolve_device`): one GPU per rank, or the CPU with
+auto|cuda|cpu``, `models.runtime.resolve_device`): one GPU per rank, or the CPU with
 Triton's interpreter. ``--bisect`` runs in a rank of its own on the same device, with the
 same planted bug. The report records the device (`harness.compare.arithmetic`).
 
@@ -45,10 +45,18 @@ from harness.compare.planted import PLANTS
 from harness.compare.rank import RankPlan
 from harness.compare.stacks import SIDES, STACKS, device_problem
 from harness.compare.verdict import build_report
-from models import CheckpointWeights, SeededWeights, resolve_model
-from models.device import DeviceError, DevicePlan, resolve_device
-from models.distributed import ParallelConfig, RankFailed, launch
-from models.training import OptimizerConfig, even_partition
+from models.hf import CheckpointWeights, resolve_model
+from models.network import SeededWeights
+from models.runtime import (
+    DeviceError,
+    DevicePlan,
+    OptimizerConfig,
+    ParallelConfig,
+    RankFailed,
+    even_partition,
+    launch,
+    resolve_device,
+)
 
 __all__ = ["SIDES", "STACKS", "add_arguments", "run"]
 
@@ -189,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         default="auto",
         help="where the ranks compute: auto (one GPU per rank when there are enough, else the "
-        "CPU, saying so), cuda or cpu (models.device); --bisect runs on the same device",
+        "CPU, saying so), cuda or cpu (models.runtime.device); --bisect runs on the same device",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
@@ -204,7 +212,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments on their own (before any file is read), if anything."""
     import math  # noqa: PLC0415
 
-    from models.inputs import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
+    from models.runtime import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
 
     for side in ("baseline", "candidate"):
         if getattr(args, side) not in SIDES:
@@ -283,7 +291,7 @@ def _write_outputs(args: argparse.Namespace, report: dict) -> bool:
     """Write ``--json`` and ``--out``; a write that fails goes to a rescue folder, named on
     stderr. True when everything went where it was asked."""
     from harness.report import write_report  # noqa: PLC0415
-    from models.inputs import write_or_rescue  # noqa: PLC0415
+    from models.runtime import write_or_rescue  # noqa: PLC0415
 
     def write_json(path):
         path.parent.mkdir(parents=True, exist_ok=True)

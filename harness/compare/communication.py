@@ -2,7 +2,7 @@
 the estimator's prediction.
 
 Each pipeline side's training steps (``forward_backward`` and ``optimizer_step``) run under
-a `models.communication.CommunicationCounter`; nothing else is counted (gathering the
+a `models.runtime.CommunicationCounter`; nothing else is counted (gathering the
 gradients for the comparison, the evaluation pass). The estimator
 (`optimized.estimator.communication`) predicts the same figures from the config; with
 ``--routing balanced`` they must agree to the byte, with real routing the all-to-all rows
@@ -44,7 +44,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from models.communication import KINDS, Counts
+from models.runtime import KINDS, Counts
 
 
 def _mean(values: list[int]) -> int | float:

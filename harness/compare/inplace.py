@@ -19,7 +19,7 @@ sides compared on one rank cover nested ranges (the oracle's whole tensor contai
 pipeline's expert shard, which contains an FSDP2 shard of it); the narrower range is
 compared, the wider side sliced to it. Rows held by several ranks (data-parallel copies)
 count once: a plain non-expert tensor counts on dp-rank 0 only, a plain expert shard on
-the first block of EP ranks only (as `models.training.reduce_gradients` reduces them);
+the first block of EP ranks only (as `models.runtime.reduce_gradients` reduces them);
 an FSDP2 shard always counts (its rows are its own). Pipeline ranks hold different layers.
 
 ``1 - cos`` without cancellation: ``1 - a.b / (|a| |b|)`` loses everything below 1e-16 to
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.model import is_expert_parameter
+from models.network import is_expert_parameter
 
 CHUNK_ELEMENTS = 1 << 20
 """Elements converted to float64 at a time (8 MiB a side)."""
@@ -257,7 +257,7 @@ class Comparer:
     rank calls `compare` the same number of times, in the same order).
 
     The pieces are reduced on their device; the sums and the parameter names are host
-    values, exchanged over ``group``: a group with gloo (`models.distributed.Layout.host_group`:
+    values, exchanged over ``group``: a group with gloo (`models.runtime.Layout.host_group`:
     NCCL carries no CPU tensors and no objects)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from harness.compare.record import StepRecord
-from models.communication import counted_step
-from models.routing import RoutingTape, attach_routing_tape
+from models.network import RoutingTape, attach_routing_tape
+from models.runtime import counted_step
 
 SIDES = ("baseline", "candidate")
 """The two stacks compared; the float32 truth is a third key where it runs (``truth``)."""
@@ -63,7 +63,7 @@ class Instrument(Protocol):
 
 class CommunicationCount(Instrument):
     """Each stack's collectives and point-to-point calls, counted per step in its regions
-    (`models.communication.counted_step`); the truth's are not counted."""
+    (`models.runtime.counted_step`); the truth's are not counted."""
 
     def __init__(self, layout: Any) -> None:
         self.layout = layout
@@ -97,7 +97,7 @@ class CommunicationCount(Instrument):
 class RoutingTapes(Instrument):
     """Pinned routing: each step one stack records its expert choices (the float32 truth
     where it runs, else the baseline) and the others replay them; the step's record gets
-    what each replay saw (`models.routing.ReplayResult`)."""
+    what each replay saw (`models.network.routing.ReplayResult`)."""
 
     def __init__(self, recorder: Any, replayers: dict[str, Any], every: list[Any]) -> None:
         self.recorder = recorder

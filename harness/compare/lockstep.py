@@ -57,7 +57,7 @@ from harness.compare.stacks import (
     storage_bytes,
     take_gradients,
 )
-from models.training import synthetic_batch
+from models.runtime import synthetic_batch
 
 __all__ = ["copied_step", "free_step", "run_rank", "shared_step", "step_batches"]
 

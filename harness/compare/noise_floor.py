@@ -13,7 +13,7 @@ each bf16 stack's error against it is measured, per quantity:
   the relative L2 error ``|g - t| / |t|``, and its *radial* part ``<g - t, t> / |t|^2``
   (`harness.compare.inplace.Sums.radial`). Rounding noise is nearly orthogonal to the
   truth; a wrong scale is all radial, and hides under the noise in the L2 error;
-- each router's scores (the worst call's relative L2 difference, `models.routing`).
+- each router's scores (the worst call's relative L2 difference, `models.network.routing`).
 
 The candidate passes a quantity when its error is at most ``K`` times the reference's plus
 an allowance. The rules, and why (the README's "How the noise floor's constants were

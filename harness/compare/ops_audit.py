@@ -15,7 +15,7 @@ copied to the host and the op's output is checked against plain PyTorch (`Refere
 - index ops, every call: ``gather_rows`` and ``from_expert_order`` must equal ``x[index]``
   bit for bit; ``to_expert_order`` must keep every row bit for bit, put each row in its
   own expert's group (``expert_ids``, as the op was given them), and use each grouped row
-  once (the `ExpertLayout` contract in `models.ops`);
+  once (the `ExpertLayout` contract in `models.network.ops`);
 - numeric ops, the first call of each per step (``attention``, ``grouped_linear``,
   ``silu_and_mul``, ``clamped_swiglu``, ``scatter_add_rows``, ``cross_entropy``): the
   truth is `ReferenceOps` on float32 copies of the same inputs; the candidate's error
@@ -132,7 +132,7 @@ class OpsAudit(Instrument):
         return name in INDEX_OPS or name not in self._seen
 
     def _wrap(self, name: str, original):
-        from models.ops import Ops  # noqa: PLC0415
+        from models.network import Ops  # noqa: PLC0415
 
         # The interface's signature: a planted bug may wrap the method as (self, x, *args).
         signature = inspect.signature(getattr(Ops, name))

@@ -32,10 +32,8 @@ from harness.compare.stacks import (
     storage_bytes,
     takes_device,
 )
-from models.config import ModelConfig
-from models.distributed import ParallelConfig, make_layout
-from models.routing import BalancedRouting, attach_routing_tape
-from models.training import OptimizerConfig
+from models.network import BalancedRouting, ModelConfig, attach_routing_tape
+from models.runtime import OptimizerConfig, ParallelConfig, make_layout
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ class StepRecord:
     """The candidate's ops against plain PyTorch (`harness.compare.ops_audit`), one row
     per audited call; None when not audited."""
     routing: dict[str, Any] = field(default_factory=dict)
-    """Per replaying stack, its `models.routing.ReplayResult` (pinned routing)."""
+    """Per replaying stack, its `models.network.routing.ReplayResult` (pinned routing)."""
     memory: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     """Per stack (and ``truth``), the step's peak: the largest of its regions
     (`harness.compare.meter.Meter.finish_step`); None when not measured."""

@@ -3,7 +3,7 @@
 `twinpipe compare --estimate-routing observed` estimates each rank's peak from the routing
 the run actually saw (`optimized.estimator.routing`): a skewed router sends one EP rank
 more rows than another, and its measured peak is higher than the balanced estimate says.
-A forward hook on every `models.layers.Router` counts the experts its call chose. The
+A forward hook on every `models.network.Router` counts the experts its call chose. The
 counts are taken with numpy off a detached view of the indices, not with an aten op, so
 the memory tracker sees nothing of them.
 
@@ -30,7 +30,7 @@ class RoutingCounter:
     """Expert histograms of this rank's router calls, per ``(layer, micro_batch)`` of a step."""
 
     def __init__(self, part: torch.nn.Module, num_experts: int) -> None:
-        from models.layers import Router  # noqa: PLC0415
+        from models.network import Router  # noqa: PLC0415
 
         self.num_experts = num_experts
         self.counting = False

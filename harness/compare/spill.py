@@ -25,7 +25,7 @@ import torch
 from harness.compare.inplace import Piece
 from harness.compare.instruments import Instrument
 from harness.compare.record import StepRecord
-from models.checkpoint import read_exactly
+from models.hf import read_exactly
 
 
 def _remove(path: str) -> None:

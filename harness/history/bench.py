@@ -17,7 +17,7 @@ History entry (one JSON file each, ``bench-<UTC time>-<commit>.json`` or
      "benchmark": {...pytest-benchmark JSON...}      # kind "bench"
      "report": {...compare report...}}               # kind "compare"
 
-``--device`` chooses where the benchmarks compute (`models.device`; the Triton kernels
+``--device`` chooses where the benchmarks compute (`models.runtime.device`; the Triton kernels
 are interpreted exactly on the CPU), ``--profile DIR`` writes a torch.profiler trace of
 the run (the pytest plugin ``benchmarks/profiling.py`` profiles it, with
 `optimized.train.profile_region`).
@@ -48,7 +48,7 @@ from harness.report import (
     machine_description,
     read_json,
 )
-from models.inputs import write_or_rescue
+from models.runtime import write_or_rescue
 
 DEFAULT_HISTORY = "history"
 DEFAULT_BENCHMARKS = "benchmarks"
@@ -137,7 +137,7 @@ def run_benchmarks(
     """Run pytest-benchmark on ``benchmarks``; on success add its JSON to the history.
 
     ``environment``: what the run's environment holds beyond this one's (the device and
-    Triton mode, `models.device.DevicePlan.rank_environment`); ``profile_dir``: where the
+    Triton mode, `models.runtime.DevicePlan.rank_environment`); ``profile_dir``: where the
     benchmarks write a torch.profiler trace of the run and its top-ops table.
 
     Returns the command's exit code (0; 2 when nothing was collected or ``benchmarks``
@@ -242,7 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         default="auto",
         help="where the benchmarks compute: auto (a GPU when there is one, else the CPU), "
-        "cuda or cpu (models.device); the Triton kernels are interpreted exactly on the CPU",
+        "cuda or cpu (models.runtime.device); the Triton kernels are interpreted exactly on the "
+        "CPU",
     )
     parser.add_argument(
         "--profile",
@@ -259,8 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.device import DeviceError, resolve_device  # noqa: PLC0415
-    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+    from models.runtime import BadInput, DeviceError, check_output_dir, resolve_device  # noqa: PLC0415
 
     try:
         check_output_dir(args.history, "--history")

@@ -188,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+    from models.runtime import BadInput, check_output_dir  # noqa: PLC0415
 
     if not Path(args.history).is_dir():
         print(f"twinpipe dashboard: error: {args.history}: no such history folder", file=sys.stderr)

@@ -29,12 +29,12 @@ def git_commit(cwd: str | os.PathLike[str] | None = None) -> str:
 
 def machine_description() -> str:
     """One line: CPU architecture and cores, the GPUs torch can use, torch version (a history
-    entry's ``machine``). The GPUs come from the device resolver (`models.device`), the one
+    entry's ``machine``). The GPUs come from the device resolver (`models.runtime.device`), the one
     place that asks the machine about CUDA."""
     parts = [f"{platform.machine() or 'cpu'}, {os.cpu_count()} CPU cores"]
     import torch  # noqa: PLC0415 (reading and writing reports needs no torch)
 
-    from models.device import cuda_support  # noqa: PLC0415
+    from models.runtime import cuda_support  # noqa: PLC0415
 
     support = cuda_support()
     if support.gpus:

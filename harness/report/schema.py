@@ -46,7 +46,7 @@ timing) and every reader here copes with its absence.
                  "name": str,              # recorded: such reports ran on CPUs), the GPU
                  "torch": str, "triton": str | null, "cuda": str | null,   # or CPU model
                  "float32_products": bool, # bf16 products computed as float32 products
-                 "float32_products_why": str,   # (models.bf16_gemm), and why
+                 "float32_products_why": str,   # (models.runtime.cpu_gemm), and why
                  "tf32": bool,             # whether float32 matmuls could use TF32 (never)
                  "requested": str}         # what --device asked for: auto, cuda or cpu
     }

@@ -18,7 +18,7 @@ def problem_lines(report: dict[str, Any]) -> list[str]:
 
 def products_line(report: dict[str, Any]) -> str:
     """One line when the ranks computed bfloat16 products as float32 products
-    (`models.bf16_gemm`), saying why; ``""`` otherwise."""
+    (`models.runtime.cpu_gemm`), saying why; ``""`` otherwise."""
     device = report.get("device")
     if not isinstance(device, dict) or not device.get("float32_products"):
         return ""

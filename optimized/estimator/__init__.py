@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.config import ModelConfig
+from models.network import ModelConfig
 from optimized.estimator.communication import predict_ranks, predict_traffic, runner_partition
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.flops import (

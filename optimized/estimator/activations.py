@@ -1,6 +1,6 @@
 """Bytes autograd keeps for backward, per layer and micro-batch, read off twinpipe's model code.
 
-Each entry below names the op in `models.layers` / `models.decoder` whose
+Each entry below names the op in `models.network.layers` / `models.network.decoder` whose
 ``ctx`` holds the tensor (``nn.Linear`` saves its input, ``RMSNorm`` its
 float32 input, the rsqrt and the normalised value, softmax its result,
 ``index_select`` only its index, ...). Tensors are counted once per storage:
@@ -222,7 +222,7 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     rows = routed(config)
     sent, grouped, received = rows.sent, rows.grouped, rows.received
     saved: list[Saved] = []
-    # The weights are the scores indexed at the chosen experts (models.layers._at): the
+    # The weights are the scores indexed at the chosen experts (models.network.layers._at): the
     # ``[T, k]`` expert index and a ``[T, 1]`` row index are saved; the selection is detached.
     routed_index = [
         Saved("router.topk_indices", tokens * top_k * I64),

@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EstimateConfig:
     """The trainer's run of these flags (`optimized.train.sizing`), then the estimator's
     own choices on top."""
-    from models.presets import resolve_model
+    from models.hf import resolve_model
     from optimized.train.sizing import estimate_config, trainer_default, training_run
 
     model = resolve_model(args.model)

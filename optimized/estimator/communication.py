@@ -1,20 +1,20 @@
 """Every collective and point-to-point call of one training step, per rank, from the config.
 
-The same figures `models.communication.CommunicationCounter` measures (kind, group, calls,
+The same figures `models.runtime.CommunicationCounter` measures (kind, group, calls,
 bytes sent and received by the direct model: never a rank's own slice), predicted from the
 model, the layout and the runner alone, exactly when routing is balanced
-(`models.routing.BalancedRouting`: token ``t`` takes experts ``(t k + i) mod E``):
+(`models.network.BalancedRouting`: token ``t`` takes experts ``(t k + i) mod E``):
 
 - **p2p** (``send``/``recv`` on their stream's group, ``forward0`` ... ``backward1`` of
-  `models.p2p`): the DualPipeV messages of `optimized.estimator.schedule.comm_events`, one
+  `models.runtime.p2p`): the DualPipeV messages of `optimized.estimator.schedule.comm_events`, one
   ``[mbs, seq, hidden]`` activation or gradient each, in the run dtype;
 - **all_to_all** (``ep``, EP > 1): per MoE layer of the rank's two chunks and micro-batch,
   the count exchange (``num_experts`` int64, ``E / EP`` to each peer), then dispatch and
   combine forward and their two backward exchanges; a rank sends the routed copies bound
   for other EP ranks' experts and receives the copies of its own experts from each peer;
-- **the loss** (`models.training.shared_loss`): one float32 all-reduce over ``dp`` and one
+- **the loss** (`models.runtime.shared_loss`): one float32 all-reduce over ``dp`` and one
   broadcast over ``pp`` from pp-rank 0;
-- **plain runners** (`models.training.reduce_gradients`): one all-reduce per parameter,
+- **plain runners** (`models.runtime.reduce_gradients`): one all-reduce per parameter,
   over ``dp``, routed experts over ``expert_replica`` (where those groups have > 1 rank);
 - **FSDP2** (``fsdp``, `optimized.pipeline.sharding`): the units are each layer's two norms
   and attention, its dense MLP or router and shared experts, the embedding, the final norm
@@ -48,8 +48,7 @@ from collections.abc import Iterator
 
 import torch
 
-from models.communication import Counts, Traffic
-from models.p2p import BACKWARD, FORWARD, stream_name
+from models.runtime import BACKWARD, FORWARD, Counts, Traffic, stream_name
 from optimized.estimator.activations import I64
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.schedule import comm_events, rank_actions
@@ -84,8 +83,7 @@ def runner_partition(config: EstimateConfig) -> list[range]:
 # ------------------------------------------------------------------ the rank's part
 def _rank_part(config: EstimateConfig, pp_rank: int, ep_rank: int, chunks):
     """This rank's part on the meta device (shapes only)."""
-    from models.decoder import ExpertParallel  # noqa: PLC0415
-    from models.model import CausalLM  # noqa: PLC0415
+    from models.network import CausalLM, ExpertParallel  # noqa: PLC0415
 
     first = pp_rank == 0
     with torch.device("meta"):

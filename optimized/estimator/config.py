@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config import ModelConfig
-from models.distributed import GRAD_SYNC
+from models.network import ModelConfig
+from models.runtime import GRAD_SYNC
 
 STACKS = ("reference", "optimized")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

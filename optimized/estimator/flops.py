@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from models.config import ModelConfig
+from models.network import ModelConfig
 
 
 def attended_keys(seq_len: int, window: int | None = None) -> float:

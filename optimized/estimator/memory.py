@@ -315,7 +315,7 @@ def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> P
 def buffer_bytes(config: EstimateConfig, layers) -> int:
     """Non-parameter buffers the registered modules hold: each attention's rotary
     ``inv_freq`` (half the rotary width), in float32 whatever the run dtype, as transformers
-    keeps it (`models.layers._init_rope_buffer`)."""
+    keeps it (`models.network.layers._init_rope_buffer`)."""
     m = config.model
     rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
     return len(list(layers)) * (rotary // 2) * F32
@@ -323,7 +323,7 @@ def buffer_bytes(config: EstimateConfig, layers) -> int:
 
 def batch_bytes(config: EstimateConfig) -> int:
     """Every rank draws the whole global batch's int64 ids and labels; the step's loss and
-    its token count (`models.training.token_count`: a 0-dim int64 on the device, so that
+    its token count (`models.runtime.token_count`: a 0-dim int64 on the device, so that
     nothing is read on the host) live through the step."""
     global_batch = config.dp * config.num_microbatches * config.micro_batch_size
     return 2 * I64 * global_batch * config.seq_len + F32 + I64

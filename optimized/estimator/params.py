@@ -6,7 +6,7 @@
 | ``replicated`` | norms, router, shared-expert gate | 1 |
 | ``routed_experts`` | the routed experts' weights and biases | EP (experts) x ETP (width) |
 
-Counts follow `models.layers` module by module (the tests hold them against
+Counts follow `models.network.layers` module by module (the tests hold them against
 ``sum(p.numel())`` of the built modules), so the per-rank weight, gradient and
 optimizer bytes are exact. Each count also carries how many parameter *tensors*
 it is made of: `torch.optim.AdamW` keeps a 4-byte ``step`` per tensor.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.config import ModelConfig
+from models.network import ModelConfig
 from optimized.estimator.config import EstimateConfig
 
 BUCKETS = ("tensor_sharded", "replicated", "routed_experts")

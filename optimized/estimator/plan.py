@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config import ModelConfig
+from models.network import ModelConfig
 from optimized.estimator.bubble import simulate
 from optimized.estimator.communication import (
     PLAN_KINDS,

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.presets import resolve_model
+    from models.hf import resolve_model
 
     try:
         model = resolve_model(args.model)

@@ -1,7 +1,7 @@
 """The optimized stack's attention backward, read off its code: the recomputed block.
 
 The optimized stack keeps only the attention block's input and reruns the block in
-backward (`models.decoder.DecoderLayer.attention` under non-reentrant checkpoint with
+backward (`models.network.DecoderLayer.attention` under non-reentrant checkpoint with
 `optimized.ops.OptimizedOps`). Its ``attention_backward`` step therefore holds, at its
 high point, the recomputed block's saved tensors beside the gradients of its backward.
 Each moment below lists those tensors (``tests/test_estimator_layers.py`` holds them
@@ -136,7 +136,7 @@ def kept_block(config: EstimateConfig, layer: int) -> int:
 
 
 def mlp_backward_moments(config: EstimateConfig, width: int) -> list[tuple[int, int]]:
-    """A SwiGLU MLP's backward (`models.layers.DenseMLP`: ``down(silu(gate(x)) * up(x))``),
+    """A SwiGLU MLP's backward (`models.network.layers.DenseMLP`: ``down(silu(gate(x)) * up(x))``),
     above the level it starts from, as (rise, weight-gradient bytes made before it):
     the down projection's input gradient beside its weight gradient; the product's two
     input gradients once its saved input is gone; the gate projection's, with the input

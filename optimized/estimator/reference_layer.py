@@ -2,7 +2,7 @@
 
 A layer keeps its saved tensors (`optimized.estimator.activations.layer_saved`) from its
 forward to its backward; while either runs it holds more. Each term below is a moment of
-`models.decoder.DecoderLayer` run with `reference.ops.ReferenceOps`, the tensors alive
+`models.network.DecoderLayer` run with `reference.ops.ReferenceOps`, the tensors alive
 there that are not saved, and the saved ones not yet made (forward) or already freed
 (backward). ``tests/test_estimator_layers.py`` holds every moment against a storage
 tracker on real layers.

@@ -47,7 +47,7 @@ def received_loads(
 
     ``histograms[rank][(layer, micro_batch)]`` is how many of ``rank``'s routed copies chose
     each of the ``num_experts`` experts. Ranks ``p * dp + block * ep + e`` (``e < ep``) form
-    an EP group (`models.distributed.make_layout`) and EP rank ``e`` holds experts
+    an EP group (`models.runtime.make_layout`) and EP rank ``e`` holds experts
     ``[e * E / ep, (e + 1) * E / ep)``: it receives, for each of them, the sum over its group.
     """
     local = num_experts // ep

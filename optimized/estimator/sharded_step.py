@@ -19,7 +19,7 @@ With ``reshard_after_forward`` off FSDP2's gathered parameters are freed at each
 last backward (`optimized.pipeline.gradient_sync`), so the step sees only the shards.
 
 The slices follow the part's parameter order, which a meta-device build of the part gives
-exactly (`models.model.CausalLM`, no storage); the step's peak is its largest block's.
+exactly (`models.network.CausalLM`, no storage); the step's peak is its largest block's.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class SliceBytes(NamedTuple):
 
 def part_parameters(config: EstimateConfig, layers: list[int], first: bool) -> list:
     """``(name, shape)`` of this pp-rank's part in `named_parameters` order, as the runner
-    builds it (`models.model.CausalLM`: the embedding, the layers of chunk 0 then chunk 1,
+    builds it (`models.network.CausalLM`: the embedding, the layers of chunk 0 then chunk 1,
     the final norm and the output layer, the embedding and the head on pp-rank 0 only; an
     output layer tied to the embedding is the same parameter); each layer's from a
     meta-device `DecoderLayer` (no storage), built once per process."""
@@ -81,7 +81,7 @@ _MODELS: dict = {}
 def _layer_parameters(model_key: str, layer: int, ep: int) -> tuple:
     import torch  # noqa: PLC0415
 
-    from models.decoder import DecoderLayer, ExpertParallel  # noqa: PLC0415
+    from models.network import DecoderLayer, ExpertParallel  # noqa: PLC0415
 
     with torch.device("meta"):
         built = DecoderLayer(_MODELS[model_key], layer, ExpertParallel(None, 0, ep))

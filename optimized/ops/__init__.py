@@ -11,7 +11,7 @@
 - `gather`: row gather and scatter-add that save only the index;
 - `expert_order`: token rows grouped by expert, each group padded for the grouped GEMM;
 - `grouped_linear`: the grouped expert linear, its weight gradient deferrable to a W step;
-- `optimized_ops`: `OptimizedOps`, the stack's `models.ops.Ops`.
+- `optimized_ops`: `OptimizedOps`, the stack's `models.network.Ops`.
 
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.
@@ -19,7 +19,7 @@ switched on before any kernel module imports `triton`.
 May import `models` only; never another `optimized` subpackage, `reference` or `harness`.
 """
 
-from models.distributed import all_to_all
+from models.runtime import all_to_all
 from optimized.ops import _triton  # noqa: F401  (must precede every kernel import)
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
 from optimized.ops.attention import FlashAttention, flash_attention

@@ -2,7 +2,7 @@
 
 In a process that computes on the CPU, Triton kernels run through its interpreter,
 which must be switched on (``TRITON_INTERPRET=1``) before `triton` is first imported.
-A rank's launcher sets it (`models.device`); every kernel module imports ``triton``
+A rank's launcher sets it (`models.runtime.device`); every kernel module imports ``triton``
 and ``tl`` from here, so any other process chooses once, early, and a user's explicit
 setting is left alone.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 
-from models.device import choose_triton_mode
+from models.runtime import choose_triton_mode
 
 choose_triton_mode()
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from models.ops import ExpertLayout
+from models.network import ExpertLayout
 from optimized.ops.gather import padded_index_gather, round_up
 
 GROUPED_GEMM_ROW_ALIGNMENT = 128

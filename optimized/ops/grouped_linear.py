@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from models.host_sync import host_side
+from models.network import host_side
 from optimized.ops._triton import INTERPRETED, launch, tl, triton
 from optimized.ops.expert_order import GROUPED_GEMM_STRIDE_BYTES
 from optimized.ops.gather import round_up
@@ -174,7 +174,7 @@ def zero_rows_past_groups_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Te
     Compiled (GPU), `launch_zero_tail_rows` reads the end on the device. Under the Triton
     interpreter with the offsets in host memory, the end is read from that memory as it
     is (through numpy: no aten op, nothing to synchronise; a host-side read for
-    `models.host_sync`) and only the tail is sliced and zeroed (an interpreted launch costs
+    `models.runtime.host_sync`) and only the tail is sliced and zeroed (an interpreted launch costs
     milliseconds of Python).
     """
     if out.shape[0] == 0 or offsets.numel() == 0:

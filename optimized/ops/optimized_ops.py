@@ -1,4 +1,4 @@
-"""`OptimizedOps`: the optimized stack's implementation of `models.ops.Ops`."""
+"""`OptimizedOps`: the optimized stack's implementation of `models.network.Ops`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from models.distributed import all_to_all
-from models.ops import ExpertLayout
+from models.network import ExpertLayout
+from models.runtime import all_to_all
 from optimized.ops.activations import clamped_swiglu, silu_and_mul
 from optimized.ops.attention import flash_attention
 from optimized.ops.cross_entropy import cross_entropy
@@ -18,7 +18,7 @@ from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
 
 
 class OptimizedOps:
-    """Fused, padded and deferrable versions of every op in `models.ops.Ops`.
+    """Fused, padded and deferrable versions of every op in `models.network.Ops`.
 
     ``weight_grad_store``, when given, receives the expert weight gradients of
     `grouped_linear` while it is enabled (see `WeightGradStore`). ``recompute_attention``

@@ -18,7 +18,7 @@ so the two can be held side by side. What differs:
   cross-entropy, experts the padded gather and grouped GEMM of the optimized ops.
 
 Point-to-point traffic: one stream per direction and chunk, each its own process
-group (`models.p2p`: NCCL matches sends to receives in order per pair and ignores
+group (`models.runtime.p2p`: NCCL matches sends to receives in order per pair and ignores
 tags, so no two streams may share a group), sends posted at once, receives posted
 when the data is needed (an overlapped pair receives both its inputs first). A
 send's buffer is freed as soon as the send is known complete, and that moment is
@@ -39,9 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-from models.distributed import Layout
-from models.model import IGNORE_INDEX
-from models.p2p import BACKWARD, FORWARD, PointToPoint, TorchPointToPoint
+from models.network import IGNORE_INDEX
+from models.runtime import BACKWARD, FORWARD, Layout, PointToPoint, TorchPointToPoint
 from optimized.estimator.schedule import send_completions
 from optimized.ops import linear_cross_entropy
 from optimized.pipeline.execution import ExecutionContext
@@ -130,7 +129,8 @@ class OptimizedDualPipeV:
         """Optional `optimized.pipeline.gradient_sync.GradientSync`, told of every backward
         (before it runs) and every W step (after): FSDP2 reduces at the schedule's marks."""
         self.p2p: PointToPoint = TorchPointToPoint()
-        """How tensors travel to the neighbours, on the layout's stream groups (`models.p2p`)."""
+        """How tensors travel to the neighbours, on the layout's stream groups
+        (`models.runtime.p2p`)."""
 
     defers_weight_gradients = True
     """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""

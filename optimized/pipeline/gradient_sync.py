@@ -40,7 +40,7 @@ from typing import NamedTuple
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from models.distributed import GRAD_SYNC
+from models.runtime import GRAD_SYNC
 from optimized.estimator.sync_marks import SyncMarks
 
 

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from models.decoder import AttentionOut, CombineOut, DecoderLayer, DispatchOut, SplitSizes
+from models.network import AttentionOut, CombineOut, DecoderLayer, DispatchOut, SplitSizes
 from optimized.pipeline.execution import Exchange, ExecutionContext, start_exchange
 
 

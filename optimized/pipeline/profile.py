@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.decoder import DecoderLayer
+from models.network import DecoderLayer
 
 STAGES = ("attention", "dispatch", "experts", "combine", "aggregate")
 

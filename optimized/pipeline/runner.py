@@ -10,15 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.config import ModelConfig
-from models.distributed import Layout, ParallelConfig
-from models.model import build_part
-from models.training import (
-    OptimizerConfig,
-    PipelineRunner,
-    rank_chunks,
-)
-from models.weights import WeightSource
+from models.network import ModelConfig, WeightSource, build_part
+from models.runtime import Layout, OptimizerConfig, ParallelConfig, PipelineRunner, rank_chunks
 from optimized.estimator.config import EstimateConfig
 from optimized.ops import OptimizedOps
 from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
@@ -54,7 +47,7 @@ class OptimizedPipeline(PipelineRunner):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
     ) -> None:
-        """``source``: where this rank reads its weights (`models.weights`); ``shard``:
+        """``source``: where this rank reads its weights (`models.network.weights`); ``shard``:
         applied to the meta-device part before it is materialised (FSDP2).
         ``label_smoothing`` and ``z_loss`` (the z-loss weight) change the objective; they
         are the trainer's options, which the reference stack does not have."""

@@ -21,7 +21,7 @@ parameter group and its own FSDP2 root (nothing forwards the pipeline part as a 
   that group is one rank (EP = DP) FSDP2 would shard nothing and only add an all-gather
   copy of the experts, so they stay whole and unreduced (`ShardedAdamW`'s plain path);
 - the output layer: the optimized loss stage fuses it with the cross-entropy and never
-  calls ``lm_head.forward``; it calls ``lm_head.fused_loss`` (`models.layers.OutputLayer`),
+  calls ``lm_head.forward``; it calls ``lm_head.fused_loss`` (`models.network.layers.OutputLayer`),
   registered with `register_fsdp_forward_method` so the same hooks gather the weight
   around it. The fused loss finishes ``grad_weight`` in its forward and hands it to
   autograd in the backward, where it lands in the unsharded ``.grad`` as a plain linear's
@@ -65,9 +65,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-from models.distributed import Layout
-from models.model import CausalLM, is_expert_parameter
-from models.training import PipelineRunner, micro_batches_of, shared_loss, token_count
+from models.network import CausalLM, is_expert_parameter
+from models.runtime import Layout, PipelineRunner, micro_batches_of, shared_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
 from optimized.pipeline.gradient_sync import GradientSync, chunk_units
 
@@ -107,9 +106,9 @@ def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple
     """``name -> (start, count)``: the rows of the whole model's tensor each parameter of a
     (meta-device) part holds on dp-rank ``dp_rank`` once `apply_fsdp` has sharded it (DP > 1)
     -- its EP block, then its FSDP2 rows -- with no process group. What that rank reads
-    from a checkpoint (`models.weights.materialise` places the same rows); the dry run of
+    from a checkpoint (`models.network.weights.materialise` places the same rows); the dry run of
     a published-size layout lists it."""
-    from models.weights import chunk_rows  # noqa: PLC0415
+    from models.network import chunk_rows  # noqa: PLC0415
 
     over: dict[int, tuple[int, int]] = {}
     if dp > 1:
@@ -143,7 +142,7 @@ def apply_fsdp(
     over the expert replicas; the names of the parameters FSDP2 now manages (DTensors
     sharded on dim 0).
 
-    On a meta-device part (`models.model.build_part`'s ``shard``) this also allocates the
+    On a meta-device part (`models.network.build_part`'s ``shard``) this also allocates the
     part on ``device``: FSDP2 parameters get storage for this rank's rows only, in FSDP2's
     own padded shard buffer, so the values filled in next are the ones it trains.
     """
@@ -186,7 +185,7 @@ def _allocate(part: nn.Module, device: torch.device) -> None:
 
 def reduce_unsharded_gradients(part: nn.Module, layout: Layout, sharded: set[str]) -> None:
     """All-reduce the gradients FSDP2 does not reduce: experts over their replicas, the
-    rest over DP (as `models.training.reduce_gradients`)."""
+    rest over DP (as `models.runtime.reduce_gradients`)."""
     for name, param in part.named_parameters():
         if name in sharded:
             continue

@@ -49,12 +49,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from models.config import ModelConfig
-from models.distributed import Layout
-from models.hf_layout import CheckpointError, expected_state_shapes
-from models.inputs import BadInput, read_json
-from models.model import is_expert_parameter
-from models.progress import ProgressLine
+from models.hf import CheckpointError, config_to_hf, expected_state_shapes
+from models.network import ModelConfig, is_expert_parameter
+from models.runtime import BadInput, Layout, ProgressLine, read_json
 from optimized.train import chunks
 from optimized.train.chunks import Chunk
 from optimized.train.optimizer import ParamShard, ShardedAdamW
@@ -293,7 +290,7 @@ def _finish(tmp, final, root, trainer_state, rng, model_config, config_toml, run
     """Rank 0's part of a save: trainer state, configs, manifest, then the rename."""
     torch.save({**trainer_state, "rng": rng}, tmp / TRAINER_STATE)
     with open(tmp / "config.json", "w") as f:
-        json.dump(model_config.to_hf(), f, indent=2, sort_keys=True)
+        json.dump(config_to_hf(model_config), f, indent=2, sort_keys=True)
     (tmp / "train.toml").write_text(config_toml)
     _write_manifest(tmp, run_id)
     if final.exists():
@@ -424,7 +421,7 @@ def load_model_state(folder: str | os.PathLike, config: ModelConfig) -> dict[str
 
 # ------------------------------------------------------------------ as a source
 class TrainingCheckpointWeights:
-    """A training checkpoint's parameters as a weight source (`models.weights`): a rank
+    """A training checkpoint's parameters as a weight source (`models.network.weights`): a rank
     reads only its rows of each ``model.<name>``, straight into its parameter, from the
     DCP chunks that overlap them (whatever layout saved it). Picklable; no process group
     needed."""

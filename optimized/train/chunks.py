@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from models.checkpoint import read_exactly
-from models.weights import Progress
+from models.hf import read_exactly
+from models.network import Progress
 
 
 @dataclass(slots=True)

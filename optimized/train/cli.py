@@ -7,8 +7,8 @@ already trained as far as asked exits 0 saying so.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process checks, then
 joins the environment's rendezvous (NCCL on GPUs, gloo on CPU). Otherwise the ranks are
-spawned on this machine with `models.distributed.launch`, on the device ``device`` resolves
-to (`models.device`: one GPU per rank, else the CPU), and it forwards SIGTERM and SIGINT to
+spawned on this machine with `models.runtime.launch`, on the device ``device`` resolves
+to (`models.runtime.device`: one GPU per rank, else the CPU), and it forwards SIGTERM and SIGINT to
 them: they save and stop at the end of the step.
 
 Exit codes: 0 trained to ``steps`` (or nothing to do); 2 bad input; 3 a rank failed (its
@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from models.inputs import BadInput
+from models.runtime import BadInput
 from optimized.train.config_io import add_config_arguments, config_from_args, print_config
 
 EXIT_BAD_INPUT, EXIT_CRASH = 2, 3
@@ -40,15 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _rank_main(cfg, plan=None) -> dict:
     import torch  # noqa: PLC0415
 
-    from models.bf16_gemm import bf16_gemm, float32_products  # noqa: PLC0415
-    from models.device import rank_device  # noqa: PLC0415
+    from models.runtime import bf16_gemm, float32_products, rank_device  # noqa: PLC0415
     from optimized.train.trainer import train  # noqa: PLC0415
 
     dtype, device = getattr(torch, cfg.dtype), rank_device()
     widened, why = float32_products(dtype, device)
     if widened and os.environ.get("RANK", "0") == "0":
         print(f"note: {why}", file=sys.stderr, flush=True)
-    with bf16_gemm(dtype, device):  # CPUs without native bfloat16 GEMM (models.bf16_gemm)
+    with bf16_gemm(dtype, device):  # CPUs without native bfloat16 GEMM (models.runtime.cpu_gemm)
         return train(cfg, plan)
 
 
@@ -77,12 +76,12 @@ def _outcome(result: dict, steps: int) -> int:
 
 
 def _resolve_device(cfg, nproc: int, under_torchrun: bool):
-    """The ranks' device (`models.device.resolve_device`), before any rank starts. Under
+    """The ranks' device (`models.runtime.resolve_device`), before any rank starts. Under
     torchrun this process is a rank: its device goes into its environment, where
-    `models.launch.init_process_group` reads it, and must match the Triton mode this
+    `models.runtime.init_process_group` reads it, and must match the Triton mode this
     process already chose (``TWINPIPE_DEVICE=cpu`` in torchrun's environment chooses the
     CPU from the start)."""
-    from models.device import DEVICE_ENV, DeviceError, resolve_device  # noqa: PLC0415
+    from models.runtime import DEVICE_ENV, DeviceError, resolve_device  # noqa: PLC0415
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_torchrun else nproc
     layout = f"PP {cfg.parallel.pp} x DP {cfg.parallel.dp}"
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         if device.note:
             print(device.note, file=sys.stderr, flush=True)
-    from models.distributed import RankFailed, init_process_group, launch  # noqa: PLC0415
+    from models.runtime import RankFailed, init_process_group, launch  # noqa: PLC0415
 
     if under_torchrun:
         init_process_group()

@@ -39,7 +39,7 @@ class ModelSection:
     """Which network to train and where its first weights come from."""
 
     name: str | None = field(default=None, metadata={"flag": "model"})
-    """A preset name (see `models.presets.PRESET_NAMES`) or a Hugging Face config.json path;
+    """A preset name (see `models.network.PRESET_NAMES`) or a Hugging Face config.json path;
     unset: the model of ``init_from`` (its config.json), else tiny-deepseek-v2."""
     init_from: str | None = None
     """Checkpoint to take the initial weights from (HF folder or twinpipe checkpoint); unset:
@@ -303,7 +303,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     check(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     check(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
 
-    from models.presets import PRESET_NAMES
+    from models.network import PRESET_NAMES
 
     name = cfg.model.name
     check(
@@ -335,7 +335,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "parallel.ep",
         f"must be >= 1 and divide parallel.dp = {par.dp}",
     )
-    from models.distributed import GRAD_SYNC
+    from models.runtime import GRAD_SYNC
 
     check(
         par.grad_sync in GRAD_SYNC, "parallel.grad_sync", f"must be one of {', '.join(GRAD_SYNC)}"

@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import IO, Any
 
-from models.inputs import BadInput, read_text
+from models.runtime import BadInput, read_text
 
 if sys.version_info >= (3, 11):
     import tomllib

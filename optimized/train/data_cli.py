@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from models.inputs import BadInput, check_output_dir
+from models.runtime import BadInput, check_output_dir
 from optimized.train.preparation import prepare_data, resolve_inputs
 from optimized.train.tokenizers import load_tokenizer
 

@@ -2,7 +2,7 @@
 
 The checkpoint is layout-free (chunks of whole-model tensors, `optimized.train.checkpointing`),
 so export runs in one process whatever layout trained it, and never builds the model:
-tensor by tensor, in the order of the on-disk layout (`models.hf_layout`: DeepSeek-V2 and
+tensor by tensor, in the order of the on-disk layout (`models.hf.hf_layout`: DeepSeek-V2 and
 Qwen3-MoE experts one tensor per expert, GPT-OSS fused), each output tensor is read from
 the DCP chunks that hold it and written to its shard file at once (the shards,
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, are planned up
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from models.config import ModelConfig
-from models.distributed import DTYPES
-from models.inputs import respect_umask
+from models.hf import config_from_hf, config_to_hf
+from models.network import ModelConfig
+from models.runtime import DTYPES, respect_umask
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pieces(name: str, shape: torch.Size, config: ModelConfig):
     """The on-disk tensors of our tensor ``name``: (disk name, shape, offsets in ours)."""
-    from models.hf_layout import hf_tensors  # noqa: PLC0415
+    from models.hf import hf_tensors  # noqa: PLC0415
 
     whole = torch.empty(shape, device="meta")
     for disk_name, view in hf_tensors(name, whole, config).items():
@@ -183,9 +183,15 @@ def export_checkpoint(
     """Write the newest complete checkpoint under ``checkpoint`` to ``out``, one tensor at a
     time (see the module docstring); ``progress`` (default: on a terminal) prints tensors
     and GB written."""
-    from models.checkpoint_write import Planned, ShardWriter, plan_shards, write_config  # noqa: PLC0415
-    from models.hf_layout import expected_state_shapes, to_hf_state_dict  # noqa: PLC0415
-    from models.progress import ProgressLine  # noqa: PLC0415
+    from models.hf import (  # noqa: PLC0415
+        Planned,
+        ShardWriter,
+        expected_state_shapes,
+        plan_shards,
+        to_hf_state_dict,
+        write_config,
+    )
+    from models.runtime import ProgressLine
     from optimized.train import chunks  # noqa: PLC0415
     from optimized.train.checkpointing import (  # noqa: PLC0415
         newest_valid,
@@ -195,7 +201,7 @@ def export_checkpoint(
     folder = newest_valid(checkpoint)
     if folder is None:
         raise ValueError(f"no complete checkpoint in {checkpoint}")
-    config = ModelConfig.from_hf(str(folder / "config.json"))
+    config = config_from_hf(str(folder / "config.json"))
     validate_training_checkpoint(folder, config)
     reader = chunks.CachedReader(folder)
     stored = chunks.tensor_metadata(reader.read_metadata())
@@ -216,7 +222,7 @@ def export_checkpoint(
             plan.append((None, disk, tensor.shape, ()))
     planned = [Planned(disk, tuple(shape), target) for _, disk, shape, _ in plan]
     writer = ShardWriter(out, plan_shards(planned, max_shard_bytes), single=False)
-    hf_config = config.to_hf()
+    hf_config = config_to_hf(config)
     hf_config["dtype"] = str(target).removeprefix("torch.")
     write_config(str(out), hf_config)
     line = ProgressLine(
@@ -242,7 +248,7 @@ def export_checkpoint(
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, found before any tensor is read."""
-    from models.inputs import BadInput, check_output_dir  # noqa: PLC0415
+    from models.runtime import BadInput, check_output_dir  # noqa: PLC0415
     from optimized.train.checkpointing import list_checkpoints, newest_valid  # noqa: PLC0415
 
     source = Path(args.checkpoint)
@@ -261,7 +267,7 @@ def _check(args: argparse.Namespace) -> str | None:
         )
         return f"--checkpoint {args.checkpoint!r}: {what}"
     try:
-        ModelConfig.from_hf(folder / "config.json")
+        config_from_hf(folder / "config.json")
     except (ValueError, OSError) as error:
         return f"--checkpoint {args.checkpoint!r}: {error}"
     if args.max_shard_bytes is not None and args.max_shard_bytes < 1:

@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.communication import KINDS, Counts
-from models.config import ModelConfig
-from models.host_sync import HostCopy, host_side
+from models.network import HostCopy, ModelConfig, host_side
+from models.runtime import KINDS, Counts
 from optimized.estimator.flops import TrainingFlops, known_gpu, training_flops
 from optimized.train.config import TrainConfig
 
@@ -48,7 +47,7 @@ class StepMetrics:
     skipped: bool = False
     communication_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes the step's collective and point-to-point calls moved, by kind, summed over all
-    ranks (sent plus received, `models.communication`); the per-step metrics reduction is
+    ranks (sent plus received, `models.runtime.communication`); the per-step metrics reduction is
     not counted."""
     z_loss: float | None = None
     """The step's mean z-loss when ``loss.z_loss`` is on (else None). ``loss`` is the
@@ -172,7 +171,7 @@ def slowest_rank(values: list[float], group: dist.ProcessGroup | None = None) ->
 
 class LoggedScalars:
     """The device's scalars a step logs (loss, gradient norm, z-loss), read on the host in
-    one copy through a buffer kept from step to step (`models.host_sync.HostCopy`)."""
+    one copy through a buffer kept from step to step (`models.network.HostCopy`)."""
 
     def __init__(self) -> None:
         self.host = HostCopy()

@@ -14,9 +14,7 @@ import inspect
 
 import torch
 
-from models.distributed import Layout
-from models.inputs import BadInput
-from models.training import shared_loss
+from models.runtime import BadInput, Layout, shared_loss
 from optimized.train.config import TrainConfig
 
 
@@ -37,5 +35,5 @@ def objective_options(cfg: TrainConfig, runner: type) -> dict[str, float]:
 
 def mean_z_loss(schedule, layout: Layout) -> torch.Tensor:
     """The step's mean z-loss on every rank, from the schedule's shares on pp-rank 0 (as
-    `models.training.shared_loss` gives the loss), on the device, unread."""
+    `models.runtime.shared_loss` gives the loss), on the device, unread."""
     return shared_loss(schedule.z_loss, layout)

@@ -54,9 +54,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.distributed import Layout
-from models.host_sync import host_side
-from models.model import is_expert_parameter
+from models.network import host_side, is_expert_parameter
+from models.runtime import Layout
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``optim.state_dtype`` values: the dtype AdamW's ``exp_avg``/``exp_avg_sq`` are kept,

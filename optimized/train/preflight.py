@@ -5,11 +5,11 @@ read-only checkpoint folder fails at the final save, after every step). So the p
 (or, under torchrun, every rank before it joins) calls `plan_run`, which reads only
 configs, headers and indexes and checks:
 
-- the model config (`models.config_json`: unreadable files, unsupported fields) and the
+- the model config (`models.hf.config_json`: unreadable files, unsupported fields) and the
   layout against it (``seq_len`` within the positions, ``2 * pp`` stages of layers, EP
   dividing the experts);
 - ``init_from``: a twinpipe checkpoint of this model, or a Hugging Face checkpoint whose
-  tensors, shapes and dtypes are this model's (`models.checkpoint.check_hf_checkpoint`);
+  tensors, shapes and dtypes are this model's (`models.hf.check_hf_checkpoint`);
 - the data: a prepared folder, enough tokens for one global batch, no token id beyond the
   model's vocabulary;
 - the objective: ``loss.z_loss`` and ``loss.label_smoothing`` need the optimized runner;
@@ -20,7 +20,7 @@ configs, headers and indexes and checks:
   not a fresh start; ``--no-resume`` into another run's folder needs ``--overwrite``; a
   finished run (or ``--steps`` at or below the checkpoint's step) has nothing to do.
 
-Each problem is a `models.inputs.BadInput` naming the config key, the value and what would
+Each problem is a `models.runtime.BadInput` naming the config key, the value and what would
 be valid; the command exits 2. `claim` is the one step that writes: rank 0 runs it after
 the process group starts, so every rank planned against the same folder.
 """
@@ -40,11 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models.checkpoint import check_hf_checkpoint
-from models.config import ModelConfig
-from models.distributed import ParallelConfig
-from models.inputs import BadInput, check_output_dir, check_output_file, read_text
-from models.presets import resolve_model
+from models.hf import check_hf_checkpoint, config_from_hf, config_to_hf, resolve_model
+from models.network import ModelConfig
+from models.runtime import BadInput, ParallelConfig, check_output_dir, check_output_file, read_text
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
 from optimized.train.objective import objective_options
@@ -145,7 +143,7 @@ def _layout(cfg: TrainConfig, model: ModelConfig) -> None:
 
 
 def _same_model(found: ModelConfig, model: ModelConfig) -> bool:
-    return found.to_hf() == model.to_hf()
+    return config_to_hf(found) == config_to_hf(model)
 
 
 def _init_from(source: str, model: ModelConfig) -> None:
@@ -168,12 +166,14 @@ def _init_from(source: str, model: ModelConfig) -> None:
 
 def _check_training_checkpoint(folder: Path, model: ModelConfig, key: str) -> None:
     try:
-        found = ModelConfig.from_hf(folder / "config.json")
+        found = config_from_hf(folder / "config.json")
     except (ValueError, OSError) as error:
         raise BadInput(f"{key}: checkpoint {folder}: {error}") from None
     if not _same_model(found, model):
         differ = sorted(
-            k for k, v in model.to_hf().items() if found.to_hf().get(k) != v and k != "dtype"
+            k
+            for k, v in config_to_hf(model).items()
+            if config_to_hf(found).get(k) != v and k != "dtype"
         )
         raise BadInput(
             f"{key}: checkpoint {folder} holds another model than {model.model_type} being "

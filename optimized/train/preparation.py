@@ -43,7 +43,7 @@ from typing import IO
 
 import numpy as np
 
-from models.inputs import read_json
+from models.runtime import read_json
 from optimized.train.tokenizers import ByteTokenizer, Tokenizer
 
 FORMAT_NAME = "twinpipe-tokens"

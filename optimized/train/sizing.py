@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.config import ModelConfig
+from models.network import ModelConfig
 from optimized.estimator.config import EstimateConfig
 from optimized.train.config import FIELDS_BY_KEY, TrainConfig
 

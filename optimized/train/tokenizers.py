@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from models.inputs import read_text
+from models.runtime import read_text
 
 
 class Tokenizer(Protocol):

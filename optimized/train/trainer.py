@@ -17,7 +17,7 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    ``save_every`` steps, at the end, and when SIGTERM arrives.
 
 The host never waits for the device in a step except where it needs a value: the MoE
-layers' split sizes (`models.decoder.MoE.split_sizes`) and, once, the logged loss, norm and
+layers' split sizes (`models.network.decoder.MoE.split_sizes`) and, once, the logged loss, norm and
 z-loss, read together before the update (`LoggedScalars`); the norm, the clipping factor
 and the loss stay on the device until then, and the host's own figures (time, memory,
 traffic) reduce over the gloo host group. ``tests/test_host_syncs.py`` holds it to that.
@@ -49,15 +49,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.checkpoint import CheckpointWeights
-from models.communication import CommunicationCounter, group_names
-from models.config import ModelConfig
-from models.device import rank_device
-from models.distributed import Layout, ParallelConfig, make_layout
-from models.inputs import rescue_folder
-from models.progress import ProgressLine
-from models.training import OptimizerConfig
-from models.weights import Reporting, SeededWeights, WeightSource
+from models.hf import CheckpointWeights
+from models.network import ModelConfig, Reporting, SeededWeights, WeightSource
+from models.runtime import (
+    CommunicationCounter,
+    Layout,
+    OptimizerConfig,
+    ParallelConfig,
+    ProgressLine,
+    group_names,
+    make_layout,
+    rank_device,
+    rescue_folder,
+)
 from optimized.pipeline import sharding
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig, lr_at
@@ -161,9 +165,9 @@ def train(
     ``plan`` is what `optimized.train.preflight.plan_run` decided in the parent; without
     one, rank 0 makes it here. ``step_watch(step)`` (1-based), when given, returns a
     context entered around each whole step, from reading its batch to recording its
-    metrics (tests count a step's host synchronisations through it: `models.host_sync`)."""
+    metrics (tests count a step's host synchronisations through it: `models.runtime.host_sync`)."""
     stop = _StopFlag()
-    device = rank_device()  # what the launcher handed this rank (`models.device`)
+    device = rank_device()  # what the launcher handed this rank (`models.runtime.device`)
     plan = _shared_plan(cfg, plan)
     model_config = plan.model
     parallel = parallel_config(cfg, model_config)

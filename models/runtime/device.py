@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from models import DEVICE_ENV, choose_triton_mode
+
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 """The values ``--device`` (and the trainer's ``device`` field) accept."""
-
-DEVICE_ENV = "TWINPIPE_DEVICE"
-"""The environment variable a rank reads its device kind from (``cuda`` or ``cpu``)."""
 
 
 class DeviceError(ValueError):
@@ -171,32 +170,11 @@ def rank_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def choose_triton_mode() -> None:
-    """Before anything imports ``triton``: the interpreter in a process that computes on the
-    CPU. A rank's launcher already set ``TRITON_INTERPRET``; a user's setting is kept; any
-    other process without a usable GPU interprets."""
-    if "TRITON_INTERPRET" in os.environ:
-        return
-    kind = os.environ.get(DEVICE_ENV)
-    if kind is None:
-        kind = "cuda" if _cuda_available() else "cpu"
-    os.environ["TRITON_INTERPRET"] = "1" if kind == "cpu" else "0"
-
-
 def triton_device() -> torch.device:
     """Where this process's Triton kernels take their tensors: chooses the mode first
     (`choose_triton_mode`), then ``cuda`` when kernels compile, the CPU when interpreted."""
     choose_triton_mode()
     return torch.device("cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda")
-
-
-def _cuda_available() -> bool:
-    """``torch.cuda.is_available()`` without its warnings (no CUDA context is made)."""
-    if torch.version.cuda is None:
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.cuda.is_available()
 
 
 __all__ = [

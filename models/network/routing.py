@@ -304,7 +304,7 @@ class BalancedRouting:
 
 def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | None) -> int:
     """Route every router of ``part`` through ``tape`` (``None`` detaches). Returns how many."""
-    from models.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
+    from models.network.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
 
     count = 0
     for name, module in part.named_modules():

@@ -18,7 +18,7 @@ Sources:
   and each block is drawn from its own generator, seeded from ``(seed, name, block)``.
   The blocks do not depend on the layout, so the same seed gives the same weights at any
   PP, DP, EP or FSDP layout, and a rank draws only the blocks its rows touch;
-- `models.checkpoint.CheckpointWeights`: slices of a Hugging Face checkpoint;
+- `models.hf.CheckpointWeights`: slices of a Hugging Face checkpoint;
 - `optimized.train.checkpointing.TrainingCheckpointWeights`: slices of a training
   checkpoint (DCP);
 - `StateDictWeights`: a state dict already in this process (tests, one-process tools).
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from models.config import ModelConfig
+from models.network.config import ModelConfig
 
 EXPERT_MARKER = ".mlp.experts."
 """Routed-expert parameters (``model.layers.3.mlp.experts.gate_up_proj``): dim 0 is experts."""
@@ -46,7 +46,7 @@ SEED_BLOCK_ELEMENTS = 1 << 20
 """Elements per seeded block of a non-expert tensor (whole rows; at least one row)."""
 
 Progress = Callable[[str, int], None]
-"""``progress(name, nbytes)``: one more tensor of ``nbytes`` done (`models.progress`)."""
+"""``progress(name, nbytes)``: one more tensor of ``nbytes`` done (`models.runtime.progress`)."""
 
 
 @runtime_checkable
@@ -55,7 +55,7 @@ class WeightSource(Protocol):
 
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Write rows ``[start, start + out.shape[0])`` of the whole model's tensor ``name``
-        (our naming and layout, `models.model.CausalLM`) into ``out``, in ``out``'s dtype."""
+        (our naming and layout, `models.network.CausalLM`) into ``out``, in ``out``'s dtype."""
         ...
 
 
@@ -159,7 +159,9 @@ def chunk_rows(rows: int, size: int, index: int) -> tuple[int, int]:
 
 def _row_offset(module: nn.Module, param: torch.Tensor) -> int:
     """First row of the whole model's tensor this rank's ``param`` holds."""
-    start = getattr(module, "first_expert", 0)  # models.layers.Experts: this EP rank's block
+    start = getattr(
+        module, "first_expert", 0
+    )  # models.network.layers.Experts: this EP rank's block
     if isinstance(param, DTensor):
         if tuple(param.placements) != (Shard(0),):
             raise ValueError(f"cannot place rows of a DTensor with placements {param.placements}")

@@ -1,7 +1,7 @@
 """Building blocks of the three families: norms, rotary tables, attention, MLPs, routers.
 
 Parameter names and shapes are those of Hugging Face transformers 5's modules
-(in memory), so that a state dict maps onto ours by name; `models.checkpoint`
+(in memory), so that a state dict maps onto ours by name; `models.hf.checkpoint`
 converts between that and the on-disk layout.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
+from models.network.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -341,7 +341,7 @@ class Router(nn.Module):
     DeepSeek-V2: float32 softmax over all experts, greedy or group-limited top-k,
     times ``routed_scaling_factor``. Qwen3-MoE: logits in the model dtype, float32
     softmax, top-k, optional renormalisation. GPT-OSS: linear with bias, top-k on raw
-    logits, softmax over the k. A routing tape (`models.routing`) can record the choices
+    logits, softmax over the k. A routing tape (`models.network.routing`) can record the choices
     or replay another stack's.
     """
 
@@ -357,7 +357,7 @@ class Router(nn.Module):
         self.scale = c.routed_scaling_factor
         self.norm_topk_prob = c.norm_topk_prob
         self.tape = None
-        """A `models.routing.RoutingTape` recording or replaying the choices (harness, tests)."""
+        """A `models.network.RoutingTape` recording or replaying the choices (harness, tests)."""
         self.tape_key = ""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 State-dict names are those of Hugging Face transformers 5's ``*ForCausalLM``
 in memory (``model.layers.3.mlp.experts.gate_up_proj``, ``lm_head.weight``);
-`models.checkpoint` maps them to and from the on-disk layout.
+`models.hf.checkpoint` maps them to and from the on-disk layout.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.decoder import SINGLE, DecoderLayer, ExpertParallel
-from models.layers import OutputLayer, RMSNorm
-from models.weights import SeededWeights, WeightSource, as_source, materialise
+from models.network.config import ModelConfig
+from models.network.decoder import SINGLE, DecoderLayer, ExpertParallel
+from models.network.layers import OutputLayer, RMSNorm
+from models.network.weights import SeededWeights, WeightSource, as_source, materialise
 
 IGNORE_INDEX = -100
 
@@ -79,7 +79,7 @@ class CausalLM(nn.Module):
 
     @property
     def ops(self):
-        """The `models.ops.Ops` the layers run with; set by the caller."""
+        """The `models.network.Ops` the layers run with; set by the caller."""
         if self._ops is None:
             raise RuntimeError(
                 "this CausalLM was built without ops: pass ops=ReferenceOps() (reference.ops) "

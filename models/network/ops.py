@@ -79,7 +79,7 @@ class Ops(Protocol):
     ) -> tuple[torch.Tensor, ExpertLayout]:
         """Rows of ``tokens`` grouped by ``expert_ids`` (stable within a group). ``rows``,
         each expert's row count when the caller knows it on the host (a MoE layer's split
-        sizes, `models.decoder.SplitSizes`), lets a stack size its buffer without reading
+        sizes, `models.network.SplitSizes`), lets a stack size its buffer without reading
         the ids back from the device (on a GPU, a stop of the host)."""
         ...
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.config import ModelConfig
-from models.host_sync import HostCopy
-from models.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
+from models.network.config import ModelConfig
+from models.network.host_copy import HostCopy
+from models.network.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
 
 
 class RoutePlan(NamedTuple):

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from models.inputs import BadInput, read_text
+from models.runtime import BadInput, read_text
 
 CONFIG_NAME = "config.json"
 

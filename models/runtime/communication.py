@@ -4,7 +4,7 @@ Why here: both stacks, the FSDP2 runner and the trainer communicate through
 `torch.distributed` (DESIGN.md: nothing home-made replaces it), and the estimator's
 traffic prediction (`optimized.estimator.communication`) is judged against these
 counts. `models` is what every side may import, so the counter lives next to
-`models.distributed`.
+`models.runtime.distributed`.
 
 How: `CommunicationCounter` replaces the public entry points of
 `torch.distributed` (and of `torch.distributed.distributed_c10d`, where they live)
@@ -26,7 +26,7 @@ each other rank; a send or receive its tensor. These figures do not depend on th
 backend's algorithm, so a prediction from the config can match them to the byte.
 
 Groups are named from the `Layout` (``pp``, ``dp``, ``ep``, ``expert_replica``, ``host``, the
-p2p streams ``forward0`` ... ``backward1`` of `models.p2p`) and ``world`` for the default
+p2p streams ``forward0`` ... ``backward1`` of `models.runtime.p2p`) and ``world`` for the default
 group; any other group by its ranks (``ranks(0,2)``).
 """
 
@@ -247,7 +247,7 @@ _P2P_BATCH = "batch_isend_irecv"
 
 
 def group_names(layout: Any) -> dict[int, str]:
-    """``id(process group) -> name`` for a `models.distributed.Layout`'s groups: ``pp``,
+    """``id(process group) -> name`` for a `models.runtime.Layout`'s groups: ``pp``,
     ``dp``, ``ep``, ``expert_replica``, ``host`` (a gloo group beside NCCL; on a gloo job it
     is the default group, ``world``) and the p2p streams ``forward0`` ... ``backward1``."""
     names = {}

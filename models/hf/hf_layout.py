@@ -7,7 +7,7 @@ but the files differ from memory in three ways, and this module says how:
   (``model.layers.3.mlp.experts.7.up_proj.weight [I, H]``), the layout of the published
   checkpoints; transformers fuses them on load into ``gate_up_proj [E, 2I, H]`` (gate rows
   first) and ``down_proj [E, H, I]``, and so do we. GPT-OSS is fused on disk as in memory.
-- GPT-OSS is published with its routed experts in MXFP4 (`models.mxfp4`):
+- GPT-OSS is published with its routed experts in MXFP4 (`models.hf.mxfp4`):
   ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``, transposed
   (``[E, 2I, H / 32, 16]`` for our ``gate_up_proj [E, H, 2I]``).
 - With tied embeddings ``lm_head.weight`` is not written; it is the embedding.
@@ -23,10 +23,8 @@ import re
 
 import torch
 
-from models.config import ModelConfig
-from models.decoder import SINGLE, ExpertParallel
-from models.model import CausalLM
-from models.mxfp4 import BLOCK
+from models.hf.mxfp4 import BLOCK
+from models.network import SINGLE, CausalLM, ExpertParallel, ModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

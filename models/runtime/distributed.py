@@ -3,7 +3,7 @@ all-to-all both stacks dispatch with, and the launcher.
 
 Both stacks and the harness run on this: it is plain `torch.distributed` (gloo on
 CPU, NCCL on GPU), started either by `torchrun` (env:// rendezvous) or by
-`launch` (`models.launch`), which spawns N local processes for tests, the harness and
+`launch` (`models.runtime.spawn`), which spawns N local processes for tests, the harness and
 the CLI.
 
 Rank numbering: ``rank = pp_rank * DP + dp_rank``. The EP group of a rank is the
@@ -20,17 +20,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig
-from models.decoder import ExpertParallel
-
-# The launcher lives in `models.launch`; its names stay importable from here.
-from models.launch import (  # noqa: F401
-    DEFAULT_TIMEOUT_S,
-    RankFailed,
-    init_process_group,
-    launch,
-)
-from models.p2p import StreamGroups, new_stream_groups
+from models.network import ExpertParallel, ModelConfig
+from models.runtime.p2p import StreamGroups, new_stream_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GRAD_SYNC = ("step", "micro-batch")
@@ -141,11 +132,11 @@ class Layout(NamedTuple):
     ep_group: dist.ProcessGroup | None
     expert_replica_group: dist.ProcessGroup | None
     streams: StreamGroups | None = None
-    """This pipeline's point-to-point streams, one group each (`models.p2p`); None at PP 1,
+    """This pipeline's point-to-point streams, one group each (`models.runtime.p2p`); None at PP 1,
     where nothing travels point to point."""
     host_group: dist.ProcessGroup | None = None
     """A group over the world with gloo for host-side values (Python objects, counts kept on
-    the CPU): the default group where it has gloo (every job `models.launch` starts), a gloo
+    the CPU): the default group where it has gloo (every job `models.runtime.spawn` starts), a gloo
     group of its own beside NCCL alone. Tensors on the rank's device go through the groups
     above."""
 

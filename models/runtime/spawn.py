@@ -2,7 +2,7 @@
 failed first.
 
 `launch` runs a function on N local processes joined by gloo (or NCCL, one GPU each, when
-the caller's `models.device.DevicePlan` says CUDA); `torchrun` is the other way in
+the caller's `models.runtime.DevicePlan` says CUDA); `torchrun` is the other way in
 (`init_process_group` joins its rendezvous). Two things a launcher must get
 right, and `torch.multiprocessing`'s own join does not:
 
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.device import DevicePlan, rank_device, resolve_device
+from models.runtime.device import DevicePlan, rank_device, resolve_device
 
 DEFAULT_TIMEOUT_S = 120.0
 PEER_GRACE_S = 20.0
@@ -202,7 +202,7 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes; return each rank's result.
 
-    ``device`` is where the ranks compute (`models.device.resolve_device`'s plan, or
+    ``device`` is where the ranks compute (`models.runtime.resolve_device`'s plan, or
     ``cpu`` / ``cuda`` / ``auto`` resolved here): each rank starts with it and its Triton
     mode in its environment, and a CUDA rank ``i`` takes GPU ``i``. The default is the CPU,
     so that a caller gets a GPU only by asking for one.

@@ -51,7 +51,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("read", "copy", "shape", "pin")
+from models.network import HostCopy, host_side_depth
+
+SYNC_KINDS = ("read", "copy", "shape", "pin")
 """Every kind of event, in report order (``pin``: pinned memory allocated)."""
 
 _READ_METHODS = frozenset(
@@ -67,61 +69,24 @@ _SHAPE_OPS = frozenset(
 _INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 _COPY_OPS = frozenset({"copy_", "_to_copy"})
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 _INTERPRETER = str(Path("triton") / "runtime" / "interpreter.py")
 _THIS = str(Path(__file__).resolve())
+_HOST_COPY = str(Path(sys.modules[HostCopy.__module__].__file__).resolve())
+"""Where `HostCopy` reads: its copies are the caller's, and are named at the caller."""
 _TORCH = str(Path(torch.__file__).parent)
 
 _local = threading.local()
 
 
 class HostSync(NamedTuple):
-    """One event: its kind (`KINDS`), what did it, and where in the program."""
+    """One event: its kind (`SYNC_KINDS`), what did it, and where in the program."""
 
     kind: str
     what: str
     """``Tensor.item``, ``aten.nonzero``, ``torch.tensor`` ..."""
     site: str
     """``path:line (function)`` of the innermost frame in this project (else the caller)."""
-
-
-@contextmanager
-def host_side() -> Iterator[None]:
-    """Mark reads of host-resident tensors (see the module docstring): a `HostSyncCounter`
-    notes a read inside as host-side when its tensor is on the CPU. Costs nothing when no
-    counter is installed."""
-    depth = getattr(_local, "host_side", 0)
-    _local.host_side = depth + 1
-    try:
-        yield
-    finally:
-        _local.host_side = depth
-
-
-class HostCopy:
-    """Small device tensors read on the host through one buffer, allocated at the first read
-    and reused: pinned when the tensor is on a GPU (a read into fresh pageable memory would
-    stage through a new allocation each time), none at all when it is already on the CPU.
-
-    `tolist` is one host synchronisation: a blocking copy into the buffer (the device's
-    queue drains up to the tensor), then a read of host memory. Owned by whoever reads the
-    same kind of tensor again and again (a MoE layer's split sizes, the logged scalars).
-    """
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    def tolist(self, tensor: torch.Tensor) -> list:
-        """``tensor.tolist()``, through the pinned buffer when ``tensor`` is not on the CPU."""
-        if tensor.device.type == "cpu":
-            return tensor.tolist()
-        buffer = self._buffer
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._buffer = buffer
-        buffer.copy_(tensor)
-        with host_side():
-            return buffer.tolist()
 
 
 def _device_of(value: Any) -> torch.device | None:
@@ -169,13 +134,13 @@ def _project_path(filename: str) -> str | None:
 
 
 def _site() -> str:
-    """The innermost frame in the project's packages (outside this module), else the first
-    caller outside torch."""
+    """The innermost frame in the project's packages (outside this module and `HostCopy`),
+    else the first caller outside torch."""
     frame = sys._getframe(2)
     fallback = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename != _THIS and not filename.startswith(_TORCH):
+        if filename not in (_THIS, _HOST_COPY) and not filename.startswith(_TORCH):
             if fallback is None:
                 fallback = frame
             relative = _project_path(filename)
@@ -343,19 +308,19 @@ class HostSyncCounter:
             return
         event = HostSync(kind, what, _site())
         on_host = device is None or device.type == "cpu"
-        if kind == "read" and on_host and getattr(_local, "host_side", 0):
+        if kind == "read" and on_host and host_side_depth():
             self.host_events.append(event)
         else:
             self.events.append(event)
 
 
 def count_by_kind(events: list[HostSync]) -> dict[str, int]:
-    """``kind -> count``, every kind of `KINDS` present (zeros included)."""
+    """``kind -> count``, every kind of `SYNC_KINDS` present (zeros included)."""
     counts = Counter(e.kind for e in events)
-    return {kind: counts.get(kind, 0) for kind in KINDS}
+    return {kind: counts.get(kind, 0) for kind in SYNC_KINDS}
 
 
-def describe(events: list[HostSync]) -> str:
+def describe_syncs(events: list[HostSync]) -> str:
     """One line per distinct ``(kind, what, site)``, most frequent first."""
     counts = Counter(events)
     return "\n".join(

@@ -10,7 +10,7 @@ pp-rank 0 sends F0 then B1 to pp-rank 1 while pp-rank 1 receives B1 first. Both 
 activation would silently be taken for a gradient (or the ranks would hang).
 
 The rule. Every stream is its own process group (`StreamGroups`, created for each
-pipeline by `models.distributed.make_layout` and held by the `Layout`):
+pipeline by `models.runtime.make_layout` and held by the `Layout`):
 
 ==============  ==========================  ==============================
 stream          carries                     between pp-ranks
@@ -75,7 +75,7 @@ class StreamGroups(NamedTuple):
 
 def stream_name(direction: str, chunk: int) -> str:
     """``forward0`` ... ``backward1``: the stream's field in `StreamGroups`, and the group
-    name the communication counter reports (`models.communication.group_names`)."""
+    name the communication counter reports (`models.runtime.group_names`)."""
     if direction not in DIRECTIONS or chunk not in (0, 1):
         raise ValueError(
             f"no p2p stream for direction={direction!r}, chunk={chunk!r}: expected a direction "

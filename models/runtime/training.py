@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.config import ModelConfig
-from models.distributed import Layout, ParallelConfig
-from models.model import IGNORE_INDEX, is_expert_parameter, shift_labels
+from models.network import IGNORE_INDEX, ModelConfig, is_expert_parameter, shift_labels
+from models.runtime.distributed import Layout, ParallelConfig
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from models.hf_layout import (
+from models.hf.hf_config import config_to_hf
+from models.hf.hf_layout import (
     CONFIG_NAME,
     INDEX_NAME,
     SHARD_NAME,
@@ -170,7 +171,7 @@ class ShardWriter:
 
 
 def save_pretrained(model, path: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
-    """Write ``config.json`` and the weights of a whole `models.model.CausalLM` in the HF
+    """Write ``config.json`` and the weights of a whole `models.network.CausalLM` in the HF
     on-disk layout, in the model's dtype.
 
     Over ``max_shard_bytes`` the weights go to ``model-0000i-of-0000n.safetensors`` shards with
@@ -186,7 +187,7 @@ def save_pretrained(model, path: str | os.PathLike, max_shard_bytes: int | None 
     state = to_hf_state_dict(model.state_dict(), config)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    hf_config = config.to_hf()
+    hf_config = config_to_hf(config)
     hf_config["dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
     planned = [Planned(n, tuple(t.shape), t.dtype) for n, t in state.items()]
     writer = ShardWriter(path, plan_shards(planned, max_shard_bytes), single=True)
@@ -200,13 +201,13 @@ def write_mxfp4(
     source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int | None
 ) -> None:
     """Re-write an unquantised GPT-OSS checkpoint folder as GPT-OSS is published: routed
-    experts in MXFP4 (`models.mxfp4.quantize`, ``*_blocks``/``*_scales``), the rest as
+    experts in MXFP4 (`models.hf.quantize`, ``*_blocks``/``*_scales``), the rest as
     stored, ``quantization_config`` in config.json. One tensor at a time (tests and
     benchmarks build published-style checkpoints with it)."""
     from safetensors import safe_open  # noqa: PLC0415
 
-    from models.hf_layout import FUSED_EXPERTS, MXFP4  # noqa: PLC0415
-    from models.mxfp4 import quantize  # noqa: PLC0415
+    from models.hf.hf_layout import FUSED_EXPERTS, MXFP4  # noqa: PLC0415
+    from models.hf.mxfp4 import quantize
 
     source = os.fspath(source)
     with open(os.path.join(source, CONFIG_NAME)) as f:

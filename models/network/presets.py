@@ -10,7 +10,7 @@ core."""
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from models.network.config import ModelConfig
 
 _PRESETS: dict[str, dict] = {
     "deepseek-v2-lite": dict(
@@ -198,17 +198,3 @@ def preset(name: str, **overrides) -> ModelConfig:
     fields = dict(_PRESETS[name])
     fields.update(overrides)
     return ModelConfig(**fields)
-
-
-def resolve_model(name_or_path: str) -> ModelConfig:
-    """A preset name, a Hugging Face ``config.json``, or a checkpoint folder holding one."""
-    if name_or_path in _PRESETS:
-        return preset(name_or_path)
-    import os  # noqa: PLC0415
-
-    if os.path.exists(name_or_path):
-        return ModelConfig.from_hf(name_or_path)
-    raise ValueError(
-        f"model {name_or_path!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
-        "nor a path to a Hugging Face config.json"
-    )

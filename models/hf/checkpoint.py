@@ -7,14 +7,14 @@ mis-shaped tensors, a dtype that is no float (int32 weights), a file shorter tha
 header says (truncated), a quantisation we do not read. CLIs call it in the parent,
 before any process group starts.
 
-`CheckpointWeights` is the weight source (`models.weights`) of a checkpoint folder: a
+`CheckpointWeights` is the weight source (`models.network.weights`) of a checkpoint folder: a
 rank fills each of its parameters with only the rows it holds, read from the file straight
 into the parameter (`read_rows`: a row range of a safetensors tensor is one byte range),
 one tensor -- for routed experts one expert -- at a time, so nothing is mapped or copied
-whole. On-disk layouts are those of `models.hf_layout`; GPT-OSS's MXFP4 experts are read
+whole. On-disk layouts are those of `models.hf.hf_layout`; GPT-OSS's MXFP4 experts are read
 the same way, one expert's ``*_blocks`` and ``*_scales`` rows into small uint8 buffers,
 and dequantised into the parameter's dtype, bit for bit as transformers does
-(`models.mxfp4`).
+(`models.hf.mxfp4`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from models.checkpoint_write import SAFETENSORS_DTYPES, save_pretrained
-from models.config import ModelConfig
-from models.config_json import read_config_json
-from models.decoder import SINGLE, ExpertParallel
-from models.hf_layout import (
+from models.hf.checkpoint_write import SAFETENSORS_DTYPES, save_pretrained
+from models.hf.config_json import read_config_json
+from models.hf.hf_config import config_from_hf
+from models.hf.hf_layout import (
     FLOAT_DTYPES,
     FUSED_EXPERTS,
     INDEX_NAME,
@@ -44,11 +43,9 @@ from models.hf_layout import (
     experts_split_on_disk,
     to_hf_state_dict,
 )
-from models.inputs import BadInput, read_json
-from models.model import CausalLM, build_part
-from models.mxfp4 import dequantize
-from models.progress import ProgressLine
-from models.weights import Reporting
+from models.hf.mxfp4 import dequantize
+from models.network import SINGLE, CausalLM, ExpertParallel, ModelConfig, Reporting, build_part
+from models.runtime import BadInput, ProgressLine, read_json
 
 __all__ = [
     "INDEX_NAME",
@@ -214,7 +211,7 @@ def validate_checkpoint(
     naming the file, the tensor, and the expected and found shape or dtype."""
     path = os.fspath(path)
     config_file, raw = read_config_json(path)
-    own = ModelConfig.from_hf(path)
+    own = config_from_hf(path)
     config = config or own
     quantization = quantization_of(raw)
     if quantization not in (None, MXFP4) or (quantization and config.model_type != "gpt_oss"):

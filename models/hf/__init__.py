@@ -1,0 +1,89 @@
+"""Hugging Face checkpoints and configs, in and out, at real scale: no rank reads more than
+its own slices, nothing whole-model is gathered to write.
+
+Modules:
+
+- `config_json`: a ``config.json`` read with errors a user can act on, and refused where
+  it asks for math twinpipe does not compute;
+- `hf_config`: that dict turned into a `models.network.ModelConfig` and back, and a model
+  named by preset or path (`resolve_model`);
+- `hf_layout`: our parameter names and layouts against transformers' (fused experts,
+  MXFP4 blocks and scales), shapes a checkpoint must have;
+- `checkpoint`: safetensors read as memory-mapped row slices into a rank's parameters
+  (`CheckpointWeights`), ``from_pretrained``, checks of a folder before any work;
+- `checkpoint_write`: sharded safetensors written tensor by tensor (``save_pretrained``),
+  MXFP4 written;
+- `mxfp4`: GPT-OSS's MXFP4 expert weights, dequantised per slice (and quantised for tests).
+
+May import `models.network` and `models.runtime`; never `reference`, `optimized` or
+`harness`.
+"""
+
+from models.hf.checkpoint import (
+    CheckpointWeights,
+    check_hf_checkpoint,
+    from_pretrained,
+    load_state_dict_hf,
+    read_exactly,
+    read_header,
+    read_rows,
+    validate_checkpoint,
+)
+from models.hf.checkpoint_write import (
+    Planned,
+    ShardWriter,
+    plan_shards,
+    safetensors_header,
+    save_pretrained,
+    write_config,
+    write_mxfp4,
+)
+from models.hf.hf_config import config_from_hf, config_to_hf, resolve_model
+from models.hf.hf_layout import (
+    FUSED_EXPERTS,
+    INDEX_NAME,
+    MXFP4,
+    WEIGHTS_NAME,
+    CheckpointError,
+    expected_hf_shapes,
+    expected_state_shapes,
+    hf_tensors,
+    mxfp4_shapes,
+    shard_file_name,
+    to_hf_state_dict,
+)
+from models.hf.mxfp4 import dequantize, quantize
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWeights",
+    "FUSED_EXPERTS",
+    "INDEX_NAME",
+    "MXFP4",
+    "Planned",
+    "ShardWriter",
+    "WEIGHTS_NAME",
+    "check_hf_checkpoint",
+    "config_from_hf",
+    "config_to_hf",
+    "dequantize",
+    "expected_hf_shapes",
+    "expected_state_shapes",
+    "from_pretrained",
+    "hf_tensors",
+    "load_state_dict_hf",
+    "mxfp4_shapes",
+    "plan_shards",
+    "quantize",
+    "read_exactly",
+    "read_header",
+    "read_rows",
+    "resolve_model",
+    "safetensors_header",
+    "save_pretrained",
+    "shard_file_name",
+    "to_hf_state_dict",
+    "validate_checkpoint",
+    "write_config",
+    "write_mxfp4",
+]

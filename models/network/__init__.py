@@ -1,0 +1,94 @@
+"""The network's math, written once: what a MoE decoder computes, and nothing about where
+it runs or where its weights are stored.
+
+Modules:
+
+- `config`: `ModelConfig`, the one dataclass every family's shape is (checked on creation);
+- `presets`: the published shapes and the tiny and mid test shapes, by name;
+- `layers`: norms, RoPE, attention (MLA, GQA with q/k norms, sinks and windows), the
+  router, the dense and expert MLPs, the output layer;
+- `decoder`: a decoder layer as the five stages DualPipeV overlaps (attention, dispatch,
+  experts, combine, aggregate), and expert parallelism's layout of them;
+- `model`: `CausalLM` and the part of it one rank builds (`build_part`);
+- `routing`: routing tapes (a baseline's expert choices replayed by a candidate), the
+  near-tie rule, balanced routing for models of traffic;
+- `ops`: the `Ops` protocol the stages call, which `reference` and `optimized` implement;
+- `weights`: weight sources (seeded initialisation that any layout draws alike, a state
+  dict) and `materialise`, which fills a meta-device part from one;
+- `host_copy`: device values read on the host on purpose (split sizes, logged scalars).
+
+May import only `models` itself (the Triton switch); never `models.hf`, `models.runtime`,
+`reference`, `optimized` or `harness`.
+"""
+
+from models.network.config import FAMILIES, ModelConfig
+from models.network.decoder import (
+    SINGLE,
+    AttentionOut,
+    CombineOut,
+    DecoderLayer,
+    DispatchOut,
+    ExpertParallel,
+    ExpertsOut,
+    SplitSizes,
+)
+from models.network.host_copy import HostCopy, host_side, host_side_depth
+from models.network.layers import RMSNorm, Router, causal_mask, eager_attention
+from models.network.model import (
+    IGNORE_INDEX,
+    CausalLM,
+    build_model,
+    build_part,
+    is_expert_parameter,
+    shift_labels,
+)
+from models.network.ops import ExpertLayout, Ops
+from models.network.presets import PRESET_NAMES, preset
+from models.network.routing import BalancedRouting, RoutingTape, attach_routing_tape
+from models.network.weights import (
+    Progress,
+    Reporting,
+    SeededWeights,
+    StateDictWeights,
+    WeightSource,
+    chunk_rows,
+)
+
+__all__ = [
+    "AttentionOut",
+    "BalancedRouting",
+    "CausalLM",
+    "CombineOut",
+    "DecoderLayer",
+    "DispatchOut",
+    "ExpertLayout",
+    "ExpertParallel",
+    "ExpertsOut",
+    "FAMILIES",
+    "HostCopy",
+    "IGNORE_INDEX",
+    "ModelConfig",
+    "Ops",
+    "PRESET_NAMES",
+    "Progress",
+    "RMSNorm",
+    "Reporting",
+    "Router",
+    "RoutingTape",
+    "SINGLE",
+    "SeededWeights",
+    "SplitSizes",
+    "StateDictWeights",
+    "WeightSource",
+    "attach_routing_tape",
+    "build_model",
+    "build_part",
+    "causal_mask",
+    "chunk_rows",
+    "eager_attention",
+    "host_side",
+    "host_side_depth",
+    "is_expert_parameter",
+    "preset",
+    "shift_labels",
+]

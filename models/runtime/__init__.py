@@ -1,0 +1,153 @@
+"""What every stack and the harness share to run the network: devices, ranks, the parallel
+layout, the streams between stages, and the counters that hold a step to its rules.
+
+Modules:
+
+- `device`: where ranks compute, resolved once before any rank starts (``--device``), the
+  Triton mode handed to each rank;
+- `spawn`: local ranks spawned, signals forwarded, the rank that failed first named;
+  ``init_process_group`` for torchrun's ranks too;
+- `distributed`: `ParallelConfig`, the layout (PP x DP, EP inside DP) and its groups, the
+  differentiable all-to-all;
+- `p2p`: one process group per pipeline stream (direction and chunk), so that no
+  correctness rests on tags NCCL ignores;
+- `communication`: every collective and point-to-point call counted per rank and step;
+- `host_sync`: every host synchronisation a step makes, counted;
+- `cpu_gemm`: bfloat16 matrix products on CPUs without native bf16 GEMM;
+- `progress`: one progress line on a terminal for long reads and writes;
+- `inputs`: bad input caught before work (outputs checked first), rescue folders;
+- `training`: the step rules both stacks share (the optimizer config, synthetic batches,
+  token counts, the loss shared over DP, gradient reduction, the even partition).
+
+May import `models.network`; never `models.hf`, `reference`, `optimized` or `harness`.
+"""
+
+from models.runtime.communication import (
+    KINDS,
+    CommunicationCounter,
+    Counts,
+    Traffic,
+    by_kind,
+    counted_step,
+    group_names,
+)
+from models.runtime.cpu_gemm import (
+    GEMM_ENV,
+    Bf16Gemm,
+    bf16_gemm,
+    float32_products,
+    native_bf16_gemm,
+)
+from models.runtime.device import (
+    DEVICE_ENV,
+    CudaSupport,
+    DeviceError,
+    DevicePlan,
+    choose_triton_mode,
+    cuda_support,
+    rank_device,
+    resolve_device,
+    triton_device,
+)
+from models.runtime.distributed import (
+    DTYPES,
+    GRAD_SYNC,
+    Layout,
+    ParallelConfig,
+    all_to_all,
+    make_layout,
+)
+from models.runtime.host_sync import SYNC_KINDS, HostSyncCounter, count_by_kind, describe_syncs
+from models.runtime.inputs import (
+    BadInput,
+    check_output_dir,
+    check_output_file,
+    read_json,
+    read_text,
+    rescue_folder,
+    respect_umask,
+    write_or_rescue,
+)
+from models.runtime.p2p import (
+    BACKWARD,
+    FORWARD,
+    PointToPoint,
+    StreamGroups,
+    TorchPointToPoint,
+    stream_name,
+)
+from models.runtime.progress import ProgressLine
+from models.runtime.spawn import RankFailed, describe_failure, init_process_group, launch
+from models.runtime.training import (
+    OptimizerConfig,
+    PipelineRunner,
+    even_partition,
+    micro_batches_of,
+    rank_chunks,
+    reduce_gradients,
+    shared_loss,
+    synthetic_batch,
+    token_count,
+)
+
+__all__ = [
+    "BACKWARD",
+    "BadInput",
+    "Bf16Gemm",
+    "CommunicationCounter",
+    "Counts",
+    "CudaSupport",
+    "DEVICE_ENV",
+    "DTYPES",
+    "DeviceError",
+    "DevicePlan",
+    "FORWARD",
+    "GEMM_ENV",
+    "GRAD_SYNC",
+    "HostSyncCounter",
+    "KINDS",
+    "Layout",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PipelineRunner",
+    "PointToPoint",
+    "ProgressLine",
+    "RankFailed",
+    "SYNC_KINDS",
+    "StreamGroups",
+    "TorchPointToPoint",
+    "Traffic",
+    "all_to_all",
+    "by_kind",
+    "check_output_dir",
+    "check_output_file",
+    "choose_triton_mode",
+    "count_by_kind",
+    "counted_step",
+    "cuda_support",
+    "describe_failure",
+    "describe_syncs",
+    "even_partition",
+    "float32_products",
+    "group_names",
+    "init_process_group",
+    "launch",
+    "make_layout",
+    "micro_batches_of",
+    "bf16_gemm",
+    "native_bf16_gemm",
+    "rank_chunks",
+    "rank_device",
+    "read_json",
+    "read_text",
+    "reduce_gradients",
+    "rescue_folder",
+    "resolve_device",
+    "respect_umask",
+    "shared_loss",
+    "stream_name",
+    "synthetic_batch",
+    "token_count",
+    "triton_device",
+    "write_or_rescue",
+]
