@@ -92,6 +92,8 @@ th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 .neutral { color: #666; } .badge { background: #fff3cd; border: 1px solid #e0c96a;
   border-radius: 3px; padding: 0 0.3em; font-size: 0.85em; color: #5c4a00; }
 .note { background: #fffbea; border-left: 3px solid #e0c96a; padding: 0.4em 0.8em; }
+.results td, .results th { text-align: left; vertical-align: top; }
+.results td:nth-child(3) { text-align: right; }
 """
 
 

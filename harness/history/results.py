@@ -215,7 +215,7 @@ def html_section(document: dict[str, Any], source: str) -> str:
             for r in results
         ]
         parts.append(f"<h3>{html.escape(TOPICS[topic])}</h3>")
-        parts.append(table(header, rows))
+        parts.append(f"<div class='results'>{table(header, rows)}</div>")
     return "\n".join(parts)
 
 
