@@ -36,19 +36,20 @@ class _Parsed(Exception):
 
 
 def parser_of_main(main: Callable[..., Any], *argv: list[str]) -> argparse.ArgumentParser:
-    """The parser a script's ``main`` builds: ``parse_args`` is stopped before it parses."""
-    original = argparse.ArgumentParser.parse_args
+    """The parser a script's ``main`` builds, stopped before it parses anything (``parse_args``
+    and ``parse_known_args`` both go through ``parse_known_args``)."""
+    original = argparse.ArgumentParser.parse_known_args
 
     def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
         raise _Parsed(self)
 
-    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
+    argparse.ArgumentParser.parse_known_args = capture  # type: ignore[method-assign]
     try:
         main(*argv)
     except _Parsed as parsed:
         return parsed.parser
     finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+        argparse.ArgumentParser.parse_known_args = original  # type: ignore[method-assign]
     raise AssertionError(f"{main.__module__}.main built no parser")
 
 
