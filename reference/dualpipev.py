@@ -17,6 +17,13 @@ Sends are posted as soon as a tensor exists and waited at the end of the step;
 receives are posted when the data is needed. Because the schedule is a valid DualPipeV
 order, this never deadlocks. Receive buffers and the loss live on the part's device.
 
+Routing controls (`models.network.balancing`): each training forward of a micro-batch
+through a chunk gets a `MicroBatchBalance` of the step's `StepBalance`, which counts the
+load and attaches the balancing terms. With the pooled load-balancing loss on, the
+micro-batch's ``[2, E]`` counts and probability sums travel as a second message after the
+activation on the same stream, and its ``[E]`` totals as a second message after the
+gradient; a forward-only pass sends neither and changes nothing.
+
 ``sequential = True`` runs the same actions one micro-batch at a time instead (F0 F1 B1
 B0 for each micro-batch on every rank): the same gradients, with one micro-batch per
 stage in flight. The harness's float32 truth runs so (`harness.compare.lockstep`): in float32
@@ -30,7 +37,15 @@ from collections import deque
 
 import torch
 
-from models.runtime import BACKWARD, FORWARD, Layout, PointToPoint, TorchPointToPoint
+from models.network import StepBalance
+from models.runtime import (
+    BACKWARD,
+    FORWARD,
+    Layout,
+    PointToPoint,
+    TorchPointToPoint,
+    step_balance,
+)
 
 
 class ReferenceDualPipeV:
@@ -53,6 +68,8 @@ class ReferenceDualPipeV:
         self.p2p: PointToPoint = TorchPointToPoint()
         """How tensors travel to the neighbours, on the layout's stream groups
         (`models.runtime.p2p`)."""
+        self.balance: StepBalance | None = None
+        """The last training step's routing controls (load, balancing losses)."""
 
     defers_weight_gradients = False
     """A backward computes its weight gradients at once; the W steps complete nothing."""
@@ -65,7 +82,7 @@ class ReferenceDualPipeV:
         is the number of labelled tokens in the whole global batch, so that the
         loss is the global mean whatever the layout.
         """
-        self._begin(micro_batches, token_count)
+        self._begin(micro_batches, token_count, forward_only)
         if forward_only:
             self.phase = "forward-only"
             with torch.no_grad():
@@ -135,28 +152,32 @@ class ReferenceDualPipeV:
         self.forwarded[chunk] += 1
         self._observe(f"F{chunk}", j)
         input_ids, labels = self.micro_batches[j]
+        stats = None
         if chunk == 0 and self.is_first:
             leaf, hidden = None, self.part.embed(input_ids)
         else:
-            leaf = self._receive_activation(chunk)
+            leaf, stats = self._receive_activation(chunk)
             if torch.is_grad_enabled():
                 leaf.requires_grad_()
             hidden = leaf
+        balance = self.balance.micro_batch(stats) if self.training else None
         for index in self.chunks[chunk]:
-            hidden = self.part.layer(index)(hidden, self.ops)
+            hidden = self.part.layer(index)(hidden, self.ops, balance)
         if chunk == 1 and self.is_first:
             loss = self.part.loss_sum(hidden, labels) / self.token_count
             self.loss = self.loss + loss.detach()
             output = loss
+            if balance is not None:
+                balance.close(input_ids.numel())
         else:
-            self._send_activation(chunk, hidden.detach())
+            self._send_activation(chunk, hidden.detach(), balance)
             output = hidden
         if torch.is_grad_enabled():
-            self.saved[chunk].append((leaf, output))
+            self.saved[chunk].append((leaf, output, balance))
 
     def B(self, chunk: int) -> None:
         """Backward of the oldest forwarded micro-batch of stage ``chunk`` (weights at once)."""
-        leaf, output = self.saved[chunk].popleft()
+        leaf, output, balance = self.saved[chunk].popleft()
         self._observe(f"B{chunk}", self.backwarded[chunk])
         self.backwarded[chunk] += 1
         if self.gradient_sync is not None:
@@ -164,9 +185,12 @@ class ReferenceDualPipeV:
         if chunk == 1 and self.is_first:
             output.backward()
         else:
-            torch.autograd.backward(output, self._receive_gradient(chunk))
+            grad, totals = self._receive_gradient(chunk)
+            if totals is not None:
+                balance.receive_totals(totals)
+            torch.autograd.backward(output, grad)
         if leaf is not None:
-            self._send_gradient(chunk, leaf.grad)
+            self._send_gradient(chunk, leaf.grad, balance.totals if self.pooled else None)
 
     def W(self) -> None:
         """Deferred weight gradients: none in the reference, which computes them in B.
@@ -179,31 +203,42 @@ class ReferenceDualPipeV:
             self.observer(f"{self.phase}:{action}", micro_batch)
 
     # -------------------------------------------------------- communication
-    def _receive_activation(self, chunk: int) -> torch.Tensor:
+    def _receive_activation(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The activation and, with the pooled loss on, the micro-batch's pooled sums."""
         if chunk == 1 and self.is_last:
             return self.local_activations.popleft()
         src = self.rank - 1 if chunk == 0 else self.rank + 1
-        return self._recv(src, FORWARD, chunk)
+        activation = self._recv(src, FORWARD, chunk)
+        stats = self._recv(src, FORWARD, chunk, self.stats_shape) if self.pooled else None
+        return activation, stats
 
-    def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
+    def _send_activation(self, chunk: int, tensor: torch.Tensor, balance) -> None:
+        stats = balance.stats if self.pooled else None
         if chunk == 0 and self.is_last:
-            self.local_activations.append(tensor)
+            self.local_activations.append((tensor, stats))
             return
         dst = self.rank + 1 if chunk == 0 else self.rank - 1
         self._send(tensor, dst, FORWARD, chunk)
+        if stats is not None:
+            self._send(stats, dst, FORWARD, chunk)
 
-    def _receive_gradient(self, chunk: int) -> torch.Tensor:
+    def _receive_gradient(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradient and, with the pooled loss on, the micro-batch's ``[E]`` totals."""
         if chunk == 0 and self.is_last:
             return self.local_gradients.popleft()
         src = self.rank + 1 if chunk == 0 else self.rank - 1
-        return self._recv(src, BACKWARD, chunk)
+        grad = self._recv(src, BACKWARD, chunk)
+        totals = self._recv(src, BACKWARD, chunk, self.stats_shape[1:]) if self.pooled else None
+        return grad, totals
 
-    def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
+    def _send_gradient(self, chunk: int, tensor: torch.Tensor, totals) -> None:
         if chunk == 1 and self.is_last:
-            self.local_gradients.append(tensor)
+            self.local_gradients.append((tensor, totals))
             return
         dst = self.rank - 1 if chunk == 0 else self.rank + 1
         self._send(tensor, dst, BACKWARD, chunk)
+        if totals is not None:
+            self._send(totals, dst, BACKWARD, chunk)
 
     def _send(self, tensor: torch.Tensor, pp_rank: int, direction: str, chunk: int) -> None:
         tensor = tensor.contiguous()
@@ -211,14 +246,19 @@ class ReferenceDualPipeV:
         handle = self.p2p.isend(tensor, self.layout.global_rank(pp_rank), group)
         self.pending_sends.append((handle, tensor))
 
-    def _recv(self, pp_rank: int, direction: str, chunk: int) -> torch.Tensor:
-        tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+    def _recv(self, pp_rank: int, direction: str, chunk: int, stats_shape=None) -> torch.Tensor:
+        """A message from ``pp_rank``: an activation or gradient, or (``stats_shape``) the
+        float32 balancing sums that follow it on the same stream."""
+        shape, dtype = self.activation_shape, self.dtype
+        if stats_shape is not None:
+            shape, dtype = stats_shape, torch.float32
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
         group = self.layout.streams.pick(direction, chunk)
         self.p2p.irecv(tensor, self.layout.global_rank(pp_rank), group).wait()
         return tensor
 
     # ------------------------------------------------------------ bookkeeping
-    def _begin(self, micro_batches, token_count: int) -> None:
+    def _begin(self, micro_batches, token_count: int, forward_only: bool = False) -> None:
         self.micro_batches = micro_batches
         self.num_micro_batches = len(micro_batches)
         self.token_count = token_count
@@ -233,6 +273,13 @@ class ReferenceDualPipeV:
         self.local_gradients: deque = deque()
         self.pending_sends: list = []
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.training = torch.is_grad_enabled() and not forward_only
+        if self.training:
+            self.balance = step_balance(
+                self.part.config, self.num_micro_batches, self.layout, self.device
+            )
+        self.pooled = self.training and self.balance.balancing.pooled
+        self.stats_shape = (2, self.part.config.num_experts)
 
     def _end(self) -> torch.Tensor:
         for handle, _ in self.pending_sends:

@@ -207,6 +207,8 @@ PUBLISHED_STYLE = {
     },
     "gpt-oss-20b": {
         "model_type": "gpt_oss",
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.9,
         "architectures": ["GptOssForCausalLM"],
         "attention_bias": True,
         "experts_per_token": 4,
@@ -238,6 +240,8 @@ PUBLISHED_STYLE = {
     },
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe",
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
         "architectures": ["Qwen3MoeForCausalLM"],
         "attention_bias": False,
         "decoder_sparse_step": 1,
@@ -324,3 +328,23 @@ def test_mid_presets_have_published_widths(name):
     total = sum(p.numel() for p in ours.parameters())
     assert total == sum(p.numel() for p in hf_model.parameters())
     assert 0.5e9 <= total <= 1.1e9, total
+
+
+def test_the_balancing_fields_round_trip_and_resolve():
+    """transformers' and DeepSeek's load-balancing fields are read from a config.json, written
+    back, and resolve to the loss each family's own code trains with."""
+    qwen = preset("tiny-qwen3-moe", output_router_logits=True, router_aux_loss_coef=0.001)
+    deepseek = preset("tiny-deepseek-v2", aux_loss_alpha=0.001, seq_aux=False)
+    for config in (qwen, deepseek, preset("gpt-oss-20b"), preset("deepseek-v2-lite")):
+        assert config_from_hf(config_to_hf(config)) == config
+    assert qwen.balancing().aux_form == "pooled" and qwen.balancing().aux_coef == 0.001
+    assert deepseek.balancing().aux_form == "layer"
+    assert preset("deepseek-v2-lite").balancing().aux_form == "sequence"
+    assert preset("gpt-oss-20b").balancing().aux_form == "none"  # output_router_logits false
+    assert preset("gpt-oss-20b", output_router_logits=True).balancing().aux_coef == 0.9
+    overridden = qwen.replace(aux_loss="sequence", aux_loss_coef=0.01, router_z_loss_coef=1e-3)
+    assert overridden.balancing().aux_form == "sequence" and overridden.balancing().z_coef == 1e-3
+    with pytest.raises(ValueError, match="aux_loss='pooled'.*positive coefficient"):
+        preset("tiny-deepseek-v2", aux_loss="pooled")
+    with pytest.raises(ValueError, match="aux_loss='seq'.*expected 'auto' or one of"):
+        preset("tiny-qwen3-moe", aux_loss="seq")

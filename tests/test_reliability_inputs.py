@@ -62,7 +62,8 @@ def files(tmp_path_factory):
     }.items():
         (root / f"{name}.json").write_text(text)
     qwen = json.loads((root / "hf-qwen" / "config.json").read_text())
-    (root / "qwen-aux.json").write_text(json.dumps({**qwen, "output_router_logits": True}))
+    aux = {**qwen, "output_router_logits": True, "router_aux_loss_coef": -0.5}
+    (root / "qwen-aux.json").write_text(json.dumps(aux))
     (root / "qwen-window.json").write_text(json.dumps({**qwen, "use_sliding_window": True}))
     (root / "no-config").mkdir()
     (root / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -105,7 +106,7 @@ MODEL_CONFIGS = [
     ("noaux", ["noaux.json", "topk_method = 'noaux_tc' is not implemented"]),
     ("gelu", ["gelu.json", "hidden_act = 'gelu' is not implemented", "'silu'"]),
     ("dropout", ["dropout.json", "attention_dropout = 0.1 is not implemented"]),
-    ("qwen-aux", ["qwen-aux.json", "output_router_logits = True is not implemented"]),
+    ("qwen-aux", ["qwen-aux.json", "router_aux_loss_coef=-0.5", "expected a float >= 0"]),
     ("qwen-window", ["qwen-window.json", "use_sliding_window = True is not implemented"]),
 ]
 

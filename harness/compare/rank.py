@@ -85,7 +85,10 @@ def build_stack(
     if name == "oracle":
         from reference.oracle import Oracle  # noqa: PLC0415
 
-        return Oracle(plan.model, plan.weights, plan.optimizer, parallel.torch_dtype, device)
+        return Oracle(
+            plan.model, plan.weights, plan.optimizer, parallel.torch_dtype, device,
+            micro_batch_size=parallel.micro_batch_size,
+        )  # fmt: skip
     cls = stack_class(name)
     # A stack that takes no device builds on the CPU (the parent refused other devices).
     where = {"device": device} if takes_device(name) else {}

@@ -14,7 +14,8 @@ silently ignored, and the run would train another model than the one named (Deep
 ``scoring_func: sigmoid`` routing would run as softmax routing). `UNSUPPORTED` lists every
 such field with the values that mean what twinpipe computes; any other value is refused
 by name. Fields that only describe a run (``use_cache``, ``dtype``, token ids) or that the
-transformers 5 modeling of the family ignores (DeepSeek-V2's ``aux_loss_alpha``) pass.
+the run's balancing controls read (``output_router_logits``, ``router_aux_loss_coef``,
+DeepSeek-V2's ``aux_loss_alpha`` and ``seq_aux``: `models.network.balancing`) pass.
 """
 
 from __future__ import annotations
@@ -107,8 +108,6 @@ UNSUPPORTED: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...]
     (_ALL, "attention_dropout", _zero, "0 (no dropout)"),
     (_ALL, "hidden_dropout", _zero, "0 (no dropout)"),
     (_ALL, "num_nextn_predict_layers", _zero, "0 (no multi-token-prediction layers)"),
-    (("qwen3_moe", "gpt_oss"), "output_router_logits", _is(None, False),
-     "false (no router auxiliary loss added to the language-model loss)"),
     (("qwen3_moe",), "use_sliding_window", _is(None, False), "false (full attention)"),
     (("deepseek_v2", "qwen3_moe"), "layer_types",
      lambda v: v is None or (isinstance(v, list) and set(v) <= {"full_attention"}),

@@ -86,6 +86,8 @@ def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
             qk_nope_head_dim=raw["qk_nope_head_dim"],
             qk_rope_head_dim=raw["qk_rope_head_dim"],
             v_head_dim=raw["v_head_dim"],
+            aux_loss_alpha=float(raw.get("aux_loss_alpha") or 0.0),
+            seq_aux=bool(raw.get("seq_aux", True)),
         )
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     if model_type == "gpt_oss":
@@ -97,6 +99,7 @@ def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
             layer_types=list(raw["layer_types"]) if raw.get("layer_types") else None,
             swiglu_alpha=raw.get("swiglu_alpha", 1.702),
             swiglu_limit=raw.get("swiglu_limit", 7.0),
+            **_router_aux(raw),
         )
     return ModelConfig(
         **common,
@@ -105,6 +108,17 @@ def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
         norm_topk_prob=raw.get("norm_topk_prob", False),
         mlp_only_layers=list(raw.get("mlp_only_layers") or []),
         decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+        **_router_aux(raw),
+    )
+
+
+def _router_aux(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers' load-balancing fields (Qwen3-MoE, GPT-OSS), with transformers' defaults
+    where absent (off; a coefficient of 0.001)."""
+    coef = raw.get("router_aux_loss_coef")
+    return dict(
+        output_router_logits=bool(raw.get("output_router_logits") or False),
+        router_aux_loss_coef=0.001 if coef is None else float(coef),
     )
 
 
@@ -148,6 +162,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim,
+            aux_loss_alpha=config.aux_loss_alpha,
+            seq_aux=config.seq_aux,
         )
     elif config.model_type == "gpt_oss":
         out.update(
@@ -158,6 +174,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             layer_types=config.layer_types,
             swiglu_alpha=config.swiglu_alpha,
             swiglu_limit=config.swiglu_limit,
+            output_router_logits=config.output_router_logits,
+            router_aux_loss_coef=config.router_aux_loss_coef,
         )
     else:
         out.update(
@@ -168,6 +186,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             norm_topk_prob=config.norm_topk_prob,
             mlp_only_layers=list(config.mlp_only_layers),
             decoder_sparse_step=config.decoder_sparse_step,
+            output_router_logits=config.output_router_logits,
+            router_aux_loss_coef=config.router_aux_loss_coef,
         )
     return out
 

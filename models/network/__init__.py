@@ -10,6 +10,9 @@ Modules:
 - `decoder`: a decoder layer as the five stages DualPipeV overlaps (attention, dispatch,
   experts, combine, aggregate), and expert parallelism's layout of them;
 - `model`: `CausalLM` and the part of it one rank builds (`build_part`);
+- `balancing`: the routing controls (load-balancing losses, router z-loss, the expert
+  bias) and the per-step and per-micro-batch objects that hold them to one value at every
+  layout;
 - `routing`: routing tapes (a baseline's expert choices replayed by a candidate), the
   near-tie rule, balanced routing for models of traffic;
 - `ops`: the `Ops` protocol the stages call, which `reference` and `optimized` implement;
@@ -21,6 +24,19 @@ May import only `models` itself (the Triton switch); never `models.hf`, `models.
 `reference`, `optimized` or `harness`.
 """
 
+from models.network.balancing import (
+    AUX_FORMS,
+    BalanceGradient,
+    Balancing,
+    MicroBatchBalance,
+    RouterRecord,
+    StepBalance,
+    expert_bias_update,
+    layer_aux,
+    pooled_aux,
+    sequence_aux,
+    z_loss,
+)
 from models.network.config import FAMILIES, ModelConfig
 from models.network.decoder import (
     SINGLE,
@@ -33,7 +49,7 @@ from models.network.decoder import (
     SplitSizes,
 )
 from models.network.host_copy import HostCopy, host_side, host_side_depth
-from models.network.layers import RMSNorm, Router, causal_mask, eager_attention
+from models.network.layers import RMSNorm, Router, Routing, causal_mask, eager_attention
 from models.network.model import (
     IGNORE_INDEX,
     CausalLM,
@@ -52,11 +68,16 @@ from models.network.weights import (
     StateDictWeights,
     WeightSource,
     chunk_rows,
+    keep_float32,
+    state_buffers,
 )
 
 __all__ = [
+    "AUX_FORMS",
     "AttentionOut",
+    "BalanceGradient",
     "BalancedRouting",
+    "Balancing",
     "CausalLM",
     "CombineOut",
     "DecoderLayer",
@@ -67,6 +88,7 @@ __all__ = [
     "FAMILIES",
     "HostCopy",
     "IGNORE_INDEX",
+    "MicroBatchBalance",
     "ModelConfig",
     "Ops",
     "PRESET_NAMES",
@@ -74,11 +96,14 @@ __all__ = [
     "RMSNorm",
     "Reporting",
     "Router",
+    "RouterRecord",
+    "Routing",
     "RoutingTape",
     "SINGLE",
     "SeededWeights",
     "SplitSizes",
     "StateDictWeights",
+    "StepBalance",
     "WeightSource",
     "attach_routing_tape",
     "build_model",
@@ -86,9 +111,16 @@ __all__ = [
     "causal_mask",
     "chunk_rows",
     "eager_attention",
+    "expert_bias_update",
     "host_side",
     "host_side_depth",
     "is_expert_parameter",
+    "keep_float32",
+    "layer_aux",
+    "pooled_aux",
     "preset",
+    "sequence_aux",
     "shift_labels",
+    "state_buffers",
+    "z_loss",
 ]

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.network.balancing import AUX_FORMS, Balancing
+
 FAMILIES = ("deepseek_v2", "gpt_oss", "qwen3_moe")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -102,6 +104,29 @@ class ModelConfig:
     """GPT-OSS: clamp of the gate (above) and up (both sides) projections."""
     num_mtp_layers: int = 0
     """Multi-token-prediction layers (counted by the estimator; twinpipe trains none)."""
+    # Routing controls (`models.network.balancing`): the HF fields, then a run's choices.
+    output_router_logits: bool = False
+    """Qwen3-MoE, GPT-OSS (HF): train on the language-model loss plus
+    ``router_aux_loss_coef`` times transformers' pooled load-balancing loss."""
+    router_aux_loss_coef: float = 0.0
+    """Qwen3-MoE, GPT-OSS (HF): that loss's coefficient (published: 0.001 and 0.9)."""
+    aux_loss_alpha: float = 0.0
+    """DeepSeek-V2 (HF): coefficient of DeepSeek's own balancing loss (transformers' modeling
+    ignores it; DeepSeek's trains with it): on when positive."""
+    seq_aux: bool = True
+    """DeepSeek-V2 (HF): that loss per sequence (else per layer over the micro-batch)."""
+    aux_loss: str = "auto"
+    """The run's load-balancing loss: ``auto`` (what the HF fields above ask), ``none``, or a
+    form of `models.network.balancing.AUX_FORMS` (the ``[moe]`` section's ``aux_loss``)."""
+    aux_loss_coef: float | None = None
+    """The run's coefficient of that loss; None: the family's HF field."""
+    router_z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE; 0: off)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing: a float32 bias per MoE layer, added to the router's scores to
+    choose experts (``e_score_correction_bias``)."""
+    expert_bias_rate: float = 1e-3
+    """How far each optimizer step moves the expert bias (DeepSeek-V3's gamma)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +152,28 @@ class ModelConfig:
         if self.layer_types is None:
             return "full_attention"
         return self.layer_types[layer]
+
+    @property
+    def moe_layers(self) -> int:
+        """How many decoder layers route to experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def balancing(self) -> Balancing:
+        """The routing controls this config trains with (`models.network.Balancing`)."""
+        if self.model_type == "deepseek_v2":
+            coef = self.aux_loss_alpha
+            family_form = "sequence" if self.seq_aux else "layer"
+            family_form = family_form if coef > 0 else "none"
+        else:
+            coef = self.router_aux_loss_coef
+            family_form = "pooled" if self.output_router_logits else "none"
+        form = family_form if self.aux_loss == "auto" else self.aux_loss
+        if self.aux_loss_coef is not None:
+            coef = self.aux_loss_coef
+        return Balancing(
+            form, float(coef), float(self.router_z_loss_coef), self.expert_bias,
+            float(self.expert_bias_rate),
+        )  # fmt: skip
 
     @property
     def qk_head_dim(self) -> int:
@@ -232,6 +279,25 @@ class ModelConfig:
                     raise bad("sliding_window", window, "sliding layers need an integer >= 1")
             if self.swiglu_limit <= 0:
                 raise bad("swiglu_limit", self.swiglu_limit, "expected a positive float")
+        if self.aux_loss not in ("auto", *AUX_FORMS):
+            raise bad("aux_loss", self.aux_loss, f"expected 'auto' or one of {AUX_FORMS}")
+        for name in ("router_aux_loss_coef", "aux_loss_alpha", "router_z_loss_coef",
+                     "expert_bias_rate"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+                raise bad(name, value, "expected a float >= 0")
+        if self.aux_loss_coef is not None and not (
+            isinstance(self.aux_loss_coef, int | float) and self.aux_loss_coef >= 0
+        ):
+            raise bad("aux_loss_coef", self.aux_loss_coef, "expected None or a float >= 0")
+        balancing = self.balancing()
+        if self.aux_loss not in ("auto", "none") and not balancing.aux_coef > 0:
+            raise bad(
+                "aux_loss",
+                self.aux_loss,
+                "a load-balancing loss needs a positive coefficient: set aux_loss_coef (the "
+                "model's config gives none)",
+            )
         if self.model_type == "qwen3_moe":
             for layer in self.mlp_only_layers:
                 if not 0 <= layer < self.num_hidden_layers:

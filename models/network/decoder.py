@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.network.balancing import MicroBatchBalance, RouterRecord
 from models.network.config import ModelConfig
 from models.network.host_copy import HostCopy
 from models.network.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
@@ -125,11 +126,17 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         else:
-            self.mlp = MoE(config, ep)
+            self.mlp = MoE(config, ep, layer)
 
     # ------------------------------------------------------------------ stages
-    def attention(self, hidden: torch.Tensor, ops) -> AttentionOut:
-        """Stage 1: norm, attention, residual, norm, shared experts or dense MLP, router."""
+    def attention(
+        self, hidden: torch.Tensor, ops, balance: MicroBatchBalance | None = None
+    ) -> AttentionOut:
+        """Stage 1: norm, attention, residual, norm, shared experts or dense MLP, router.
+
+        ``balance``: the micro-batch's routing controls in a training forward (the load is
+        counted and the balancing terms attached, `models.network.balancing`); None in a
+        forward-only pass, which changes nothing."""
         if getattr(ops, "recompute_attention", False) and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al.): keep only the block's input and
             # rerun norm, projections and attention in backward.
@@ -141,7 +148,7 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             empty = x.new_empty((0, x.shape[-1]))
             return AttentionOut(h + self.mlp(x), empty, empty.new_empty(0), None)
-        return self.mlp.route(h, x, ops)
+        return self.mlp.route(h, x, ops, balance)
 
     def _attention_block(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(hidden), ops)
@@ -172,8 +179,10 @@ class DecoderLayer(nn.Module):
         routed = ops.scatter_add_rows(weighted, a.plan.token_index, a.plan.num_tokens)
         return a.residual + routed.view(a.plan.hidden_shape)
 
-    def forward(self, hidden: torch.Tensor, ops) -> torch.Tensor:
-        a = self.attention(hidden, ops)
+    def forward(
+        self, hidden: torch.Tensor, ops, balance: MicroBatchBalance | None = None
+    ) -> torch.Tensor:
+        a = self.attention(hidden, ops, balance)
         d = self.dispatch(a, ops)
         e = self.experts(d, ops)
         c = self.combine(a, e, d, ops)
@@ -183,8 +192,10 @@ class DecoderLayer(nn.Module):
 class MoE(nn.Module):
     """Router, routed experts (this rank's shard) and optional shared experts."""
 
-    def __init__(self, config: ModelConfig, ep: ExpertParallel) -> None:
+    def __init__(self, config: ModelConfig, ep: ExpertParallel, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
+        """The decoder layer this MoE belongs to (the load and balancing terms are per layer)."""
         if config.num_experts % ep.size:
             raise ValueError(
                 f"expert parallelism {ep.size} must divide num_experts={config.num_experts}"
@@ -212,9 +223,12 @@ class MoE(nn.Module):
     def router_module(self) -> Router:
         return self.router if self.family == "gpt_oss" else self.gate
 
-    def route(self, h: torch.Tensor, x: torch.Tensor, ops) -> AttentionOut:
+    def route(
+        self, h: torch.Tensor, x: torch.Tensor, ops, balance: MicroBatchBalance | None = None
+    ) -> AttentionOut:
         tokens = x.reshape(-1, x.shape[-1])
-        weights, experts = self.router_module(tokens)
+        records = balance is not None and balance.step.balancing.records
+        weights, experts, logits, probs = self.router_module.route(tokens, record=records)
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         top_k = experts.shape[1]
@@ -226,6 +240,10 @@ class MoE(nn.Module):
         sorted_tokens = ops.gather_rows(tokens, token_index)
         sorted_weights = weights.reshape(-1)[order]
         residual = h if self.shared_experts is None else h + self.shared_experts(x)
+        if balance is not None:
+            batch = tuple(x.shape[:2])
+            record = RouterRecord(self.layer, logits, probs, experts, counts[0], batch)
+            residual = balance.record(residual, record)
         plan = RoutePlan(token_index, counts, tokens.shape[0], x.shape)
         return AttentionOut(residual, sorted_tokens, sorted_weights, plan)
 

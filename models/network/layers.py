@@ -8,6 +8,7 @@ converts between that and the on-disk layout.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -335,15 +336,34 @@ def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return values[rows, index]
 
 
+class Routing(NamedTuple):
+    """What a router call gives: ``weights [T, k]`` and ``experts [T, k]`` for the dispatch;
+    for the balancing terms (`models.network.balancing`), when asked, ``logits [T, E]`` and
+    ``probs [T, E]``, the float32 softmax over all experts (None otherwise)."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
 class Router(nn.Module):
     """Top-k routing of each family. Returns ``(weights [T, k], experts [T, k])``.
 
     DeepSeek-V2: float32 softmax over all experts, greedy or group-limited top-k,
     times ``routed_scaling_factor``. Qwen3-MoE: logits in the model dtype, float32
     softmax, top-k, optional renormalisation. GPT-OSS: linear with bias, top-k on raw
-    logits, softmax over the k. A routing tape (`models.network.routing`) can record the choices
-    or replay another stack's.
+    logits, softmax over the k. A routing tape (`models.network.routing`) can record the
+    choices or replay another stack's.
+
+    With ``expert_bias`` (aux-loss-free balancing), ``e_score_correction_bias`` (a float32
+    buffer, training state: checkpointed, never a parameter) is added to what the top-k
+    ranks -- the scores, or GPT-OSS's logits -- and to nothing else: the weights stay the
+    unbiased scores at the chosen experts.
     """
+
+    FLOAT32_BUFFERS = ("e_score_correction_bias",)
+    """Buffers that stay float32 whatever the model's dtype (`models.network.build_part`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -353,6 +373,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         if self.family == "gpt_oss":
             self.bias = nn.Parameter(torch.zeros(c.num_experts))
+        if c.expert_bias:
+            bias = torch.zeros(c.num_experts, dtype=torch.float32)
+            self.register_buffer("e_score_correction_bias", bias)
+        else:
+            self.e_score_correction_bias = None
         self.topk_method, self.n_group, self.topk_group = c.topk_method, c.n_group, c.topk_group
         self.scale = c.routed_scaling_factor
         self.norm_topk_prob = c.norm_topk_prob
@@ -361,33 +386,58 @@ class Router(nn.Module):
         self.tape_key = ""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = self.route(x)
+        return routed.weights, routed.experts
+
+    def _choice(self, values: torch.Tensor) -> torch.Tensor:
+        """What the top-k ranks: ``values`` (detached), plus the expert bias when there is one."""
+        ranked = values.detach()
+        if self.e_score_correction_bias is not None:
+            ranked = ranked.float() + self.e_score_correction_bias
+        return ranked
+
+    def route(self, x: torch.Tensor, record: bool = False) -> Routing:
+        """The call's `Routing`; ``record``: also the logits and all-expert probabilities."""
+        biased = self.e_score_correction_bias is not None
         if self.family == "gpt_oss":
             logits = F.linear(x, self.weight, self.bias)
-            index = self._routed(torch.topk(logits.detach(), self.top_k, dim=-1)[1], logits, x)
+            ranked = self._choice(logits)
+            own = torch.topk(ranked, self.top_k, dim=-1)[1]
+            index = self._routed(own, logits, x, ranked if biased else None)
             top_values = _at(logits, index)
-            return F.softmax(top_values, dim=-1, dtype=top_values.dtype), index
+            weights = F.softmax(top_values, dim=-1, dtype=top_values.dtype)
+            probs = logits.softmax(dim=-1, dtype=torch.float32) if record else None
+            return Routing(weights, index, logits if record else None, probs)
         if self.family == "qwen3_moe":  # HF: logits in the model's dtype, softmax in float32
             logits = F.linear(x, self.weight)
         else:  # DeepSeek-V2 upcasts input and weight
             logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1, dtype=torch.float32)
+        keep = (logits, scores) if record else (None, None)
         if self.family == "qwen3_moe":
-            index = self._routed(torch.topk(scores.detach(), self.top_k, dim=-1)[1], scores, x)
+            ranked = self._choice(scores)
+            own = torch.topk(ranked, self.top_k, dim=-1)[1]
+            index = self._routed(own, scores, x, ranked if biased else None)
             weights = _at(scores, index)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights.to(x.dtype), index
-        ranked, masked = scores.detach(), None  # selection only: nothing of it is saved
+            return Routing(weights.to(x.dtype), index, *keep)
+        ranked, masked = self._choice(scores), None  # selection only: nothing of it is saved
+        if biased:
+            masked = ranked
         if self.topk_method == "group_limited_greedy":
             per_group = self.num_experts // self.n_group
             group_scores = ranked.view(-1, self.n_group, per_group).max(dim=-1).values
             groups = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
-            keep = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(-1, self.num_experts)
-            ranked = masked = ranked.masked_fill(~keep.bool(), 0.0)
+            keep_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group)
+            keep_mask = keep_mask.reshape(-1, self.num_experts).bool()
+            # HF masks the dropped groups with 0 (softmax scores are positive); biased
+            # scores can be negative, so they are masked with -inf (as DeepSeek-V3 does).
+            ranked = masked = ranked.masked_fill(~keep_mask, float("-inf") if biased else 0.0)
         own = torch.topk(ranked, self.top_k, dim=-1, sorted=False)[1]
         index = self._routed(own, scores, x, masked)
-        return _at(scores, index) * self.scale, index
+        return Routing(_at(scores, index) * self.scale, index, *keep)
 
     def _routed(
         self, own: torch.Tensor, scores: torch.Tensor, x: torch.Tensor, ranked=None

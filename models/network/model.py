@@ -15,7 +15,13 @@ from torch import nn
 from models.network.config import ModelConfig
 from models.network.decoder import SINGLE, DecoderLayer, ExpertParallel
 from models.network.layers import OutputLayer, RMSNorm
-from models.network.weights import SeededWeights, WeightSource, as_source, materialise
+from models.network.weights import (
+    SeededWeights,
+    WeightSource,
+    as_source,
+    keep_float32,
+    materialise,
+)
 
 IGNORE_INDEX = -100
 
@@ -161,6 +167,7 @@ def build_part(
     with torch.device("meta"):
         part = CausalLM(config, ops, ep, layers, embedding, head)
     part.to(dtype)
+    keep_float32(part)
     if shard is not None:
         shard(part)
     materialise(part, as_source(source), device)

@@ -48,6 +48,8 @@ _PRESETS: dict[str, dict] = {
             mscale_all_dim=0.707,
         ),
         max_position_embeddings=163840,
+        aux_loss_alpha=0.001,
+        seq_aux=True,
     ),
     "gpt-oss-20b": dict(
         model_type="gpt_oss",
@@ -75,6 +77,7 @@ _PRESETS: dict[str, dict] = {
             truncate=False,
         ),
         max_position_embeddings=131072,
+        router_aux_loss_coef=0.9,
     ),
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe",
@@ -92,6 +95,7 @@ _PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
         max_position_embeddings=40960,
+        router_aux_loss_coef=0.001,
     ),
     "tiny-deepseek-v2": dict(
         model_type="deepseek_v2",

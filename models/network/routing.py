@@ -172,7 +172,7 @@ class RoutingTape:
         differ = (own.sort(dim=-1).values != replayed.sort(dim=-1).values).any(dim=-1)
         for token in differ.nonzero().flatten().tolist():
             ours, recorded = own[token], replayed[token]
-            total = mine[token, ours].sum().clamp_min(1e-30)
+            total = mine[token, ours].abs().sum().clamp_min(1e-30)  # biased logits: any sign
             gap = float((mine[token, ours].sum() - mine[token, recorded].sum()) / total)
             involved = torch.unique(torch.cat([ours, recorded]))
             drift = mine[token, involved] - theirs[token, involved]

@@ -51,7 +51,11 @@ Progress = Callable[[str, int], None]
 
 @runtime_checkable
 class WeightSource(Protocol):
-    """Fills a parameter's rows from wherever the weights live."""
+    """Fills a parameter's rows from wherever the weights live.
+
+    A source may also have ``holds(name) -> bool``: whether it has a training-state buffer
+    (`state_buffers`: an expert bias); one it lacks starts at zero. Without ``holds``, every
+    buffer is asked for."""
 
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Write rows ``[start, start + out.shape[0])`` of the whole model's tensor ``name``
@@ -124,6 +128,9 @@ class StateDictWeights:
             raise KeyError(f"the state dict has no tensor {name}")
         out.copy_(self.state[name][start : start + out.shape[0]])
 
+    def holds(self, name: str) -> bool:
+        return name in self.state
+
 
 class Reporting:
     """A source that reports each tensor it fills to ``progress`` (a `ProgressLine`)."""
@@ -136,6 +143,10 @@ class Reporting:
     def fill(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         self.inner.fill(name, out, start)
         self.progress(name, out.numel() * out.element_size())
+
+    def holds(self, name: str) -> bool:
+        holds = getattr(self.inner, "holds", None)
+        return holds is None or holds(name)
 
 
 def as_source(weights: WeightSource | Mapping[str, torch.Tensor]) -> WeightSource:
@@ -197,3 +208,31 @@ def materialise(part: nn.Module, source: WeightSource, device: torch.device | st
         local = param.to_local() if isinstance(param, DTensor) else param.data
         if local.numel():
             source.fill(name, local, _row_offset(owners[name], param))
+    for name, buffer in state_buffers(part):
+        holds = getattr(source, "holds", None)
+        if holds is None or holds(name):
+            source.fill(name, buffer)
+        else:  # a checkpoint made before the run turned the expert bias on: it starts at 0
+            buffer.zero_()
+
+
+def state_buffers(part: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that are training state, not derived from the config (the routers' expert
+    biases): read from a weight source and written to checkpoints like parameters, in
+    float32 whatever the model's dtype (``FLOAT32_BUFFERS`` of their module)."""
+    found = []
+    for prefix, module in part.named_modules():
+        for attribute in getattr(module, "FLOAT32_BUFFERS", ()):
+            buffer = module._buffers.get(attribute)
+            if buffer is not None:
+                found.append((f"{prefix}.{attribute}" if prefix else attribute, buffer))
+    return found
+
+
+def keep_float32(part: nn.Module) -> None:
+    """Put `state_buffers` back in float32 after ``part.to(dtype)`` cast them."""
+    for module in part.modules():
+        for attribute in getattr(module, "FLOAT32_BUFFERS", ()):
+            buffer = module._buffers.get(attribute)
+            if buffer is not None and buffer.dtype != torch.float32:
+                module._buffers[attribute] = buffer.float()

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.network import IGNORE_INDEX, ModelConfig, is_expert_parameter, shift_labels
+from models.network import (
+    IGNORE_INDEX,
+    ModelConfig,
+    StepBalance,
+    expert_bias_update,
+    is_expert_parameter,
+    shift_labels,
+)
 from models.runtime.distributed import Layout, ParallelConfig
 
 
@@ -117,6 +124,62 @@ def shared_loss(loss: torch.Tensor, layout: Layout) -> torch.Tensor:
     return loss
 
 
+def step_balance(
+    config: ModelConfig, micro_batches: int, layout: Layout, device: torch.device
+) -> StepBalance:
+    """A rank's `models.network.StepBalance` for one training step of ``micro_batches`` per
+    DP rank: one micro-batch's balancing terms weigh ``1 / (M x DP)``."""
+    return StepBalance(
+        config.balancing(), config.moe_layers, config.num_experts, micro_batches * layout.dp,
+        device,
+    )  # fmt: skip
+
+
+def moe_routers(part: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``{layer: router}`` of the MoE layers ``part`` holds, in layer order."""
+    found = {}
+    for layer in getattr(part, "decoder_layers", []):
+        if layer.is_moe:
+            found[layer.layer] = layer.mlp.router_module
+    return dict(sorted(found.items()))
+
+
+def step_load(part: torch.nn.Module, balance: StepBalance | None, layout: Layout) -> torch.Tensor:
+    """The step's copies per expert of each MoE layer ``part`` holds, summed over every
+    replica of the layer (the DP group, which holds EP; never PP): ``[layers, E]`` int64 in
+    `moe_routers` order, on the device; nothing is read on the host. One all-reduce."""
+    routers = moe_routers(part)
+    if not routers or balance is None:
+        return torch.zeros(len(routers), 0, dtype=torch.long)
+    experts = balance.num_experts
+    zero = torch.zeros(experts, dtype=torch.long, device=balance.device)
+    load = torch.stack([balance.load.get(layer, zero) for layer in routers])
+    if layout.dp > 1:
+        dist.all_reduce(load, group=layout.dp_group)
+    return load
+
+
+def update_expert_biases(part: torch.nn.Module, load: torch.Tensor, rate: float) -> None:
+    """Each MoE router's expert bias moved once for the step (`expert_bias_update`) from
+    ``load`` (`step_load`). Routers without a bias are left alone."""
+    for row, router in zip(load, moe_routers(part).values()):
+        if router.e_score_correction_bias is not None:
+            expert_bias_update(router.e_score_correction_bias, row, rate)
+
+
+def shared_balancing(balance: StepBalance | None, layout: Layout) -> torch.Tensor:
+    """The step's load-balancing loss and z-loss, ``[2]`` float32 on every rank (every rank's
+    share summed over DP and PP): collectives only, nothing read on the host."""
+    if balance is None:
+        return torch.zeros(2)
+    values = torch.stack([balance.aux, balance.z]).float()
+    if layout.dp > 1:
+        dist.all_reduce(values, group=layout.dp_group)
+    if layout.pp > 1:
+        dist.all_reduce(values, group=layout.pp_group)
+    return values
+
+
 def share_loss(loss: torch.Tensor, layout: Layout) -> float:
     """`shared_loss`, read on the host."""
     return float(shared_loss(loss, layout))
@@ -148,8 +211,33 @@ class PipelineRunner:
         reduce_gradients(self.part, self.layout)
         return shared_loss(loss, self.layout)
 
+    @property
+    def balance(self) -> StepBalance | None:
+        """The last training step's `models.network.StepBalance` (None before the first)."""
+        return getattr(self.schedule, "balance", None)
+
+    def step_load(self) -> torch.Tensor:
+        """`step_load` of the last training step, reduced once and kept (every rank of the
+        DP group must ask for a step's load, or none: it is one all-reduce)."""
+        balance = self.balance
+        kept = getattr(self, "_load", None)
+        if kept is None or kept[0] is not balance:
+            self._load = (balance, step_load(self.part, balance, self.layout))
+        return self._load[1]
+
+    def balancing_values(self) -> torch.Tensor:
+        """`shared_balancing` of the last training step (collectives on every rank)."""
+        return shared_balancing(self.balance, self.layout)
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
+        self.update_expert_biases()
+
+    def update_expert_biases(self) -> None:
+        """The step's expert-bias move (aux-loss-free balancing), once per optimizer step."""
+        balancing = self.part.config.balancing()
+        if balancing.expert_bias and self.balance is not None:
+            update_expert_biases(self.part, self.step_load(), balancing.bias_rate)
 
     def train_step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         loss = self.forward_backward(ids, labels)

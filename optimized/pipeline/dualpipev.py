@@ -29,6 +29,12 @@ block. (gloo's send work reports completion only once waited, so polling would
 hold every send to the end of the step.) Sends with no such reply are waited at
 the end of the step. Receive buffers and the loss accumulators live on the part's
 device.
+
+Routing controls travel as in the reference (`reference.dualpipev`): a `MicroBatchBalance`
+per training forward of a micro-batch through a chunk, and with the pooled load-balancing
+loss on, the ``[2, E]`` sums after the activation and the ``[E]`` totals after the
+gradient, on the same stream. A message and its sums are one message to the send-completion
+rule: posted together, received together, known complete together.
 """
 
 from __future__ import annotations
@@ -39,8 +45,15 @@ from typing import NamedTuple
 
 import torch
 
-from models.network import IGNORE_INDEX
-from models.runtime import BACKWARD, FORWARD, Layout, PointToPoint, TorchPointToPoint
+from models.network import IGNORE_INDEX, MicroBatchBalance, StepBalance
+from models.runtime import (
+    BACKWARD,
+    FORWARD,
+    Layout,
+    PointToPoint,
+    TorchPointToPoint,
+    step_balance,
+)
 from optimized.estimator.schedule import send_completions
 from optimized.ops import linear_cross_entropy
 from optimized.pipeline.execution import ExecutionContext
@@ -77,6 +90,8 @@ class ChunkRun(NamedTuple):
     """One micro-batch's forward through one chunk, waiting for its backward."""
 
     micro_batch: int
+    balance: MicroBatchBalance | None
+    """Its routing controls (`models.network.balancing`)."""
     input: torch.Tensor | None
     """The received activation (a leaf), or None where the chunk starts at the embedding."""
     embedded: torch.Tensor | None
@@ -93,6 +108,8 @@ class _Send(NamedTuple):
 
     handle: object
     tensor: torch.Tensor
+    extra: tuple
+    """``(handle, tensor)`` of the balancing sums posted after it (empty: none)."""
     free_when_sent: bool
     """Free the storage once sent (a forward's output: only its backward root is left)."""
     complete_after: int | None
@@ -131,6 +148,8 @@ class OptimizedDualPipeV:
         self.p2p: PointToPoint = TorchPointToPoint()
         """How tensors travel to the neighbours, on the layout's stream groups
         (`models.runtime.p2p`)."""
+        self.balance: StepBalance | None = None
+        """The last training step's routing controls (load, balancing losses)."""
 
     defers_weight_gradients = True
     """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""
@@ -233,33 +252,41 @@ class OptimizedDualPipeV:
     # -------------------------------------------- chunk ends: embed, loss, p2p
     class _Start(NamedTuple):
         micro_batch: int
+        balance: MicroBatchBalance | None
         input: torch.Tensor | None
         embedded: torch.Tensor | None
         hidden: torch.Tensor
         layers: list[LayerRun]
 
     def _forward_input(self, chunk: int, j: int) -> _Start:
-        layers = [LayerRun(self.part.layer(i), self.context) for i in self.chunks[chunk]]
+        stats, embedded = None, None
         if chunk == 0 and self.is_first:
             embedded = self.part.embed(self.micro_batches[j][0])
-            return self._Start(j, None, embedded, embedded, layers)
-        received = leaf(self._receive_activation(chunk))
-        return self._Start(j, received, None, received, layers)
+        else:
+            received, stats = self._receive_activation(chunk)
+            received = leaf(received)
+        balance = self.balance.micro_batch(stats) if self.training else None
+        layers = [LayerRun(self.part.layer(i), self.context, balance) for i in self.chunks[chunk]]
+        if embedded is not None:
+            return self._Start(j, balance, None, embedded, embedded, layers)
+        return self._Start(j, balance, received, None, received, layers)
 
     def _forward_output(self, chunk: int, start: _Start, hidden: torch.Tensor) -> None:
         head_input = None
         if chunk == 1 and self.is_first:
             head_input = leaf(hidden)
-            labels = self.micro_batches[start.micro_batch][1]
+            ids, labels = self.micro_batches[start.micro_batch]
             output = self._loss_sum(head_input, labels) / self.token_count
             self.loss = self.loss + output.detach()
+            if start.balance is not None:
+                start.balance.close(ids.numel())
         else:
-            self._send_activation(chunk, hidden)
+            self._send_activation(chunk, hidden, start.balance)
             output = hidden
         if torch.is_grad_enabled():
             self.saved[chunk].append(
-                ChunkRun(start.micro_batch, start.input, start.embedded, start.layers, output,
-                         head_input)
+                ChunkRun(start.micro_batch, start.balance, start.input, start.embedded,
+                         start.layers, output, head_input)
             )  # fmt: skip
 
     def _loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -278,13 +305,16 @@ class OptimizedDualPipeV:
         if chunk == 1 and self.is_first:
             run.output.backward()
             return run.head_input.grad
-        return self._receive_gradient(chunk)
+        grad, totals = self._receive_gradient(chunk)
+        if totals is not None:
+            run.balance.receive_totals(totals)
+        return grad
 
     def _backward_end(self, chunk: int, run: ChunkRun, grad: torch.Tensor) -> None:
         if run.embedded is not None:
             backward_stage((run.embedded,), (grad,))
         else:
-            self._send_gradient(chunk, grad)
+            self._send_gradient(chunk, grad, run.balance.totals if self.pooled else None)
 
     def _before_backward(self, chunk: int) -> None:
         if self.gradient_sync is not None:
@@ -300,32 +330,35 @@ class OptimizedDualPipeV:
             self.observer(f"{self.phase}:{action}", micro_batch)
 
     # -------------------------------------------------------- communication
-    def _receive_activation(self, chunk: int) -> torch.Tensor:
+    def _receive_activation(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The activation and, with the pooled loss on, the micro-batch's pooled sums."""
         if chunk == 1 and self.is_last:
             return self.local_activations.popleft()
         src = self.rank - 1 if chunk == 0 else self.rank + 1
-        return self._recv(src, FORWARD, chunk)
+        return self._recv(src, FORWARD, chunk, self.stats_shape if self.pooled else None)
 
-    def _send_activation(self, chunk: int, tensor: torch.Tensor) -> None:
+    def _send_activation(self, chunk: int, tensor: torch.Tensor, balance) -> None:
+        stats = balance.stats if self.pooled else None
         if chunk == 0 and self.is_last:
-            self.local_activations.append(tensor)
+            self.local_activations.append((tensor, stats))
             return
         dst = self.rank + 1 if chunk == 0 else self.rank - 1
         # Once sent, the output is only the root of its layer's backward: free it then.
-        self._send(tensor.detach(), dst, FORWARD, chunk, free_when_sent=True)
+        self._send(tensor.detach(), dst, FORWARD, chunk, free_when_sent=True, extra=stats)
 
-    def _receive_gradient(self, chunk: int) -> torch.Tensor:
+    def _receive_gradient(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradient and, with the pooled loss on, the micro-batch's ``[E]`` totals."""
         if chunk == 0 and self.is_last:
             return self.local_gradients.popleft()
         src = self.rank + 1 if chunk == 0 else self.rank - 1
-        return self._recv(src, BACKWARD, chunk)
+        return self._recv(src, BACKWARD, chunk, self.stats_shape[1:] if self.pooled else None)
 
-    def _send_gradient(self, chunk: int, tensor: torch.Tensor) -> None:
+    def _send_gradient(self, chunk: int, tensor: torch.Tensor, totals) -> None:
         if chunk == 1 and self.is_last:
-            self.local_gradients.append(tensor)
+            self.local_gradients.append((tensor, totals))
             return
         dst = self.rank - 1 if chunk == 0 else self.rank + 1
-        self._send(tensor, dst, BACKWARD, chunk)
+        self._send(tensor, dst, BACKWARD, chunk, extra=totals)
 
     def _send(
         self,
@@ -334,22 +367,38 @@ class OptimizedDualPipeV:
         direction: str,
         chunk: int,
         free_when_sent: bool = False,
+        extra: torch.Tensor | None = None,
     ) -> None:
+        """Post ``tensor`` (and ``extra``, the balancing sums, after it on the same stream)."""
         tensor = tensor.contiguous()
         group = self.layout.streams.pick(direction, chunk)
-        handle = self.p2p.isend(tensor, self.layout.global_rank(pp_rank), group)
+        peer = self.layout.global_rank(pp_rank)
+        handle = self.p2p.isend(tensor, peer, group)
+        posted = ()
+        if extra is not None:
+            extra = extra.contiguous()
+            posted = (self.p2p.isend(extra, peer, group), extra)
         index = len(self.sent)
         self.sent.append(None)
         complete_after = self.completions[index] if index < len(self.completions) else None
-        self.pending_sends.append(_Send(handle, tensor, free_when_sent, complete_after))
+        self.pending_sends.append(_Send(handle, tensor, posted, free_when_sent, complete_after))
 
-    def _recv(self, pp_rank: int, direction: str, chunk: int) -> torch.Tensor:
+    def _recv(
+        self, pp_rank: int, direction: str, chunk: int, stats_shape=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A message from ``pp_rank``, and the float32 balancing sums that follow it when
+        ``stats_shape`` is given (None otherwise)."""
         tensor = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
         group = self.layout.streams.pick(direction, chunk)
-        self.p2p.irecv(tensor, self.layout.global_rank(pp_rank), group).wait()
+        peer = self.layout.global_rank(pp_rank)
+        self.p2p.irecv(tensor, peer, group).wait()
+        stats = None
+        if stats_shape is not None:
+            stats = torch.empty(stats_shape, dtype=torch.float32, device=self.device)
+            self.p2p.irecv(stats, peer, group).wait()
         self.received += 1
         self._finish_sends(self.received)
-        return tensor
+        return tensor, stats
 
     def _finish_sends(self, received: int | None) -> None:
         """Wait and free the sends known complete after ``received`` receives (None: all)."""
@@ -361,6 +410,8 @@ class OptimizedDualPipeV:
                 pending.append(send)
                 continue
             send.handle.wait()
+            if send.extra:
+                send.extra[0].wait()
             if send.free_when_sent and self.training:
                 self.context.free_now("sent_activation", send.tensor)
         self.pending_sends = pending
@@ -389,6 +440,12 @@ class OptimizedDualPipeV:
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.z_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         """This rank's share of the step's mean z-loss (part of ``loss``), for logging."""
+        if self.training:
+            self.balance = step_balance(
+                self.part.config, self.num_micro_batches, self.layout, self.device
+            )
+        self.pooled = self.training and self.balance.balancing.pooled
+        self.stats_shape = (2, self.part.config.num_experts)
 
     def _end(self) -> torch.Tensor:
         self._finish_sends(None)

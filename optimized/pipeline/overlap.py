@@ -43,7 +43,14 @@ from typing import NamedTuple
 
 import torch
 
-from models.network import AttentionOut, CombineOut, DecoderLayer, DispatchOut, SplitSizes
+from models.network import (
+    AttentionOut,
+    CombineOut,
+    DecoderLayer,
+    DispatchOut,
+    MicroBatchBalance,
+    SplitSizes,
+)
 from optimized.pipeline.execution import Exchange, ExecutionContext, start_exchange
 
 
@@ -77,8 +84,15 @@ class ExchangeRecord(NamedTuple):
 class LayerRun:
     """One micro-batch through one decoder layer, stage by stage (forward, then backward)."""
 
-    def __init__(self, layer: DecoderLayer, ctx: ExecutionContext) -> None:
+    def __init__(
+        self,
+        layer: DecoderLayer,
+        ctx: ExecutionContext,
+        balance: MicroBatchBalance | None = None,
+    ) -> None:
         self.layer, self.ctx, self.ops = layer, ctx, ctx.ops
+        self.balance = balance
+        """The micro-batch's routing controls in a training forward (None: forward only)."""
         self.is_moe = layer.is_moe
         self.input: torch.Tensor | None = None
         """Set by the caller: the layer's input hidden states (cut into a leaf here)."""
@@ -108,7 +122,7 @@ def attention_forward(run: LayerRun) -> None:
     """Stage 1: norm, attention, shared experts, router (a dense layer: all of it)."""
     run.input = leaf(run.input)
     with run.ctx.stage():
-        a = run.layer.attention(run.input, run.ops)
+        a = run.layer.attention(run.input, run.ops, run.balance)
     run.attention = a
     if not run.is_moe:
         run.output = a.residual

@@ -306,3 +306,4 @@ class ShardedOptimizedPipeline(PipelineRunner):
         self.optimizer.step(self.lr)
         for param, grad in grads:
             param.grad = grad
+        self.update_expert_biases()
