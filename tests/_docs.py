@@ -5,6 +5,8 @@
   subcommand and flags its parser has, and a value among a flag's choices;
 - `link_problems`: every relative link names a file of the repository (inside it: a clone
   has nothing beside it), and an anchor, when given, a heading or ``<a id>`` of that page;
+- `name_problems`: every repository path (``tests/test_x.py``, ``models/hf/``) and dotted
+  project name (``models.hf.from_pretrained``) in an inline code span exists;
 - `install_commands` / `ci_install_commands`: the README's install block and what `.ci/run`
   runs, to be held equal.
 
@@ -298,3 +300,44 @@ def ci_install_commands(ci_script: str) -> list[str]:
         for words in split_commands(ci_script)
         if words[:4] == ["python", "-m", "pip", "install"] and "--upgrade" not in words
     ]
+
+
+TOP_FOLDERS = ("models", "reference", "optimized", "harness", "benchmarks", "tests", "tools",
+               "examples", "docs", ".ci")  # fmt: skip
+PACKAGES = ("models", "reference", "optimized", "harness", "benchmarks")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``a.b.c`` is a module, or an attribute path of the longest module it starts
+    with."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[end:]:
+                found = getattr(found, attribute)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def name_problems(text: str, root: Path = ROOT) -> list[str]:
+    """Every repository path or dotted project name in an inline code span that does not
+    exist (``tests/test_x.py::test_y`` names the file)."""
+    problems = []
+    for match in INLINE.finditer(FENCE.sub("", text)):
+        span = match.group(2).strip()
+        if " " in span:
+            continue
+        path = span.split("::")[0]
+        if path.split("/")[0] in TOP_FOLDERS and "/" in path:
+            if not ((root / path).exists() or ("*" in path and any(root.glob(path)))):
+                problems.append(f"`{span}`: no such file or folder")
+        elif re.fullmatch(r"[a-z_]+(\.[A-Za-z_]\w*)+", span) and span.split(".")[0] in PACKAGES:
+            if not _resolves(span):
+                problems.append(f"`{span}`: no such module or name")
+    return problems

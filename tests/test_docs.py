@@ -1,7 +1,8 @@
 """The docs stay true: README.md and docs/*.md run only commands and flags the parsers have,
-link only to files (and anchors) that exist, install as `.ci/run` installs, keep their size,
-and the results page lists exactly the results file. The checkers (`tests/_docs.py`) are also
-fed doctored text, to show that they report a renamed flag and a broken link."""
+link only to files (and anchors) that exist, name only files and modules that exist,
+install as `.ci/run` installs, keep their size, and the results page lists exactly the
+results file. The checkers (`tests/_docs.py`) are also fed doctored text, to show that they
+report a renamed flag, a broken link and a moved module."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests._docs import (
     command_problems,
     install_commands,
     link_problems,
+    name_problems,
     section,
 )
 
@@ -47,6 +49,12 @@ def test_every_documented_command_parses(page, parsers):
 def test_every_relative_link_resolves(page):
     problems = link_problems(page.read_text(), page)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_named_file_and_module_exists(page):
+    problems = name_problems(page.read_text())
+    assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
 
 
 def test_readme_installs_as_ci_does_and_names_its_test_command():
@@ -125,6 +133,19 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path):
         assert len(problems) == 1 and why in problems[0], (broken, problems)
     # A link inside code is not a link.
     assert link_problems(text + "`[x](missing.md)`\n", page, tmp_path) == []
+
+
+def test_a_moved_file_or_module_is_reported():
+    good = "See `models/hf/checkpoint.py`, `tests/test_docs.py::test_x` and `models.hf`."
+    assert name_problems(good) == []
+    moved = "See `models/checkpoint.py` and `models.checkpoint.validate_checkpoint`."
+    assert name_problems(moved) == [
+        "`models/checkpoint.py`: no such file or folder",
+        "`models.checkpoint.validate_checkpoint`: no such module or name",
+    ]
+    assert name_problems("`models.hf.no_such_function`") == [
+        "`models.hf.no_such_function`: no such module or name"
+    ]
 
 
 def test_an_install_block_that_differs_from_ci_is_seen():
