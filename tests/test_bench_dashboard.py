@@ -373,7 +373,7 @@ def test_the_dashboard_shows_the_measured_results(tmp_path, capsys):
     page = (site / "index.html").read_text()
     section = page.split("<h2 id='measured-results'>Measured results</h2>")[1]
     assert "<h3>The tests</h3>" in section
-    row = ("<td>suite-time</td><td>the whole suite&#x27;s wall time</td><td>23.3, 18.65 min</td>"
+    row = ("<td>suite-time</td><td>the whole suite&#x27;s wall time</td><td>23.3 / 18.65 min</td>"
            "<td>2026-11-27</td><td>6ba4c65</td><td>cpu</td><td>2-core CPU machine</td>"
            "<td><code>python -m pytest -q</code></td>")  # fmt: skip
     assert row in section
@@ -399,7 +399,7 @@ def test_the_results_page_lists_every_result(tmp_path):
     page = measured.render_markdown(document)
     assert page.startswith("# Measured results\n")
     assert '| <a id="suite-time"></a>`suite-time` |' in page and "a \\| b" in page
-    assert "| 23.3, 18.65 min | 2026-11-27, 6ba4c65 |" in page
+    assert "| 23.3 / 18.65 min | 2026-11-27, 6ba4c65 |" in page
     recorded = dict(document["results"][0], date_basis="recorded", figure=1188, unit="tests")
     assert "| 1,188 tests | 2026-11-27 (recorded), 6ba4c65 |" in measured.render_markdown(
         {"results": [recorded]}

@@ -137,10 +137,10 @@ def load_results(path: str | Path = DEFAULT_RESULTS) -> dict[str, Any]:
 
 
 def format_figure(result: dict[str, Any]) -> str:
-    """``23.3 min``, ``3.99, 3.97, 2.66, 2.62 GiB``; a unit of ``1`` is left out."""
+    """``23.3 min``, ``3.99 / 3.97 / 2.66 / 2.62 GiB``; a unit of ``1`` is left out."""
     figure = result["figure"]
     numbers = figure if isinstance(figure, list) else [figure]
-    text = ", ".join(f"{n:,}" if isinstance(n, int) else f"{n:.4g}" for n in numbers)
+    text = " / ".join(f"{n:,}" if isinstance(n, int) else f"{n:.4g}" for n in numbers)
     return text if result["unit"] == "1" else f"{text} {result['unit']}"
 
 
