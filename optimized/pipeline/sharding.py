@@ -5,8 +5,9 @@ The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward
 every *leaf* module inside them is called through its own ``forward`` (or, for the
 output layer, a registered forward method): the norms, the attention block, the dense
 MLP, the router, the shared experts, the routed experts, the embedding, the final norm
-and the output layer. Each is `fully_shard`-ed on its own, so each is its own FSDP2
-parameter group and its own FSDP2 root (nothing forwards the pipeline part as a whole):
+and the output layer. Each is `fully_shard`-ed on
+its own, so each is its own FSDP2 parameter group and its own FSDP2 root (nothing forwards
+the pipeline part as a whole):
 
 - parameters, gradients and AdamW state are sharded along dim 0; the pre-forward hook
   all-gathers a module's parameters; with ``reshard_after_forward`` the post-forward hook
@@ -20,8 +21,6 @@ parameter group and its own FSDP2 root (nothing forwards the pipeline part as a 
   *expert-replica* group, the DP ranks holding the same experts (size DP / EP). Where
   that group is one rank (EP = DP) FSDP2 would shard nothing and only add an all-gather
   copy of the experts, so they stay whole and unreduced (`ShardedAdamW`'s plain path);
-- the router: the MoE layer calls ``Router.route``, not its ``forward``, registered the
-  same way so that its weight is gathered around the call;
 - the output layer: the optimized loss stage fuses it with the cross-entropy and never
   calls ``lm_head.forward``; it calls ``lm_head.fused_loss`` (`models.network.layers.OutputLayer`),
   registered with `register_fsdp_forward_method` so the same hooks gather the weight
@@ -156,9 +155,6 @@ def apply_fsdp(
         _shard(module, dp_mesh, reshard_after_forward)
     if getattr(part, "lm_head", None) is not None:
         register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
-    for layer in part.decoder_layers:  # the MoE layer calls its router's ``route``
-        if layer.is_moe:
-            register_fsdp_forward_method(layer.mlp.router_module, "route")
     if experts:
         replica_mesh = DeviceMesh.from_group(
             layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
