@@ -72,7 +72,7 @@ def _row_stats_kernel(
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)
-    stats_row = tl.cast(stats_stride, tl.int64)  # 1 is passed as a constant
+    stats_row = tl.cast(stats_stride, tl.int64)  # (a stride of 1 arrives as a constant)
     row_ptrs = logits_ptr + rows[:, None] * stride_row
     offsets = tl.arange(0, BLOCK)
     if FIRST:
@@ -132,7 +132,7 @@ def _row_grad_kernel(
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)
-    stats_row = tl.cast(stats_stride, tl.int64)  # 1 is passed as a constant
+    stats_row = tl.cast(stats_stride, tl.int64)  # (a stride of 1 arrives as a constant)
     row_max = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
     row_sum = tl.load(stats_ptr + stats_row + rows, mask=row_mask, other=1.0)
     log_sum_exp = row_max + tl.log(row_sum)
