@@ -11,7 +11,8 @@
   `export`: Hugging Face out;
 - `preflight`: everything ``twinpipe train`` checks before a process group starts, and
   the run it plans;
-- `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
+- `trainer`: the training loop on one rank; `faults`: the faults tests inject into it
+  (crashes, signals, NaN mid-step); `objective`: z-loss and label smoothing
   (the optimized runner only), the z-loss for the log, and the ``[moe]`` section set on
   the model; `metrics`: a step's figures, its log line with TFLOP/s and MFU, the
   JSON-lines and TensorBoard sink; `expert_load`: the tokens each expert got, per MoE
