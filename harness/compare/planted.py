@@ -18,7 +18,11 @@ README gives the commands at real widths.
   them no gradient, so they never train (what a kernel without the sinks' gradient, such as
   FlashAttention-4's ``learnable_sink`` path in one peer, ships);
 - ``dispatch-wrong-expert``: one routed token of every expert dispatch is computed by the
-  next local expert instead of its own.
+  next local expert instead of its own;
+- the routing controls' bugs peers shipped (`harness.compare.planted_balancing`): the expert
+  bias moved every micro-batch, from counts not summed over DP or kept in bfloat16, on no
+  rank whose first chunk is dense, or by a forward-only pass; the aux-loss gradient scaled
+  by 1/M twice or by the DP size.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 
 import torch
 
+from harness.compare.planted_balancing import BALANCING_PATCHES, BALANCING_PLANTS
+
 PLANTS = (
     "activation-round-to-zero",
     "cross-entropy-grad-1.01",
@@ -36,6 +42,7 @@ PLANTS = (
     "attention-drops-window",
     "attention-frozen-sink",
     "dispatch-wrong-expert",
+    *BALANCING_PLANTS,
 )
 
 
@@ -145,15 +152,24 @@ def planted(name: str | None) -> Iterator[None]:
         "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
         "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
+        **BALANCING_PATCHES,
     }
     if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")
     saved = []
     try:
         for owner, attribute, replacement in patches[name]():
-            saved.append((owner, attribute, getattr(owner, attribute)))
+            # The owner's own entry (a staticmethod stays one), or none: it inherits it.
+            saved.append((owner, attribute, vars(owner).get(attribute, _INHERITED)))
             setattr(owner, attribute, replacement)
         yield
     finally:
         for owner, attribute, original in reversed(saved):
-            setattr(owner, attribute, original)
+            if original is _INHERITED:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
+
+
+_INHERITED = object()
+"""What a patched attribute was where its owner inherited it (restored by deleting it)."""

@@ -7,7 +7,7 @@ reports) and renders ``index.html`` with PNG figures beside it:
   time and peak memory, and a table of the latest run with the speed-up and
   the memory ratio;
 - per compare run, each rank's peak memory on both stacks, and the loss and
-  gradient agreement, over commits.
+  gradient agreement, over commits; the latest run's expert load (layers x experts).
 
 How benchmarks are paired: an op is the benchmark's ``group`` (or, without
 one, ``extra_info["op"]``, or its test name less ``test_`` and the role word).
@@ -43,6 +43,7 @@ from harness.history.dashboard_data import (  # the data names are part of this 
     benchmark_role,
     collect_compare,
     collect_ops,
+    latest_load,
     peak_bytes,
 )
 from harness.history.dashboard_plots import (
@@ -52,7 +53,7 @@ from harness.history.dashboard_plots import (
     time_unit,
 )
 from harness.history.documents import read_history
-from harness.report import format_bytes
+from harness.report import format_bytes, plot_load
 
 # ---------------------------------------------------------------------- page
 
@@ -174,6 +175,16 @@ def render(history_dir: str | Path, out_dir: str | Path) -> Path:
             plot_compare_agreement(on_device, compare_labels, out / image)
             parts.append(f"<img src='{image}' alt='loss and gradient agreement'>")
             parts.append(_compare_table(on_device))
+    load = latest_load(entries)
+    if load is not None:  # the latest compare run's expert load (`twinpipe compare --out`)
+        plot_load(load["load"], out / "compare-load.png", load["layers"], title="expert load")
+        parts.append(
+            f"<h2>Expert load: the latest compare run ({html.escape(load['commit'])})"
+            "</h2><img src='compare-load.png' alt='expert load, layers x experts'>"
+        )
+        rows = [[f"layer {layer}", f"{ratio:.2f}", str(low), str(high)]
+                for layer, ratio, low, high in load["last_step"]]  # fmt: skip
+        parts.append(_table(["last step", "max/mean", "fewest copies", "most copies"], rows))
     parts.append("</body></html>")
     page = out / "index.html"
     page.write_text("\n".join(parts))

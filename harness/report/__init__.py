@@ -9,7 +9,9 @@ dashboard.
 - `sections`: the parts that say why: problems, trajectory, routing, noise floor, ops
   audit, the harness's own memory, the largest tensors at each peak;
 - `communication`: the communication tables (the section's schema: `harness.compare`);
-- `plots`: loss per step, and peak memory per rank by category (matplotlib);
+- `plots`: loss per step, peak memory per rank by category, and the expert load as layers x
+  experts over steps (matplotlib; `plot_load` takes a plain nested list);
+- `balancing`: the routing controls' section: losses, load and expert biases per step;
 - `write`: ``report.json``, the plots and ``report.md`` into a folder;
 - `provenance`: the commit, the machine and the device a figure comes from.
 
@@ -18,6 +20,7 @@ reports are read where no stack runs.
 """
 
 from harness.report.formatting import format_bytes, format_moment, format_number
+from harness.report.plots import plot_load, plot_report_load
 from harness.report.provenance import (
     cpu_name,
     device_description,
@@ -53,6 +56,8 @@ __all__ = [
     "load_report",
     "machine_description",
     "machine_line",
+    "plot_load",
+    "plot_report_load",
     "read_json",
     "render_markdown",
     "report_device",

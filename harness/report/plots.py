@@ -1,5 +1,6 @@
-"""The compare report's figures (matplotlib, PNG): loss per step, and peak memory per
-rank split by category.
+"""The compare report's figures (matplotlib, PNG): loss per step, peak memory per rank
+split by category, and the expert load as layers x experts over steps (`plot_load`, which
+takes a plain ``[steps][layers][experts]`` nested list, so any caller can feed it).
 """
 
 from __future__ import annotations
@@ -137,6 +138,90 @@ def plot_memory(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return True
+
+
+LOAD_PANELS = 8
+"""At most this many steps of a load picture (the first, the last, evenly between)."""
+
+
+def plot_load(
+    load: Sequence[Sequence[Sequence[float]]],
+    path: str | os.PathLike[str],
+    layers: Sequence[Any] | None = None,
+    steps: Sequence[Any] | None = None,
+    title: str = "expert load",
+) -> bool:
+    """The load ``[steps][layers][experts]`` (copies routed to each expert) as one heat map
+    per step, layers x experts, coloured by each count over its layer's mean (1: balanced;
+    the colour scale is shared, so panels compare); each panel names its step and its worst
+    layer's max/mean. ``layers``/``steps``: the labels of the rows and panels (default:
+    their indices). False when there is nothing to draw."""
+    panels = [(i, step) for i, step in enumerate(load) if step and any(row for row in step)]
+    if not panels:
+        return False
+    if len(panels) > LOAD_PANELS:
+        last = len(panels) - 1
+        picks = sorted({round(k * last / (LOAD_PANELS - 1)) for k in range(LOAD_PANELS)})
+        panels = [panels[k] for k in picks]
+    ratios = [(index, [_over_mean(row) for row in step]) for index, step in panels]
+    highest = max((v for _, rows in ratios for row in rows for v in row if v == v), default=2.0)
+    plt = _pyplot()
+    columns = min(4, len(ratios))
+    grid_rows = math.ceil(len(ratios) / columns)
+    experts = max(len(row) for _, rows in ratios for row in rows)
+    layer_count = max(len(rows) for _, rows in ratios)
+    width = min(3.2 + 0.12 * experts, 7.0)
+    height = min(1.2 + 0.32 * layer_count, 6.0)
+    figure, axes = plt.subplots(
+        grid_rows, columns, figsize=(width * columns + 1.2, height * grid_rows), squeeze=False
+    )
+    image = None
+    for k, (index, rows) in enumerate(ratios):
+        axis = axes[k // columns][k % columns]
+        padded = [row + [math.nan] * (experts - len(row)) for row in rows]
+        image = axis.imshow(
+            padded, aspect="auto", cmap="RdBu_r", vmin=0.0, vmax=max(2.0, highest),
+            interpolation="nearest",
+        )  # fmt: skip
+        worst = max((max(row) for row in rows if row), default=math.nan)
+        label = steps[index] if steps is not None and index < len(steps) else index
+        axis.set_title(f"step {label}: max/mean {worst:.2f}", fontsize=9)
+        names = list(layers) if layers is not None else list(range(len(rows)))
+        shown = range(0, len(rows), max(1, len(rows) // 16))  # at most about 16 labels
+        axis.set_yticks(list(shown))
+        labels = [f"layer {names[i] if i < len(names) else i}" for i in shown]
+        axis.set_yticklabels(labels, fontsize=7)
+        axis.set_xlabel("expert", fontsize=8)
+        axis.tick_params(axis="x", labelsize=7)
+    for k in range(len(ratios), grid_rows * columns):
+        axes[k // columns][k % columns].axis("off")
+    figure.suptitle(title, y=1.0 + 0.08 / grid_rows)  # above the panels' own titles
+    figure.colorbar(image, ax=axes, shrink=0.85, label="load / layer mean")
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return True
+
+
+def plot_report_load(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """A compare report's expert load (the baseline's: at pinned routing the candidate's is
+    the same, and any difference is in the report's problems); False when it has none."""
+    balancing = report.get("balancing")
+    if not isinstance(balancing, dict):
+        return False
+    load = (balancing.get("load") or {}).get("baseline")
+    if not isinstance(load, list):
+        return False
+    base, _ = side_names(report)
+    title = f"expert load per step ({base}): copies per expert over the layer's mean"
+    return plot_load(load, path, layers=balancing.get("layers"), title=title)
+
+
+def _over_mean(row: Sequence[float]) -> list[float]:
+    """Each count over the row's mean (NaN where the row is empty or all zero)."""
+    values = [float(v) if isinstance(v, (int, float)) else math.nan for v in row]
+    finite = [v for v in values if v == v]
+    mean = sum(finite) / len(finite) if finite else 0.0
+    return [v / mean if mean > 0 else math.nan for v in values]
 
 
 def _byte_scale(largest: float) -> tuple[float, str]:
