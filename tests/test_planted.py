@@ -3,7 +3,7 @@
 Each bug (`harness.compare.planted`) is small: nothing crashes and the loss hardly moves. Tiny
 presets, bfloat16, lockstep with the float32 noise floor; one launch per model runs the
 correct stack and every bug that applies (the bugs are planted and removed in the ranks).
-At real widths: the README's `twinpipe compare --plant` commands.
+At real widths: the `twinpipe compare --plant` commands of docs/compare.md.
 
 The routing controls' bugs (`harness.compare.planted_balancing`) leave the loss alone; they
 fail float32 on what the verdict judges of the controls (the balancing losses' gradients,

@@ -3,8 +3,8 @@ PyTorch, beside the pipeline verdict.
 
 Why. The pipeline verdict (`harness.compare.noise_floor`) judges a whole step against a
 float32 truth, within ``k`` times the reference's own bfloat16 error. At real widths some
-bugs are smaller than a step's bfloat16 noise and pass it (the README gives the figures at
-mid width): a bfloat16 activation stored toward zero, and one token in a few thousand
+bugs are smaller than a step's bfloat16 noise and pass it (docs/results.json holds the
+figures at mid width): a bfloat16 activation stored toward zero, and one token in a few thousand
 computed by the wrong expert. At the op that produced them neither is small: truncation shifts
 every element of the op's output by half a unit in the last place, always toward zero,
 and a misrouted row is a wrong index, exactly. So the audit looks there.

@@ -4,8 +4,8 @@ A comparison that never fails proves nothing. Each bug here is one a kernel auth
 plausibly ship, and each is small: nothing crashes, the loss moves little or not at all.
 `twinpipe compare --plant NAME` plants one in every rank (the optimized stack's ops are
 patched in the rank processes, nowhere else) and must exit 1; the same command without
-``--plant`` must exit 0. `tests/test_planted.py` runs them on the tiny presets and the
-README gives the commands at real widths.
+``--plant`` must exit 0. `tests/test_planted.py` runs them on the tiny presets and
+docs/compare.md gives the commands at real widths.
 
 - ``activation-round-to-zero``: the expert activation's bfloat16 output truncated
   (rounded toward zero) instead of rounded to nearest even, as a Triton store of a float32
