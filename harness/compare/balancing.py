@@ -9,7 +9,7 @@ evaluation it measures how far the forward-only pass moved each stack's biases
 where `balancing_section` judges them:
 
 - **the losses**: the aux loss and the z-loss at DESIGN.md's loss bound for the dtype, at
-  the steps whose loss is judged; a NaN never passes;
+  the steps whose loss is judged; a NaN or an infinity never passes, at any step;
 - **the load**: at pinned (or balanced) routing both stacks route every token to the same
   experts, so each layer's counts must be *equal*, on every rank;
 - **the bias**: its update is exact arithmetic on integer counts (``rate * sign(mean -
@@ -151,10 +151,10 @@ def balancing_section(
         base, cand = _values(records, "baseline", index), _values(records, "candidate", index)
         rel = [_rel(c, b) for b, c in zip(base, cand, strict=True)]
         section[name] = {"baseline": base, "candidate": cand, "rel_error": rel}
-        for step in judged:
+        for step in range(plan.steps):  # nothing non-finite passes, judged step or not
             if not all(math.isfinite(v) for v in (base[step], cand[step], rel[step])):
                 problems.append(f"step {step}: the {words} is not finite")
-            elif rel[step] > loss_bound:
+            elif step in judged and rel[step] > loss_bound:
                 problems.append(f"step {step}: {words} differs by {rel[step]:.3g} (relative)")
     sides = ("baseline", "candidate")
     load = {

@@ -58,6 +58,7 @@ from harness.compare.op_checks import (
     error_stats,
     host,
     index_problem,
+    nonfinite_problem,
     numeric_outputs,
     snapshot,
 )
@@ -176,10 +177,14 @@ class OpsAudit(Instrument):
             self._record(name, kind="index", passed=problem is None, problem=problem)
             return
         candidate, truth, reference = numeric_outputs(self.reference, name, inputs, out)
-        if not bool(torch.isfinite(candidate).all()) and bool(torch.isfinite(truth).all()):
-            self._record(name, kind="numeric", passed=False, problem="non-finite output",
+        problem = nonfinite_problem(candidate, truth)
+        if problem is not None:
+            self._record(name, kind="numeric", passed=False, problem=problem,
                          elements=candidate.numel())  # fmt: skip
             return
+        # Non-finite in the same places as the truth: the errors are the finite elements'.
+        keep = torch.isfinite(truth) & torch.isfinite(reference)
+        candidate, truth, reference = candidate[keep], truth[keep], reference[keep]
         e_c, beta_c, n = error_stats(candidate, truth)
         e_r, beta_r, _ = error_stats(reference, truth)
         rel_limit = K * e_r + SLACK_REL
