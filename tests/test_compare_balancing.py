@@ -337,23 +337,3 @@ def test_the_dashboard_shows_the_latest_compare_run_s_load(tmp_path):
     assert "Expert load: the latest compare run (feedface0000)" in page
     assert "<td>layer 2</td><td>1.40</td><td>60</td><td>140</td>" in page
     assert (site / "compare-load.png").stat().st_size > 0
-
-
-# ---------------------------------------------------------------------- biased near-ties
-def test_a_replayed_expert_the_candidate_masked_is_no_near_tie():
-    """Group-limited routing with an expert bias ranks a dropped group's experts at -inf.
-    A replayed expert in a group the candidate dropped makes the gap and the drift both
-    infinite: the bound ``gap <= drift`` holds, and still the choice is no near-tie."""
-    from models.network import RoutingTape  # noqa: PLC0415
-
-    scores = torch.tensor([[0.3, 0.3, 0.25, 0.15]])
-    inf = float("inf")
-    record = RoutingTape()
-    record.route("gate", scores, torch.tensor([[2]]), torch.float32,
-                 torch.tensor([[-inf, -inf, 0.25, 0.2]]))  # fmt: skip
-    replay = record.replay()
-    replay.route("gate", scores, torch.tensor([[0]]), torch.float32,
-                 torch.tensor([[0.31, 0.3, -inf, -inf]]))  # fmt: skip
-    result = replay.result()
-    assert len(result.swaps) == 1 and result.swaps[0].gap == inf
-    assert any("more than the scores' difference explains" in p for p in result.problems())

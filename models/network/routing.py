@@ -45,7 +45,6 @@ records nothing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -257,19 +256,9 @@ class ReplayResult:
                     f"router scores differ from the recorded ones by {drift:.3g} (relative "
                     f"L2) at router {name}; the limit is {limit:.3g}"
                 )
-        # An infinite gap is a recorded expert the candidate ranked at -inf: one of a group it
-        # dropped (group-limited routing with an expert bias masks dropped groups with -inf,
-        # `models.network.layers.Router`). Its drift is infinite too, so the bound would hold,
-        # but it is no near-tie of the expert scores.
-        far = [
-            s
-            for s in self.swaps
-            if not (math.isfinite(s.gap) and -TIE_SLACK <= s.gap <= s.drift + TIE_SLACK)
-        ]
+        far = [s for s in self.swaps if not -TIE_SLACK <= s.gap <= s.drift + TIE_SLACK]
         if far:
-            worst = max(
-                far, key=lambda s: max(s.gap - s.drift, -s.gap) if s.gap < math.inf else s.gap
-            )
+            worst = max(far, key=lambda s: max(s.gap - s.drift, -s.gap))
             found.append(
                 f"{len(far)} of {self.choices} routed choices differ from the baseline by more "
                 f"than the scores' difference explains; worst: gap {worst.gap:.3g} against "
