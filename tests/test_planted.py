@@ -4,6 +4,10 @@ Each bug (`harness.compare.planted`) is small: nothing crashes and the loss hard
 presets, bfloat16, lockstep with the float32 noise floor; one launch per model runs the
 correct stack and every bug that applies (the bugs are planted and removed in the ranks).
 At real widths: the `twinpipe compare --plant` commands of docs/compare.md.
+
+The routing controls' bugs (`harness.compare.planted_balancing`) leave the loss alone; they
+fail float32 on what the verdict judges of the controls (the balancing losses' gradients,
+the load, the expert biases), in one launch of their own.
 """
 
 from __future__ import annotations
@@ -187,3 +191,94 @@ def test_the_truncating_plant_keeps_nan_and_infinity():
     assert torch.equal(cut.isinf(), NONFINITE.isinf())
     assert cut[-2] == float("inf") and cut[-1] == float("-inf")
     assert round_toward_zero(torch.tensor([1.0 + 2**-8 + 2**-9])) == 1.0 + 2**-8
+
+
+# ---------------------------------------------------------------- the routing controls' bugs
+BALANCING_MODEL = dataclasses.replace(
+    preset("tiny-deepseek-v2"), aux_loss="sequence", aux_loss_coef=0.1, expert_bias=True
+)
+"""Both controls a balancing plant breaks: DeepSeek's sequence loss, at a coefficient (0.1)
+at which its gradient is a large share of the router gates', so a scaled one stands far out
+of float32's gradient bound, and the expert bias. Its first layer is dense, so at PP 2 rank
+0's first chunk holds no MoE layer."""
+BALANCING_LAYOUT = ParallelConfig(
+    pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=2, seq_len=128, dtype="float32"
+)
+"""`twinpipe compare`'s default layout with sequences of 128 tokens: 512 copies per expert
+and step on average (bfloat16 holds integers exactly to 256), over two DP ranks."""
+BALANCING_PLANTS = (
+    "bias-every-micro-batch",
+    "bias-counts-not-summed-over-dp",
+    "bias-counts-bf16",
+    "aux-grad-scaled-by-1/M-twice",
+    "aux-grad-scaled-by-dp",
+    "bias-skipped-on-stage-without-moe",
+    "forward-only-updates-bias",
+)
+CAUGHT_BY = {
+    "bias-every-micro-batch": "expert bias of layer",
+    "bias-counts-not-summed-over-dp": "expert load differs",
+    "bias-counts-bf16": "expert load differs",
+    "aux-grad-scaled-by-1/M-twice": "mlp.gate.weight relative error",
+    "aux-grad-scaled-by-dp": "mlp.gate.weight relative error",
+    "bias-skipped-on-stage-without-moe": "expert bias of layer 3",
+    "forward-only-updates-bias": "the forward-only pass moved the candidate's expert bias",
+}
+"""What names each bug in the verdict's problems."""
+
+_BALANCING_REPORTS: dict = {}
+
+
+def _balancing_reports() -> dict:
+    """One launch: the correct stack, then each plant, one step each."""
+    if not _BALANCING_REPORTS:
+        plans = [
+            RankPlan(
+                BALANCING_MODEL,
+                BALANCING_LAYOUT,
+                SeededWeights(BALANCING_MODEL),
+                "reference",
+                "optimized",
+                1,
+                OptimizerConfig(),
+                track_memory=False,
+                progress=False,
+                plant=plant,
+            )  # fmt: skip
+            for plant in (None, *BALANCING_PLANTS)
+        ]
+        per_rank = launch(_worker, BALANCING_LAYOUT.world_size, (plans,))
+        for i, plan in enumerate(plans):
+            report = build_report(plan, [r[i] for r in per_rank], "tiny-deepseek-v2")
+            _BALANCING_REPORTS[plan.plant] = report
+    return _BALANCING_REPORTS
+
+
+def test_every_balancing_plant_is_listed_and_shows_at_the_test_s_settings():
+    from harness.compare.planted import PLANTS
+    from harness.compare.planted_balancing import plant_problem
+
+    assert set(BALANCING_PLANTS) <= set(PLANTS)
+    for plant in BALANCING_PLANTS:
+        assert plant_problem(plant, BALANCING_MODEL, BALANCING_LAYOUT, None) is None, plant
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_correct_stack_passes_with_the_routing_controls_on():
+    report = _balancing_reports()[None]
+    assert report["passed"], report["problems"]
+    assert report["balancing"]["judged"]["bias"]
+    assert min(min(row) for row in report["balancing"]["load"]["baseline"][0]) > 256
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plant", BALANCING_PLANTS)
+def test_a_planted_balancing_bug_fails(plant):
+    report = _balancing_reports()[plant]
+    assert not report["passed"]
+    assert report["config"]["plant"] == plant
+    assert any(CAUGHT_BY[plant] in problem for problem in report["problems"]), report["problems"]
+    # Each leaves the loss where it was: only the controls' figures show it.
+    assert report["loss"]["rel_error"][0] <= report["tolerance"]["loss_rel"]

@@ -1,6 +1,8 @@
 """`twinpipe compare` from plan to verdict: two stacks side by side on every rank.
 
 - `cli`: the command: arguments, the plan every rank runs, launching, printing, writing;
+- `controls`: the routing controls' flags (the trainer's ``[moe]`` names), applied to the
+  model's config;
 - `rank`: `RankPlan`, and `Rank`: one rank's stacks and the instruments it measures them
   with;
 - `arithmetic`: how a rank computes (its device, TF32 off, bfloat16 products) and the
@@ -21,9 +23,12 @@
 - `noise_floor`: the bfloat16 verdict against the float32 truth;
 - `tolerances`: DESIGN.md's fixed bounds, and a whole-tensor comparison for one process;
 - `verdict`: the report from the ranks' records;
+- `balancing`: each stack's balancing losses, load and expert biases, read on a rank and
+  judged in the report;
 - `estimates`: the memory estimator's figures beside each measured peak;
 - `communication`: the report's communication section, measured beside predicted;
 - `planted`: known bugs to plant in the optimized stack, to see the verdict catch them;
+  `planted_balancing`: the routing controls' bugs peers shipped;
 - `bisect`: the first layer, stage and tensor where two stacks part, in one rank process.
 
 May import `harness.memory`, `harness.report`, `models`, `optimized` and `reference`;

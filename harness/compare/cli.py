@@ -2,33 +2,29 @@
 
 Sides are ``oracle`` (the whole model on one process, the whole global batch),
 ``reference`` (plain DualPipeV), ``optimized`` (the production stack) and
-``optimized-fsdp`` (the optimized stack sharded as `twinpipe train` runs it). Both
-sides run inside one launched world, step by step, on the same ranks
-(`harness.compare.lockstep`); each rank compares what it holds and only scalars come back
-(`harness.compare.inplace`). Per step the harness compares the loss, every parameter's
-gradient, the router scores, the parameters after the update, and, per rank, each
-stack's peak memory broken down by category, with the five largest tensors at the peak.
+``optimized-fsdp`` (the optimized stack sharded as `twinpipe train` runs it). Both sides run
+in one launched world, step by step, on the same ranks (`harness.compare.lockstep`); each
+rank compares what it holds and only scalars come back (`harness.compare.inplace`). Per step
+the harness compares the loss, every parameter's gradient, the router scores, the
+parameters after the update, the routing controls' losses, load and expert biases (turned on
+by the trainer's ``[moe]`` flags: `harness.compare.controls`), and each stack's peak memory
+per rank and category, with the five largest tensors at the peak.
 
 Two pipeline sides run in lockstep (``--trajectory lockstep``, the default): the candidate
-starts each step from the baseline's parameters and optimizer state, so each step's
-verdict measures that step's arithmetic. In bfloat16 a float32 run of the same step is the
-truth, and the candidate passes when its error against it is at most k times the
+starts each step from the baseline's parameters, optimizer state and expert biases, so each
+step's verdict measures that step's arithmetic. In bfloat16 a float32 run of the same step is
+the truth, and the candidate passes when its error against it is at most k times the
 reference's (`harness.compare.noise_floor`); DESIGN.md's fixed bounds stay as a backstop.
-``--trajectory free`` lets each side follow its own trajectory: its later steps are
-information. Against the oracle the trajectory is always free.
+``--trajectory free``: each side follows its own trajectory, its later steps information
+(always so against the oracle). Two pipeline sides compare at the same expert choices
+(``--routing pinned``, the default): later stacks replay the first one's routing
+(`models.network.routing`); ``--routing free`` lets each side route itself.
 
-Two pipeline sides compare at the same expert choices (``--routing pinned``, the
-default): later stacks replay the first one's routing (`models.network.routing`). ``--routing
-free`` lets each side route itself, to see the effect of top-k's discontinuity.
+The ranks (and ``--bisect``'s) compute on one device chosen before any starts (``--device``,
+`models.runtime.resolve_device`), recorded in the report (`harness.compare.arithmetic`).
 
-The ranks compute on one device, chosen once here before any rank starts (``--device
-auto|cuda|cpu``, `models.runtime.resolve_device`): one GPU per rank, or the CPU with
-Triton's interpreter. ``--bisect`` runs in a rank of its own on the same device, with the
-same planted bug. The report records the device (`harness.compare.arithmetic`).
-
-With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2,
-DP=2, EP=2 (on the CPU, unless the machine has four GPUs), reference against optimized,
-float32.
+With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2, DP=2, EP=2 (on
+the CPU, unless the machine has four GPUs), reference against optimized, float32.
 """
 
 from __future__ import annotations
@@ -36,12 +32,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
+from harness.compare import controls
 from harness.compare.bisect import Divergence, bisect_rank
 from harness.compare.estimates import format_estimates
 from harness.compare.lockstep import run_rank
 from harness.compare.planted import PLANTS
+from harness.compare.planted_balancing import plant_problem
 from harness.compare.rank import RankPlan
 from harness.compare.stacks import SIDES, STACKS, device_problem
 from harness.compare.verdict import build_report
@@ -201,6 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip per-rank memory tracking")
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, s")
+    controls.add_arguments(parser)
 
 
 def _bad(message: str) -> int:
@@ -210,8 +210,6 @@ def _bad(message: str) -> int:
 
 def _argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments on their own (before any file is read), if anything."""
-    import math  # noqa: PLC0415
-
     from models.runtime import BadInput, check_output_dir, check_output_file  # noqa: PLC0415
 
     for side in ("baseline", "candidate"):
@@ -254,7 +252,7 @@ def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
         recompute=args.recompute == "on",
     )  # fmt: skip
     try:
-        model = resolve_model(args.checkpoint or args.model)
+        model = controls.with_controls(resolve_model(args.checkpoint or args.model), args)
         parallel.validate(model)
     except (ValueError, OSError) as error:
         return _bad(str(error))
@@ -273,7 +271,9 @@ def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
         device = resolve_device(args.device, parallel.world_size, layout)
     except DeviceError as error:
         return _bad(str(error))
-    problem = device_problem(sides, device.kind)
+    stages = shared_partition(model, parallel, sides)
+    problem = device_problem(sides, device.kind) or plant_problem(args.plant, model, parallel,
+                                                                  stages)  # fmt: skip
     if problem:
         return _bad(problem)
     return RankPlan(
@@ -282,7 +282,7 @@ def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
         trajectory=args.trajectory, routing=args.routing,
         noise_floor=args.noise_floor == "on" and parallel.dtype != "float32",
         track_memory=not args.no_memory, progress=True,
-        stages=shared_partition(model, parallel, sides), plant=args.plant,
+        stages=stages, plant=args.plant,
         count_routing=args.estimate_routing == "observed", ops_audit=args.ops_audit == "on",
     ), device  # fmt: skip
 

@@ -25,7 +25,10 @@ Each step on a rank, shared state (reference and optimized):
 4. gradients compared in place (`harness.compare.inplace`), each against the other and the
    truth; the truth's released;
 5. the candidate's update computed on the side (`harness.compare.stacks.shadow_update`), its
-   gradients released as it goes; the baseline's update applied; parameters compared.
+   gradients released as it goes; the baseline's update applied; parameters compared;
+6. the candidate's expert-bias update, on its own biases (each stack keeps its own: the
+   candidate takes the baseline's before the step, `harness.compare.stacks.copy_buffers`);
+   each stack's balancing losses, load and biases read (`harness.compare.balancing`).
 
 So the harness holds, beyond one stack's training state, one gradient-sized set of
 tensors in the model dtype (the baseline's gradients during the candidate's backward,
@@ -44,10 +47,12 @@ from typing import Any
 import torch
 
 from harness.compare.arithmetic import rank_arithmetic
+from harness.compare.balancing import bias_change, bias_snapshot, stack_balance
 from harness.compare.rank import Rank, RankPlan
 from harness.compare.record import StepRecord
 from harness.compare.spill import SpilledGradients
 from harness.compare.stacks import (
+    copy_buffers,
     copy_state,
     is_sharded,
     load_parameters,
@@ -129,6 +134,7 @@ def shared_step(rank: Rank, batches: dict, record: StepRecord) -> None:
     """A lockstep step of two stacks on the baseline's parameters and optimizer (`Rank.shared`:
     the candidate's update computed on the side, the baseline's kept)."""
     base, cand = rank.baseline, rank.candidate
+    copy_buffers(base, cand)
     spilled = _baseline_step(rank, batches, record)
     grads_base = take_gradients(base.part)
     held = storage_bytes(grads_base) + rank.truth_held()
@@ -156,6 +162,8 @@ def shared_step(rank: Rank, batches: dict, record: StepRecord) -> None:
     del after
     rank.memory.share_update()
     base.optimizer.zero_grad(set_to_none=True)
+    with rank.region("candidate", "update (expert bias)"):
+        cand.update_expert_biases()  # the optimizer step is shared; the biases are not
 
 
 def copied_step(rank: Rank, batches: dict, record: StepRecord) -> None:
@@ -200,8 +208,10 @@ def free_step(rank: Rank, batches: dict, record: StepRecord) -> None:
 
 def _evaluate(rank: Rank, batches: dict) -> dict:
     out: dict[str, Any] = {"loss": {}, "routing": {}}
-    if rank.lockstep and not rank.shared:
-        copy_state(rank.baseline, rank.candidate)
+    if rank.lockstep:
+        (copy_buffers if rank.shared else copy_state)(rank.baseline, rank.candidate)
+    sides = {"baseline": rank.baseline, "candidate": rank.candidate}
+    before = {key: bias_snapshot(side) for key, side in sides.items()}
     if rank.tapes is not None:
         rank.tapes.attach()
     if rank.truth is not None:
@@ -212,6 +222,8 @@ def _evaluate(rank: Rank, batches: dict) -> dict:
     out["loss"]["candidate"] = rank.candidate.evaluate(*batches.pop("candidate"))
     if rank.tapes is not None:
         out["routing"] = rank.tapes.results()
+    # A forward-only pass changes nothing (`harness.compare.balancing`).
+    out["bias_change"] = {key: bias_change(side, before[key]) for key, side in sides.items()}
     return out
 
 
@@ -239,6 +251,8 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         rank.start_step()
         step_function(rank, batches, record)
         del batches
+        sides = {"baseline": rank.baseline, "candidate": rank.candidate}
+        record.balancing = {key: stack_balance(side) for key, side in sides.items()}
         rank.end_step(record)
         if rank.layout.rank != 0:  # the same scalars are on every rank: keep one copy
             record.drop_shared()

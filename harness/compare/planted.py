@@ -24,7 +24,11 @@ on the tiny presets and docs/compare.md gives the commands at real widths.
   into the sign bit). No NaN arises in a correct run at any width the tests use, so this bug
   brings its own: the first element of every activation's input is NaN, in both stacks (and
   the float32 truth). The reference's loss and gradients turn NaN, the planted stack's stay
-  finite: a stack that silently zeroes NaNs must fail, never pass.
+  finite: a stack that silently zeroes NaNs must fail, never pass;
+- the routing controls' bugs peers shipped (`harness.compare.planted_balancing`): the expert
+  bias moved every micro-batch, from counts not summed over DP or kept in bfloat16, on no
+  rank whose first chunk is dense, or by a forward-only pass; the aux-loss gradient scaled
+  by 1/M twice or by the DP size.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any
 
 import torch
 
+from harness.compare.planted_balancing import BALANCING_PATCHES, BALANCING_PLANTS
+
 PLANTS = (
     "activation-round-to-zero",
     "cross-entropy-grad-1.01",
@@ -43,6 +49,7 @@ PLANTS = (
     "attention-frozen-sink",
     "dispatch-wrong-expert",
     "nan-to-zero-store",
+    *BALANCING_PLANTS,
 )
 
 
@@ -208,15 +215,24 @@ def planted(name: str | None) -> Iterator[None]:
         "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
         "nan-to-zero-store": lambda: _nan_to_zero_store(ReferenceOps, OptimizedOps),
+        **BALANCING_PATCHES,
     }
     if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")
     saved = []
     try:
         for owner, attribute, replacement in patches[name]():
-            saved.append((owner, attribute, getattr(owner, attribute)))
+            # The owner's own entry (a staticmethod stays one), or none: it inherits it.
+            saved.append((owner, attribute, vars(owner).get(attribute, _INHERITED)))
             setattr(owner, attribute, replacement)
         yield
     finally:
         for owner, attribute, original in reversed(saved):
-            setattr(owner, attribute, original)
+            if original is _INHERITED:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
+
+
+_INHERITED = object()
+"""What a patched attribute was where its owner inherited it (restored by deleting it)."""

@@ -43,6 +43,9 @@ class StepRecord:
     per audited call; None when not audited."""
     routing: dict[str, Any] = field(default_factory=dict)
     """Per replaying stack, its `models.network.routing.ReplayResult` (pinned routing)."""
+    balancing: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per stack (``baseline``, ``candidate``), its routing controls after the step
+    (`harness.compare.balancing.stack_balance`): losses, load and expert biases."""
     memory: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     """Per stack (and ``truth``), the step's peak: the largest of its regions
     (`harness.compare.meter.Meter.finish_step`); None when not measured."""

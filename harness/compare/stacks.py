@@ -14,6 +14,10 @@ baseline's parameters and optimizer state. Two ways, by what the stacks are:
 - **copied** (one side is FSDP2-sharded): the candidate keeps its own state and takes
   the baseline's before each step, one parameter at a time (`copy_state`).
 
+Either way the routers' expert biases (`models.network.state_buffers`) are training state
+too, and each stack keeps its own: the candidate takes the baseline's before each step
+(`copy_buffers`), or a bias that differed once would differ at every step after it.
+
 The truth of a bfloat16 comparison is the reference stack in float32, loaded from the
 baseline's parameters before each step (`load_parameters`).
 """
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from models.network import state_buffers
 
 STACKS = {
     "reference": "reference.pipeline:ReferencePipeline",
@@ -211,7 +217,7 @@ def whole_parameters(pipeline: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_parameters(target: Any, source: Any) -> None:
     """Set ``target``'s (unsharded) parameters to ``source``'s values, in its own dtype
-    (storage released by `release_parameters` is given back first)."""
+    (storage released by `release_parameters` is given back first), and its expert biases."""
     mine = dict(target.part.named_parameters())
     with torch.no_grad():
         for name, value in whole_parameters(source):
@@ -220,6 +226,29 @@ def load_parameters(target: Any, source: Any) -> None:
             if storage.nbytes() < wanted:
                 storage.resize_(wanted)
             mine[name].copy_(value)
+    copy_buffers(source, target)
+
+
+def buffer_key(name: str) -> str:
+    """A buffer's name as the model names it: the components wrappers add (activation
+    checkpointing, torch.compile: ``_...``) dropped, so it is the same in every stack."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
+
+def stack_buffers(pipeline: Any) -> dict[str, torch.Tensor]:
+    """A stack's training-state buffers (the routers' expert biases), by `buffer_key`."""
+    return {buffer_key(name): buffer for name, buffer in state_buffers(pipeline.part)}
+
+
+def copy_buffers(source: Any, target: Any) -> None:
+    """``target``'s training-state buffers set to ``source``'s (``source`` may hold more:
+    the oracle holds every layer)."""
+    theirs = stack_buffers(source)
+    with torch.no_grad():
+        for name, mine in stack_buffers(target).items():
+            if name not in theirs:
+                raise RuntimeError(f"the source stack holds no buffer {name} on this rank")
+            mine.copy_(theirs[name])
 
 
 def release_parameters(part: nn.Module) -> None:
@@ -253,8 +282,8 @@ def _adam_state(pipeline: Any, name: str, param: torch.Tensor) -> tuple[dict, in
 
 
 def copy_state(source: Any, target: Any) -> None:
-    """``target`` takes ``source``'s parameters and AdamW moments, one parameter at a time
-    (both stacks hold the same layers and experts on this rank)."""
+    """``target`` takes ``source``'s parameters, AdamW moments and expert biases, one
+    parameter at a time (both stacks hold the same layers and experts on this rank)."""
     shards = _shard_of(target)
     params = dict(target.part.named_parameters())
     source_params = dict(source.part.named_parameters())
@@ -283,3 +312,4 @@ def copy_state(source: Any, target: Any) -> None:
                     state.pop(params[name], None)
         if shards:
             target.optimizer.reset_masters()
+    copy_buffers(source, target)

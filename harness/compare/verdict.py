@@ -17,7 +17,8 @@ lockstep with the noise floor on, the score bound and the candidate's closeness 
 float32 truth come from `harness.compare.noise_floor`, and DESIGN.md's bounds stay as the
 backstop. The parameters after each update are measured and reported (AdamW's first steps
 move elements whose gradient is within rounding of zero by a whole ``lr``, so they are no
-pass/fail figure).
+pass/fail figure). The routing controls (the balancing losses, the load, the expert
+biases) are judged by `harness.compare.balancing`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 from typing import Any
 
 from harness.compare import noise_floor
+from harness.compare.balancing import balancing_section
 from harness.compare.estimates import add_estimates
 from harness.compare.inplace import compare_sums, group_of
 from harness.compare.tolerances import tolerance
@@ -206,6 +208,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
             problems.append(f"evaluation: loss differs by {eval_rel:.3g} (relative)")
         if eval_routing:
             problems += [f"evaluation: {p}" for p in eval_routing["problems"]]
+    balancing, balancing_problems = balancing_section(plan, per_rank, judged, tol["loss_rel"])
+    problems += balancing_problems
     report: dict[str, Any] = {
         "passed": not problems,
         "problems": problems,
@@ -254,6 +258,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         "git_commit": git_commit(),
         "machine": machine_line(),
     }
+    if balancing is not None:
+        report["balancing"] = balancing
     if per_rank[0].get("device"):  # rank 0's (`harness.compare.arithmetic`); all ranks alike
         report["device"] = per_rank[0]["device"]
     if floor:

@@ -7,7 +7,7 @@ reports) and renders ``index.html`` with PNG figures beside it:
   time and peak memory, and a table of the latest run with the speed-up and
   the memory ratio;
 - per compare run, each rank's peak memory on both stacks, and the loss and
-  gradient agreement, over commits;
+  gradient agreement, over commits; the latest run's expert load (layers x experts);
 - the measured results (``--results``, by default the checkout's ``docs/results.json``):
   figures measured by hand, each with its date, machine and command
   (`harness.history.results`).
@@ -48,6 +48,7 @@ from harness.history.dashboard_data import (  # the data names are part of this 
     benchmark_role,
     collect_compare,
     collect_ops,
+    latest_load,
     peak_bytes,
 )
 from harness.history.dashboard_plots import (
@@ -60,9 +61,11 @@ from harness.history.dashboard_tables import (
     op_history_table,
     ops_summary,
     slug,
+    table,
 )
 from harness.history.documents import read_history
 from harness.history.results import DEFAULT_RESULTS, ResultsError, html_section, load_results
+from harness.report import plot_expert_load
 
 # ---------------------------------------------------------------------- page
 
@@ -160,6 +163,18 @@ def render(history_dir: str | Path, out_dir: str | Path, results: str | Path | N
             plot_compare_agreement(on_device, compare_labels, out / image)
             parts.append(f"<img src='{image}' alt='loss and gradient agreement'>")
             parts.append(compare_table(on_device))
+    load = latest_load(entries)
+    if load is not None:  # the latest compare run's expert load (`twinpipe compare --out`)
+        plot_expert_load(
+            load["load"], out / "compare-load.png", layers=load["layers"], title="expert load"
+        )
+        parts.append(
+            f"<h2>Expert load: the latest compare run ({html.escape(load['commit'])})"
+            "</h2><img src='compare-load.png' alt='expert load, layers x experts'>"
+        )
+        rows = [[f"layer {layer}", f"{ratio:.2f}", str(low), str(high)]
+                for layer, ratio, low, high in load["last_step"]]  # fmt: skip
+        parts.append(table(["last step", "max/mean", "fewest copies", "most copies"], rows))
     if measured is not None:
         parts.append(html_section(measured, str(results)))
     parts.append("</body></html>")

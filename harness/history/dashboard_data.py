@@ -243,3 +243,37 @@ def collect_compare(entries: list[dict[str, Any]]) -> list[CompareRun]:
             )
         )
     return runs
+
+
+def latest_load(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The expert load of the latest compare run whose report holds one (its ``balancing``
+    section, `harness.report.schema`): ``commit``, ``date``, ``layers``, ``load``
+    ``[steps][layers][experts]``, ``controls`` and ``max_over_mean`` per step; None when no
+    compare run in the history has one."""
+    for entry in reversed([e for e in entries if e.get("kind") == "compare"]):
+        balancing = (entry.get("report") or {}).get("balancing")
+        if not isinstance(balancing, dict):
+            continue
+        load = (balancing.get("load") or {}).get("baseline")
+        if isinstance(load, list) and load:
+            return {
+                "commit": str(entry.get("git_commit") or "?"),
+                "date": str(entry.get("date") or ""),
+                "layers": balancing.get("layers") or list(range(len(load[-1]))),
+                "load": load,
+                "controls": balancing.get("controls") or {},
+                "max_over_mean": (balancing.get("max_over_mean") or {}).get("baseline") or [],
+                "last_step": _layer_balance(balancing.get("layers"), load[-1]),
+            }
+    return None
+
+
+def _layer_balance(layers: Any, rows: Any) -> list[tuple[Any, float, int, int]]:
+    """Per layer of one step: ``(layer, max/mean, fewest copies, most copies)``."""
+    names = layers if isinstance(layers, list) else list(range(len(rows or [])))
+    found = []
+    for layer, row in zip(names, rows or []):
+        counts = [v for v in row if isinstance(v, (int, float))] if isinstance(row, list) else []
+        if counts and sum(counts) > 0:
+            found.append((layer, max(counts) * len(counts) / sum(counts), min(counts), max(counts)))
+    return found

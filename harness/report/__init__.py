@@ -9,9 +9,11 @@ dashboard.
 - `sections`: the parts that say why: problems, trajectory, routing, noise floor, ops
   audit, the harness's own memory, the largest tensors at each peak;
 - `communication`: the communication tables (the section's schema: `harness.compare`);
-- `plots`: loss per step, and peak memory per rank by category (matplotlib);
+- `plots`: loss per step, peak memory per rank by category, and a compare report's expert
+  load (matplotlib);
 - `expert_load`: the expert-load picture, layers x experts over steps (matplotlib), from a
   compare run's load or a training run's metrics file;
+- `balancing`: the routing controls' section: losses, load and expert biases per step;
 - `write`: ``report.json``, the plots and ``report.md`` into a folder;
 - `provenance`: the commit, the machine and the device a figure comes from.
 
@@ -21,6 +23,7 @@ reports are read where no stack runs.
 
 from harness.report.expert_load import load_from_metrics, max_over_mean, plot_expert_load
 from harness.report.formatting import format_bytes, format_moment, format_number
+from harness.report.plots import plot_report_load
 from harness.report.provenance import (
     cpu_name,
     device_description,
@@ -59,6 +62,7 @@ __all__ = [
     "machine_line",
     "max_over_mean",
     "plot_expert_load",
+    "plot_report_load",
     "read_json",
     "render_markdown",
     "report_device",

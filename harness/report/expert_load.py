@@ -67,7 +67,7 @@ def plot_expert_load(
     """Draw ``load[step][layer][expert]`` (see the module docstring) to ``path``; ``layers``
     names the rows (default 0, 1, ...), ``steps`` the columns (default 1, 2, ...). False,
     and nothing written, when there is no load."""
-    if not load or not load[0]:
+    if not any(row for step in load for row in step):
         return False
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm

@@ -1,5 +1,6 @@
-"""The compare report's figures (matplotlib, PNG): loss per step, and peak memory per
-rank split by category.
+"""The compare report's figures (matplotlib, PNG): loss per step, peak memory per rank
+split by category, and the expert load as layers x experts over steps (drawn by
+`harness.report.expert_load`, which a training run's metrics feed too).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from harness.report.expert_load import plot_expert_load
 from harness.report.formatting import CATEGORY_LABELS, side_names
 from harness.report.schema import CATEGORIES
 
@@ -137,6 +139,20 @@ def plot_memory(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return True
+
+
+def plot_report_load(report: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """A compare report's expert load (the baseline's: at pinned routing the candidate's is
+    the same, and any difference is in the report's problems); False when it has none."""
+    balancing = report.get("balancing")
+    if not isinstance(balancing, dict):
+        return False
+    load = (balancing.get("load") or {}).get("baseline")
+    if not isinstance(load, list):
+        return False
+    base, _ = side_names(report)
+    title = f"expert load per step ({base}): copies per expert over the layer's mean"
+    return plot_expert_load(load, path, layers=balancing.get("layers"), title=title)
 
 
 def _byte_scale(largest: float) -> tuple[float, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report import sections
+from harness.report.balancing import balancing_lines
 from harness.report.communication import communication_lines
 from harness.report.formatting import (
     CATEGORY_LABELS,
@@ -121,6 +122,8 @@ def format_table(report: dict[str, Any]) -> str:
     routing = sections.routing_lines(report)
     if routing:
         lines += ["", *routing]
+    balancing = balancing_lines(report, markdown=False)
+    lines += ["", *balancing] if balancing else []
     for part in (sections.noise_floor_lines(report, False),
                  sections.ops_audit_lines(report, False)):  # fmt: skip
         lines += ["", *part] if part else []
@@ -160,6 +163,12 @@ def render_markdown(report: dict[str, Any], images: Sequence[str] = ()) -> str:
     header, rows = _step_rows(report)
     if rows:
         lines += ["", "## Per step", "", *table_lines(header, rows, True)]
+    balancing = balancing_lines(report, markdown=True)
+    if balancing:
+        lines += ["", "## Routing controls: balancing losses, load, expert bias", "", *balancing]
+        if "load.png" in images:  # the load picture belongs here, not with the other plots
+            lines += ["", "![expert load per step](load.png)"]
+            images = [image for image in images if image != "load.png"]
     header, rows = _memory_rows(report)
     if rows:
         lines += ["", "## Peak memory per rank", "", *table_lines(header, rows, True)]

@@ -39,6 +39,24 @@ timing) and every reader here copes with its absence.
       "time": {"baseline": [float, ...], "candidate": [float, ...]},   # seconds per step
       "communication": {...},               # per rank and kind: calls, bytes, predicted
                                             # (schema: harness.compare.communication)
+      "balancing": {                        # the routing controls (harness.compare.balancing;
+                                            # absent in reports written before them)
+        "controls": {"aux_loss": str, "aux_loss_coef": float, "z_loss_coef": float,
+                     "expert_bias": bool, "expert_bias_rate": float},
+        "layers": [int, ...],               # the MoE layers, one row of load/bias each
+        "experts": int,
+        "judged": {"values": [step, ...],   # steps whose aux/z were judged (the loss bound)
+                   "load": bool, "bias": bool},   # equal required (pinned routing)
+        "aux": {"baseline": [float, ...], "candidate": [...], "rel_error": [...]},
+        "z":   {...same keys...},           # per step, the step's value (summed over ranks)
+        "load": {"baseline": [[[int, ...], ...], ...],   # [steps][layers][experts] copies
+                 "candidate": [...],
+                 "max_abs_diff": [int, ...]},            # per step, over ranks and layers
+        "max_over_mean": {"baseline": [float, ...], "candidate": [...]},  # worst layer
+        "bias": {"max_abs_diff": [[float, ...], ...],    # [steps][layers], over ranks
+                 "range": [[[min, max], ...], ...],      # [steps][layers], the baseline's
+                 "eval_change": {"baseline": float, "candidate": float}}  # by the evaluation
+      },
       "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, "grad_rel": float | None},
       "git_commit": str,
       "machine": str,
@@ -56,7 +74,8 @@ Memory figures on CUDA also carry ``workspaces``: the bytes of the library works
 estimate is compared with ``total - workspaces``. On CPU it is 0.
 
 Files written by `harness.report.write.write_report`: ``report.json``, ``report.md``,
-``loss.png`` (when losses are present) and ``memory.png`` (when memory is).
+``loss.png`` (when losses are present), ``memory.png`` (when memory is) and ``load.png``
+(when the balancing section holds a load).
 """
 
 from __future__ import annotations
@@ -140,6 +159,27 @@ def report_problems(report: dict[str, Any]) -> list[str]:
     ):
         values = section(name)
         problems += [p for k in keys if (p := _series_problem(f"{name}.{k}", values.get(k)))]
+    balancing = section("balancing")
+    parts = {name: balancing.get(name) for name in ("aux", "z", "load")}
+    for name, value in parts.items():
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"balancing.{name} = {value!r:.60}: expected an object")
+            parts[name] = None
+    for name in ("aux", "z"):
+        values = parts[name] or {}
+        problems += [
+            p
+            for k in ("baseline", "candidate", "rel_error")
+            if (p := _series_problem(f"balancing.{name}.{k}", values.get(k)))
+        ]
+    for side in ("baseline", "candidate"):
+        load = (parts["load"] or {}).get(side)
+        if load is not None and not (
+            isinstance(load, list) and all(isinstance(s, list) for s in load)
+        ):
+            problems.append(
+                f"balancing.load.{side} = {load!r:.60}: expected [steps][layers][experts] counts"
+            )
     tolerance = section("tolerance")
     problems += [
         f"tolerance.{k} = {v!r:.60}: expected a number"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.report.plots import plot_loss, plot_memory
+from harness.report.plots import plot_loss, plot_memory, plot_report_load
 from harness.report.render import render_markdown
 from harness.report.schema import ReportError, is_compare_report
 
@@ -23,7 +23,8 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> dic
     json_path.write_text(json.dumps(report, indent=2, sort_keys=False, default=_json_default))
     written["report.json"] = json_path
     images = []
-    for name, plot in (("loss.png", plot_loss), ("memory.png", plot_memory)):
+    plots = (("loss.png", plot_loss), ("memory.png", plot_memory), ("load.png", plot_report_load))
+    for name, plot in plots:
         if plot(report, out / name):
             written[name] = out / name
             images.append(name)

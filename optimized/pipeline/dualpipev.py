@@ -250,6 +250,13 @@ class OptimizedDualPipeV:
             self.gradient_sync.after_weight()
 
     # -------------------------------------------- chunk ends: embed, loss, p2p
+    def forward_balance(self, stats: torch.Tensor | None) -> MicroBatchBalance | None:
+        """The routing controls of one micro-batch's forward through one chunk: the step's
+        `MicroBatchBalance` in training, none in a forward-only pass (which counts nothing
+        and changes nothing). A method of this stack's own, so that a planted bug
+        (`harness.compare.planted`) can replace it here and leave the reference's alone."""
+        return self.balance.micro_batch(stats) if self.training else None
+
     class _Start(NamedTuple):
         micro_batch: int
         balance: MicroBatchBalance | None
@@ -265,7 +272,7 @@ class OptimizedDualPipeV:
         else:
             received, stats = self._receive_activation(chunk)
             received = leaf(received)
-        balance = self.balance.micro_batch(stats) if self.training else None
+        balance = self.forward_balance(stats)
         layers = [LayerRun(self.part.layer(i), self.context, balance) for i in self.chunks[chunk]]
         if embedded is not None:
             return self._Start(j, balance, None, embedded, embedded, layers)
