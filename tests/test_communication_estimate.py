@@ -62,6 +62,8 @@ def _count_one_step(model, parallel, state, runners, balanced: bool) -> dict:
         with counted_step(layout, steps):
             pipeline.forward_backward(ids, labels)
             pipeline.optimizer_step()
+            if model.balancing().records:  # a step with a loss term reports it
+                pipeline.balancing_values()
         out[runner] = steps[0]
         if not balanced:
             local = model.num_experts // parallel.ep
@@ -145,6 +147,49 @@ def test_predicted_exactly_with_balanced_routing(preset, pp, dp, ep, seq_len, ru
             assert measured["optimized-fsdp:micro-batch"][rs].calls == 2 * pp * step
             gathers = {r: measured[r][("all_gather", "dp")].calls for r in runners[2:]}
             assert gathers["optimized-fsdp:step:reshard"] > gathers["optimized-fsdp"]
+
+
+# The routing controls that communicate (`optimized.estimator.balancing`): the pooled loss's
+# counts beside every p2p message (with the z-loss: the step's balancing values over DP and
+# PP), and the expert bias's load all-reduce over DP, on a model whose second pipeline rank
+# holds no MoE layer (DeepSeek-V2 with three dense layers of four: nothing to reduce there).
+CONTROLLED = {
+    "pooled": ("tiny-qwen3-moe", dict(aux_loss="pooled", aux_loss_coef=0.01,
+                                      router_z_loss_coef=0.001)),
+    "bias": ("tiny-deepseek-v2", dict(first_k_dense_replace=3, expert_bias=True)),
+}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("controls", sorted(CONTROLLED))
+def test_predicted_exactly_with_routing_controls(controls):
+    """PP=2 DP=2 EP=2, balanced routing, the three runners: every kind to the byte with the
+    controls on, and the controls' own traffic where the model says it is."""
+    name, fields = CONTROLLED[controls]
+    model = replace(resolve_model(name), **fields)
+    parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=4, seq_len=13)
+    state = build_model(model, seed=0).state_dict()
+    ranks = launch(_count_one_step, 4, (model, parallel, state, RUNNERS, True))
+    plain = replace(model, aux_loss="none", router_z_loss_coef=0.0, expert_bias=False)
+    for runner in RUNNERS:
+        config = _estimate(model, parallel, runner)
+        for rank, measured in enumerate(ranks):
+            predicted = _figures(predict_traffic(config, rank))
+            assert _figures(measured[runner]) == predicted, (runner, rank)
+            without = _figures(predict_traffic(_estimate(plain, parallel, runner), rank))
+            added = {k: tuple(a - b for a, b in zip(v, without.get(k, (0, 0, 0))))
+                     for k, v in predicted.items() if v != without.get(k)}  # fmt: skip
+            experts = model.num_experts
+            if controls == "pooled":  # a [2, E] after each activation, an [E] after each grad
+                sends = {k: v for k, v in added.items() if k[0] == "send"}
+                assert sends and all(
+                    v[1] in (v[0] * 2 * experts * 4, v[0] * experts * 4) for v in sends.values()
+                ), added
+                assert added[("all_reduce", "pp")] == (1, 8, 8), added
+            elif measured["coords"][0] == 0:  # one MoE layer here: its load reduced over DP
+                assert added == {("all_reduce", "dp"): (1, experts * 8, experts * 8)}, added
+            else:
+                assert added == {}, added
 
 
 @pytest.mark.multiprocess

@@ -7,14 +7,21 @@ its dtype, batch, FSDP2 and optimizer sharding at each DP, AdamW's float32 momen
 masters, gradient sync and recomputation. The estimator's own choices (``--stack
 reference``, ``--optimizer-state-dtype param``: torch's AdamW as `twinpipe compare` runs it,
 ``--shard-optimizer`` without FSDP, ``--tp``/``--etp``) are there for planning.
+
+The routing controls are the trainer's ``[moe]`` section's (`add_routing_controls`): a flag
+sets the field on the model's config as the section does (unset: the section's default, else
+what the model's config asks, `models.network.ModelConfig.balancing`), so the estimate of a
+balancing run counts what that run holds and sends (`optimized.estimator.balancing`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+from models.network import AUX_FORMS, ModelConfig
 from optimized.estimator import EstimateConfig, estimate
 
 GIB = 1024**3
@@ -39,6 +46,46 @@ def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
         help="whose activations to count: the plain reference stack or the optimized one "
         "(early frees, fused cross-entropy)",
     )
+
+
+ROUTING_CONTROLS = ("aux_loss", "aux_loss_coef", "router_z_loss_coef", "expert_bias",
+                    "expert_bias_rate")  # fmt: skip
+"""The `ModelConfig` fields the trainer's ``[moe]`` section sets, each a flag here."""
+
+
+def add_routing_controls(parser: argparse.ArgumentParser) -> None:
+    """The routing controls, as `twinpipe estimate` and `twinpipe plan` take them."""
+    group = parser.add_argument_group(
+        "routing controls", f"as the trainer's [moe] section (default: {TRAINER}, else what "
+        "the model's config asks)",
+    )  # fmt: skip
+    group.add_argument(
+        "--aux-loss", choices=("auto", *AUX_FORMS), default=None,
+        help="load-balancing loss: auto (what the HF config asks), none, pooled "
+        "(transformers'), layer or sequence (DeepSeek's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--aux-loss-coef", type=float, default=None,
+        help="its coefficient (default: the family's HF field)",
+    )  # fmt: skip
+    group.add_argument("--router-z-loss-coef", type=float, default=None, help="router z-loss")
+    group.add_argument(
+        "--expert-bias", action=argparse.BooleanOptionalAction, default=None,
+        help="aux-loss-free balancing: a float32 bias per MoE router",
+    )  # fmt: skip
+    group.add_argument(
+        "--expert-bias-rate", type=float, default=None, help="how far a step moves the bias"
+    )
+
+
+def with_routing_controls(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """``model`` with the routing-control flags given set on it (validated there: a bad value
+    raises `ValueError` naming the field)."""
+    changes = {
+        name: getattr(args, name) for name in ROUTING_CONTROLS
+        if getattr(args, name, None) is not None
+    }  # fmt: skip
+    return dataclasses.replace(model, **changes) if changes else model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--virtual-pipeline-model-parallel-size", type=int, default=None, help="refused if set"
     )
     parser.add_argument("--moe-latent-size", type=int, default=None, help="refused if set")
+    add_routing_controls(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -172,12 +220,12 @@ def config_from_args(args: argparse.Namespace) -> EstimateConfig:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         moe_latent_size=args.moe_latent_size,
     )  # fmt: skip
-    changes = {}
+    changes = {"model": with_routing_controls(config.model, args)}
     if state_dtype == "param":
         changes["optimizer_state_dtype"] = "param"
     if args.shard_optimizer is not None:
         changes["shard_optimizer"] = args.shard_optimizer
-    return config.replace(**changes) if changes else config
+    return config.replace(**changes)
 
 
 def run(args: argparse.Namespace) -> int:
