@@ -27,8 +27,9 @@ def test_first_step_has_no_optimizer_state_until_the_optimizer_step():
         assert zero["peak_bytes"] == later["peak_bytes"] - state
         # The optimizer step itself: weights, every gradient, the new state, the temporaries.
         temporaries = 2 * largest[later["rank"]] * 4
-        # The global batch's ids and labels, the loss and its token count (a device scalar).
-        batch = 2 * 8 * 2 * 4 * 2 * 64 + 4 + 8
+        # The global batch's ids and labels, the loss and its token count (a device scalar),
+        # the step's `StepBalance`: an int64 load per MoE layer (two here), aux and z shares.
+        batch = 2 * 8 * 2 * 4 * 2 * 64 + 4 + 8 + 2 * 8 * 8 + 2 * 4
         assert later["optimizer_step_bytes"] == (
             later["weights_bytes"] + later["all_gradients_bytes"] + state + temporaries + batch
         )

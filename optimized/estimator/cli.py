@@ -279,6 +279,8 @@ def format_report(report: dict) -> str:
         f"weights+optimizer {_gib(meg['weight_and_optimizer_bytes'])}, activations "
         f"{_gib(meg['activation_bytes'])}, total {_gib(meg['total_bytes'])}"
     )
+    if meg.get("not_counted"):
+        lines.append("  Megatron's formulas do not count: " + "; ".join(meg["not_counted"]))
     for row in report.get("partitions", []):
         lines.append(
             f"partition {row['name']:<9} {row['layers_per_stage']}  largest per-rank peak "
