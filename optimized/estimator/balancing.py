@@ -19,9 +19,10 @@ fields and the ``[moe]`` section's choices), so an `EstimateConfig` carries them
   gradient that brings them) to the end of the backward, or, sent on, until the send is
   known complete (the reference: the step's end);
 - **what a step holds** (`step_state_bytes`): the rank's `StepBalance` (an int64 ``[E]`` load
-  per local MoE layer, the aux and z shares); with the expert bias the runner also keeps the
-  previous step's `StepBalance` and its DP-reduced ``[layers, E]`` int64 load until the next
-  bias update asks for the new one (`models.runtime.PipelineRunner.step_load`);
+  per local MoE layer, the aux and z shares), made by every training step whatever the
+  controls (the load is counted for the bias and the metrics). The DP-reduced load
+  (`models.runtime.PipelineRunner.step_load`, asked at the bias update after the optimizer's
+  own temporaries are gone) lives with it and is dropped with it at the next step's start;
 - **weights** (`bias_buffer_bytes`): the expert bias is a float32 ``[E]`` buffer of each MoE
   router, state like a parameter (FSDP2 leaves buffers whole);
 - **traffic** (`optimized.estimator.communication`): with the pooled form each p2p message
@@ -69,16 +70,10 @@ def pooled_totals_bytes(config: EstimateConfig) -> int:
 
 
 def step_state_bytes(config: EstimateConfig, layers) -> int:
-    """Bytes the routing controls hold through a step on a rank holding ``layers``: its
-    `StepBalance` (an int64 load per local MoE layer, float32 aux and z shares), and with the
-    expert bias on, past the first step, the previous step's and its reduced load kept by the
-    runner (`models.runtime.PipelineRunner.step_load`)."""
+    """Bytes a training step's `StepBalance` holds on a rank holding ``layers``: an int64 load
+    per local MoE layer, the float32 aux and z shares."""
     moe = moe_layer_count(config, layers)
-    load = moe * config.model.num_experts * I64
-    state = load + 2 * F32
-    if balancing(config).expert_bias and not config.first_step:
-        state += state + load
-    return state
+    return moe * config.model.num_experts * I64 + 2 * F32
 
 
 def bias_buffer_bytes(config: EstimateConfig, layers) -> int:
