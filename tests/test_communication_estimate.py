@@ -62,8 +62,6 @@ def _count_one_step(model, parallel, state, runners, balanced: bool) -> dict:
         with counted_step(layout, steps):
             pipeline.forward_backward(ids, labels)
             pipeline.optimizer_step()
-            if model.balancing().records:  # a step with a loss term reports it
-                pipeline.balancing_values()
         out[runner] = steps[0]
         if not balanced:
             local = model.num_experts // parallel.ep
@@ -150,9 +148,9 @@ def test_predicted_exactly_with_balanced_routing(preset, pp, dp, ep, seq_len, ru
 
 
 # The routing controls that communicate (`optimized.estimator.balancing`): the pooled loss's
-# counts beside every p2p message (with the z-loss: the step's balancing values over DP and
-# PP), and the expert bias's load all-reduce over DP, on a model whose second pipeline rank
-# holds no MoE layer (DeepSeek-V2 with three dense layers of four: nothing to reduce there).
+# counts beside every p2p message (the z-loss beside it sends nothing), and the expert bias's
+# load all-reduce over DP, on a model whose second pipeline rank holds no MoE layer
+# (DeepSeek-V2 with three dense layers of four: nothing to reduce there).
 CONTROLLED = {
     "pooled": ("tiny-qwen3-moe", dict(aux_loss="pooled", aux_loss_coef=0.01,
                                       router_z_loss_coef=0.001)),
@@ -181,15 +179,34 @@ def test_predicted_exactly_with_routing_controls(controls):
                      for k, v in predicted.items() if v != without.get(k)}  # fmt: skip
             experts = model.num_experts
             if controls == "pooled":  # a [2, E] after each activation, an [E] after each grad
-                sends = {k: v for k, v in added.items() if k[0] == "send"}
-                assert sends and all(
-                    v[1] in (v[0] * 2 * experts * 4, v[0] * experts * 4) for v in sends.values()
-                ), added
-                assert added[("all_reduce", "pp")] == (1, 8, 8), added
+                assert added and {kind for kind, _ in added} == {"send", "recv"}, added
+                for (_, stream), (calls, sent, received) in added.items():
+                    per_call = (2 if stream.startswith("forward") else 1) * experts * 4
+                    assert sent + received == calls * per_call, added
             elif measured["coords"][0] == 0:  # one MoE layer here: its load reduced over DP
                 assert added == {("all_reduce", "dp"): (1, experts * 8, experts * 8)}, added
             else:
                 assert added == {}, added
+
+
+def test_the_trainers_step_adds_its_expert_load_all_reduce():
+    """`twinpipe train`'s step (``trainer``): one float64 all-reduce over the world of every
+    MoE layer's load, its bias range and the two balancing values, ``L (E + 2) + 2`` of them
+    (`optimized.train.expert_load`); nothing else differs, and nothing on one rank."""
+    model = resolve_model("tiny-deepseek-v2")  # three MoE layers of four, 8 experts
+    parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=4, seq_len=16)
+    config = _estimate(model, parallel, "optimized-fsdp")
+    for rank in range(4):
+        step = _figures(predict_traffic(config, rank))
+        trainer = _figures(predict_traffic(config, rank, trainer=True))
+        world = ("all_reduce", "world")
+        calls, sent, received = step[world]
+        moved = 3 * 8 * (3 * (8 + 2) + 2)
+        assert trainer.pop(world) == (calls + 1, sent + moved, received + moved)
+        step.pop(world)
+        assert trainer == step
+    one = _estimate(model, replace(parallel, pp=1, dp=1, ep=1, micro_batches=2), "optimized")
+    assert _figures(predict_traffic(one, 0, trainer=True)) == _figures(predict_traffic(one, 0))
 
 
 @pytest.mark.multiprocess

@@ -19,11 +19,17 @@ model, the layout and the runner alone, exactly when routing is balanced
   ``[2, E]`` float32 sums (forward) or ``[E]`` float32 totals (backward); with the expert
   bias one all-reduce over ``dp`` of the step's ``[local MoE layers, E]`` int64 load, at the
   optimizer step (`models.runtime.PipelineRunner.update_expert_biases`; a rank without MoE
-  layers has no load to reduce); with a loss term on (a load-balancing loss or the z-loss)
-  the step's values for the log, `PipelineRunner.balancing_values`: one ``[2]`` float32
-  all-reduce over ``dp`` and one over ``pp``. They are counted as part of the step, as the
-  loss's own collectives are: a step that trains on a term reports it, so the harness and
-  the trainer ask for it once a step (and need not when no term is on);
+  layers has no load to reduce);
+- **the trainer's own** (``trainer``, `twinpipe train`'s step): the expert load of every MoE
+  layer and the step's balancing values for the log, one float64 ``[L (E + 2) + 2]``
+  all-reduce over the world (`optimized.train.expert_load`), on a model with MoE layers.
+
+What a step is: what the runner's ``forward_backward`` and ``optimizer_step`` do, as its
+loss's collectives are counted because ``forward_backward`` makes them. A value a caller
+asks for after the step for its report is the caller's: `PipelineRunner.balancing_values`
+(a ``[2]`` float32 all-reduce over ``dp`` and one over ``pp``, which `twinpipe compare` reads
+after each step outside the step it counts, and `twinpipe train` folds into its expert-load
+all-reduce) and a ``step_load`` asked without the expert bias are not counted.
 - **plain runners** (`models.runtime.reduce_gradients`): one all-reduce per parameter,
   over ``dp``, routed experts over ``expert_replica`` (where those groups have > 1 rank);
 - **FSDP2** (``fsdp``, `optimized.pipeline.sharding`): the units are each layer's two norms
@@ -227,17 +233,19 @@ def _loss(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
 
 
 def _balancing(config: EstimateConfig, part, counts: Counts) -> None:
-    """The routing controls' collectives of a step (see the module docstring)."""
-    controls = balancing(config)
+    """The expert bias's load all-reduce (see the module docstring)."""
     moe = sum(1 for layer in part.decoder_layers if layer.is_moe)
-    if controls.expert_bias and config.dp > 1 and moe:
+    if balancing(config).expert_bias and config.dp > 1 and moe:
         moved = (config.dp - 1) * moe * config.model.num_experts * I64
         _add(counts, "all_reduce", "dp", moved, moved)
-    if controls.records:
-        for group, size in (("dp", config.dp), ("pp", config.pp)):
-            if size > 1:
-                moved = (size - 1) * 2 * F32
-                _add(counts, "all_reduce", group, moved, moved)
+
+
+def _trainer(config: EstimateConfig, counts: Counts) -> None:
+    """`twinpipe train`'s expert-load all-reduce (`optimized.train.expert_load`)."""
+    world, layers = config.pp * config.dp, sum(config.moe_layers())
+    if world > 1 and layers:
+        moved = (world - 1) * F64 * (layers * (config.model.num_experts + 2) + 2)
+        _add(counts, "all_reduce", "world", moved, moved)
 
 
 def _plain_reduction(config: EstimateConfig, part, counts: Counts) -> None:
@@ -330,13 +338,15 @@ def predict_traffic(
     rank: int,
     partition: list[range] | None = None,
     routed: tuple[int, int] | None = None,
+    trainer: bool = False,
 ) -> Counts:
     """``(kind, group) -> Traffic`` of global rank ``rank`` for one training step of the
     runner ``config`` describes: the reference or optimized stack with plain AdamW, or
     (``fsdp``) the optimized stack sharded as `twinpipe train` runs it (`ShardedAdamW`).
 
     ``routed``: the routed copies this rank sent to other EP ranks and received from them
-    over the step's dispatches, when the routing was observed; None: `BalancedRouting`."""
+    over the step's dispatches, when the routing was observed; None: `BalancedRouting`.
+    ``trainer``: the step as `twinpipe train` takes it, its own per-step collective too."""
     pp_rank, dp_rank = divmod(rank, config.dp)
     ep_rank = dp_rank % config.ep
     partition = partition or runner_partition(config)
@@ -353,6 +363,8 @@ def predict_traffic(
         _plain_reduction(config, part, counts)
     _loss(config, pp_rank, counts)
     _balancing(config, part, counts)
+    if trainer:
+        _trainer(config, counts)
     return counts
 
 
