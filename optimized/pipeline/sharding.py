@@ -66,22 +66,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from models.network import CausalLM, is_expert_parameter
-from models.runtime import (
-    Layout,
-    PipelineRunner,
-    micro_batches_of,
-    moe_routers,
-    shared_loss,
-    token_count,
-)
+from models.runtime import Layout, PipelineRunner, micro_batches_of, shared_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
 from optimized.pipeline.gradient_sync import GradientSync, chunk_units
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
     """The modules FSDP2 shards over the DP group: each is called through its ``forward``
-    (the output layer through its registered ``fused_loss``, a router through its ``route``)
-    by both stacks."""
+    (the output layer through its registered ``fused_loss``) by both stacks."""
     modules: list[nn.Module] = []
     backbone = part.model
     tied = part.config.tie_word_embeddings
@@ -162,8 +154,6 @@ def apply_fsdp(
         _shard(module, dp_mesh, reshard_after_forward)
     if getattr(part, "lm_head", None) is not None:
         register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
-    for router in moe_routers(part).values():  # the MoE layer calls `route`, not `forward`
-        register_fsdp_forward_method(router, "route")
     if experts:
         replica_mesh = DeviceMesh.from_group(
             layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
