@@ -3,7 +3,7 @@
 The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward``
 (the optimized stack) or run a layer's stages one after another (the reference), but
 every *leaf* module inside them is called through its own ``forward`` (or, for the
-output layer, a registered forward method): the norms, the attention block, the dense
+output layer and the router, a registered forward method: ``fused_loss``, ``route``): the norms, the attention block, the dense
 MLP, the router, the shared experts, the routed experts, the embedding, the final norm
 and the output layer. Each is `fully_shard`-ed on its own, so each is its own FSDP2
 parameter group and its own FSDP2 root (nothing forwards the pipeline part as a whole):
@@ -154,6 +154,9 @@ def apply_fsdp(
         _shard(module, dp_mesh, reshard_after_forward)
     if getattr(part, "lm_head", None) is not None:
         register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
+    for layer in part.decoder_layers:
+        if layer.is_moe:  # the MoE layer calls ``router.route``, never ``router.forward``
+            register_fsdp_forward_method(layer.mlp.router_module, "route")
     if experts:
         replica_mesh = DeviceMesh.from_group(
             layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
