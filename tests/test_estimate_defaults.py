@@ -120,7 +120,7 @@ def test_routing_controls_flow_into_the_estimate(capsys):
     assert not plain.model.balancing().active
     controlled = from_command_line(
         "--model", "tiny-qwen3-moe", "--aux-loss", "pooled", "--aux-loss-coef", "0.01",
-        "--router-z-loss-coef", "0.001", "--expert-bias", "--expert-bias-rate", "0.01",
+        "--z-loss-coef", "0.001", "--expert-bias", "--expert-bias-rate", "0.01",
     )  # fmt: skip
     controls = controlled.model.balancing()
     assert (controls.aux_form, controls.aux_coef, controls.z_coef) == ("pooled", 0.01, 0.001)

@@ -8,10 +8,10 @@ masters, gradient sync and recomputation. The estimator's own choices (``--stack
 reference``, ``--optimizer-state-dtype param``: torch's AdamW as `twinpipe compare` runs it,
 ``--shard-optimizer`` without FSDP, ``--tp``/``--etp``) are there for planning.
 
-The routing controls are the trainer's ``[moe]`` section's (`add_routing_controls`): a flag
-sets the field on the model's config as the section does (unset: the section's default, else
-what the model's config asks, `models.network.ModelConfig.balancing`), so the estimate of a
-balancing run counts what that run holds and sends (`optimized.estimator.balancing`).
+The routing controls are the trainer's ``[moe]`` keys (`add_routing_controls`): a flag sets
+the field on the model's config as the section does (unset: what the model's config asks,
+`models.network.ModelConfig.balancing`, which the section's defaults keep), so the estimate
+of a balancing run counts what that run holds and sends (`optimized.estimator.balancing`).
 """
 
 from __future__ import annotations
@@ -48,16 +48,22 @@ def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ROUTING_CONTROLS = ("aux_loss", "aux_loss_coef", "router_z_loss_coef", "expert_bias",
-                    "expert_bias_rate")  # fmt: skip
-"""The `ModelConfig` fields the trainer's ``[moe]`` section sets, each a flag here."""
+ROUTING_CONTROLS = {
+    "aux_loss": "aux_loss",
+    "aux_loss_coef": "aux_loss_coef",
+    "z_loss_coef": "router_z_loss_coef",
+    "expert_bias": "expert_bias",
+    "expert_bias_rate": "expert_bias_rate",
+}
+"""The trainer's ``[moe]`` keys, each a flag here (``--z-loss-coef``), and the `ModelConfig`
+field each sets."""
 
 
 def add_routing_controls(parser: argparse.ArgumentParser) -> None:
     """The routing controls, as `twinpipe estimate` and `twinpipe plan` take them."""
     group = parser.add_argument_group(
-        "routing controls", f"as the trainer's [moe] section (default: {TRAINER}, else what "
-        "the model's config asks)",
+        "routing controls", "the trainer's [moe] keys (unset: what the model's config asks, "
+        "as the trainer's defaults keep it)",
     )  # fmt: skip
     group.add_argument(
         "--aux-loss", choices=("auto", *AUX_FORMS), default=None,
@@ -68,7 +74,9 @@ def add_routing_controls(parser: argparse.ArgumentParser) -> None:
         "--aux-loss-coef", type=float, default=None,
         help="its coefficient (default: the family's HF field)",
     )  # fmt: skip
-    group.add_argument("--router-z-loss-coef", type=float, default=None, help="router z-loss")
+    group.add_argument(
+        "--z-loss-coef", type=float, default=None, help="router z-loss coefficient (0: off)"
+    )
     group.add_argument(
         "--expert-bias", action=argparse.BooleanOptionalAction, default=None,
         help="aux-loss-free balancing: a float32 bias per MoE router",
@@ -82,8 +90,8 @@ def with_routing_controls(model: ModelConfig, args: argparse.Namespace) -> Model
     """``model`` with the routing-control flags given set on it (validated there: a bad value
     raises `ValueError` naming the field)."""
     changes = {
-        name: getattr(args, name) for name in ROUTING_CONTROLS
-        if getattr(args, name, None) is not None
+        field: getattr(args, key) for key, field in ROUTING_CONTROLS.items()
+        if getattr(args, key, None) is not None
     }  # fmt: skip
     return dataclasses.replace(model, **changes) if changes else model
 
