@@ -49,18 +49,13 @@ def _layer(name: str, index: int, dtype: str, controls: dict | None = None):
             parameter.normal_(0.0, 0.02)
     loads: list[np.ndarray] = []
     for module in layer.modules():
-        if isinstance(module, Router):  # the MoE layer calls `route` (no forward hook fires)
-            module.route = _counting(module.route, loads, model.num_experts)
+        if isinstance(module, Router):
+            module.register_forward_hook(
+                lambda _m, _i, out: loads.append(
+                    np.bincount(out[1].detach().numpy().ravel(), minlength=model.num_experts)
+                )
+            )
     return model, layer, loads
-
-
-def _counting(route, loads: list, num_experts: int):
-    def counted(*args, **kwargs):
-        routing = route(*args, **kwargs)
-        loads.append(np.bincount(routing[1].detach().numpy().ravel(), minlength=num_experts))
-        return routing
-
-    return counted
 
 
 def _balance(model):

@@ -3,10 +3,9 @@
 `twinpipe compare --estimate-routing observed` estimates each rank's peak from the routing
 the run actually saw (`optimized.estimator.routing`): a skewed router sends one EP rank
 more rows than another, and its measured peak is higher than the balanced estimate says.
-Every `models.network.Router`'s ``route`` (what the MoE layer calls: a forward hook would
-see nothing) is wrapped to count the experts its call chose. The counts are taken with
-numpy off a detached view of the indices, not with an aten op, so the memory tracker sees
-nothing of them.
+A forward hook on every `models.network.Router` counts the experts its call chose. The
+counts are taken with numpy off a detached view of the indices, not with an aten op, so
+the memory tracker sees nothing of them.
 
 Calls are numbered per layer within a step: DualPipeV forwards each chunk's
 micro-batches in order, and the router runs once per forward (it is outside the
@@ -27,28 +26,6 @@ from harness.compare.instruments import Instrument
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-class _CountedRoute:
-    """A router's ``route`` wrapped to hand each call's experts to ``count``, until
-    `remove`."""
-
-    def __init__(self, router: torch.nn.Module, count) -> None:
-        route = router.route
-
-        def counted(*args, **kwargs):
-            routing = route(*args, **kwargs)
-            count(routing[1])
-            return routing
-
-        self.router, self.own = router, router.__dict__.get("route")  # FSDP2 may patch it
-        router.route = counted
-
-    def remove(self) -> None:
-        if self.own is None:
-            del self.router.route
-        else:
-            self.router.route = self.own
-
-
 class RoutingCounter:
     """Expert histograms of this rank's router calls, per ``(layer, micro_batch)`` of a step."""
 
@@ -66,13 +43,13 @@ class RoutingCounter:
                 if match is None:
                     raise ValueError(f"router {name!r} has no layer index in its name")
                 layer = int(match.group(1))
-                self._handles.append(_CountedRoute(module, self._count(layer)))
+                self._handles.append(module.register_forward_hook(self._hook(layer)))
 
-    def _count(self, layer: int):
-        def count(experts: torch.Tensor) -> None:
+    def _hook(self, layer: int):
+        def count(_module, _inputs, output) -> None:
             if not self.counting:
                 return
-            index = experts.detach().cpu().numpy().reshape(-1)
+            index = output[1].detach().cpu().numpy().reshape(-1)
             histogram = np.bincount(index, minlength=self.num_experts)
             self._step[(layer, self._calls[layer])] = [int(n) for n in histogram]
             self._calls[layer] += 1

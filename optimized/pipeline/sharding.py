@@ -1,13 +1,13 @@
 """Data-parallel sharding of `twinpipe train` with FSDP2 (`fully_shard`), module by module.
 
-The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward`` (the
-optimized stack) or run a layer's stages one after another (the reference), but every
-*leaf* module inside them is called through its own ``forward`` (or a registered forward
-method: the output layer's ``fused_loss``, the router's ``route``): the norms, the
-attention block, the dense MLP, the router, the shared experts, the routed experts, the
-embedding, the final norm and the output layer. Each is `fully_shard`-ed on its own, so
-each is its own FSDP2 parameter group and its own FSDP2 root (nothing forwards the
-pipeline part as a whole):
+The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward``
+(the optimized stack) or run a layer's stages one after another (the reference), but
+every *leaf* module inside them is called through its own ``forward`` (or, for the
+output layer, a registered forward method): the norms, the attention block, the dense
+MLP, the router, the shared experts, the routed experts, the embedding, the final norm
+and the output layer. Each is `fully_shard`-ed on
+its own, so each is its own FSDP2 parameter group and its own FSDP2 root (nothing forwards
+the pipeline part as a whole):
 
 - parameters, gradients and AdamW state are sharded along dim 0; the pre-forward hook
   all-gathers a module's parameters; with ``reshard_after_forward`` the post-forward hook
@@ -155,9 +155,6 @@ def apply_fsdp(
         _shard(module, dp_mesh, reshard_after_forward)
     if getattr(part, "lm_head", None) is not None:
         register_fsdp_forward_method(part.lm_head, "fused_loss")  # no-op when not sharded
-    for layer in part.decoder_layers:
-        if layer.is_moe:  # the MoE layer calls ``router.route``, never ``router.forward``
-            register_fsdp_forward_method(layer.mlp.router_module, "route")
     if experts:
         replica_mesh = DeviceMesh.from_group(
             layout.expert_replica_group, device.type, mesh_dim_names=("expert_replica",)
