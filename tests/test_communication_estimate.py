@@ -147,6 +147,68 @@ def test_predicted_exactly_with_balanced_routing(preset, pp, dp, ep, seq_len, ru
             assert gathers["optimized-fsdp:step:reshard"] > gathers["optimized-fsdp"]
 
 
+# The routing controls that communicate (`optimized.estimator.balancing`): the pooled loss's
+# counts beside every p2p message (the z-loss beside it sends nothing), and the expert bias's
+# load all-reduce over DP, on a model whose second pipeline rank holds no MoE layer
+# (DeepSeek-V2 with three dense layers of four: nothing to reduce there).
+CONTROLLED = {
+    "pooled": ("tiny-qwen3-moe", dict(aux_loss="pooled", aux_loss_coef=0.01,
+                                      router_z_loss_coef=0.001)),
+    "bias": ("tiny-deepseek-v2", dict(first_k_dense_replace=3, expert_bias=True)),
+}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("controls", sorted(CONTROLLED))
+def test_predicted_exactly_with_routing_controls(controls):
+    """PP=2 DP=2 EP=2, balanced routing, the three runners: every kind to the byte with the
+    controls on, and the controls' own traffic where the model says it is."""
+    name, fields = CONTROLLED[controls]
+    model = replace(resolve_model(name), **fields)
+    parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=4, seq_len=13)
+    state = build_model(model, seed=0).state_dict()
+    ranks = launch(_count_one_step, 4, (model, parallel, state, RUNNERS, True))
+    plain = replace(model, aux_loss="none", router_z_loss_coef=0.0, expert_bias=False)
+    for runner in RUNNERS:
+        config = _estimate(model, parallel, runner)
+        for rank, measured in enumerate(ranks):
+            predicted = _figures(predict_traffic(config, rank))
+            assert _figures(measured[runner]) == predicted, (runner, rank)
+            without = _figures(predict_traffic(_estimate(plain, parallel, runner), rank))
+            added = {k: tuple(a - b for a, b in zip(v, without.get(k, (0, 0, 0))))
+                     for k, v in predicted.items() if v != without.get(k)}  # fmt: skip
+            experts = model.num_experts
+            if controls == "pooled":  # a [2, E] after each activation, an [E] after each grad
+                assert added and {kind for kind, _ in added} == {"send", "recv"}, added
+                for (_, stream), (calls, sent, received) in added.items():
+                    per_call = (2 if stream.startswith("forward") else 1) * experts * 4
+                    assert sent + received == calls * per_call, added
+            elif measured["coords"][0] == 0:  # one MoE layer here: its load reduced over DP
+                assert added == {("all_reduce", "dp"): (1, experts * 8, experts * 8)}, added
+            else:
+                assert added == {}, added
+
+
+def test_the_trainers_step_adds_its_expert_load_all_reduce():
+    """`twinpipe train`'s step (``trainer``): one float64 all-reduce over the world of every
+    MoE layer's load, its bias range and the two balancing values, ``L (E + 2) + 2`` of them
+    (`optimized.train.expert_load`); nothing else differs, and nothing on one rank."""
+    model = resolve_model("tiny-deepseek-v2")  # three MoE layers of four, 8 experts
+    parallel = ParallelConfig(pp=2, dp=2, ep=2, micro_batch_size=1, micro_batches=4, seq_len=16)
+    config = _estimate(model, parallel, "optimized-fsdp")
+    for rank in range(4):
+        step = _figures(predict_traffic(config, rank))
+        trainer = _figures(predict_traffic(config, rank, trainer=True))
+        world = ("all_reduce", "world")
+        calls, sent, received = step[world]
+        moved = 3 * 8 * (3 * (8 + 2) + 2)
+        assert trainer.pop(world) == (calls + 1, sent + moved, received + moved)
+        step.pop(world)
+        assert trainer == step
+    one = _estimate(model, replace(parallel, pp=1, dp=1, ep=1, micro_batches=2), "optimized")
+    assert _figures(predict_traffic(one, 0, trainer=True)) == _figures(predict_traffic(one, 0))
+
+
 @pytest.mark.multiprocess
 def test_real_routing_differs_only_by_its_skew():
     """PP=1 DP=2 EP=2, the routers' own choices: every kind but the all-to-all is as

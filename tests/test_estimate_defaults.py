@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -105,3 +106,36 @@ def test_plan_defaults_are_the_trainers():
                      f"data.micro_batch_size={c.micro_batch_size}",
                      f"data.micro_batches={c.num_microbatches}"]  # fmt: skip
         assert_same(c, trainer_run("tiny-qwen3-moe", *overrides))
+
+
+def test_routing_controls_flow_into_the_estimate(capsys):
+    """`twinpipe estimate` and `twinpipe plan` take the trainer's ``[moe]`` routing controls:
+    each flag set on the model's config, so the estimate is of the run that trains with
+    them (more saved per MoE layer, the bias buffers in the weights); none given: what the
+    model's config asks (deepseek-v2-lite's published sequence form); a bad value is refused
+    by name with exit 2."""
+    from harness.cli import main as cli_main  # noqa: PLC0415
+
+    plain = from_command_line("--model", "tiny-qwen3-moe")
+    assert not plain.model.balancing().active
+    controlled = from_command_line(
+        "--model", "tiny-qwen3-moe", "--aux-loss", "pooled", "--aux-loss-coef", "0.01",
+        "--z-loss-coef", "0.001", "--expert-bias", "--expert-bias-rate", "0.01",
+    )  # fmt: skip
+    controls = controlled.model.balancing()
+    assert (controls.aux_form, controls.aux_coef, controls.z_coef) == ("pooled", 0.01, 0.001)
+    assert controls.expert_bias and controls.bias_rate == 0.01
+    moe_layers, experts = plain.model.moe_layers, plain.model.num_experts
+    without, with_controls = estimate(plain)["ranks"][0], estimate(controlled)["ranks"][0]
+    assert with_controls["weights_bytes"] - without["weights_bytes"] == moe_layers * experts * 4
+    assert with_controls["activation_bytes"] > without["activation_bytes"]
+    lite = from_command_line("--model", "deepseek-v2-lite", "--pp", "2")
+    assert lite.model.balancing().aux_form == "sequence"
+    off = from_command_line("--model", "deepseek-v2-lite", "--pp", "2", "--aux-loss", "none")
+    assert not off.model.balancing().aux
+    assert cli_main(["estimate", "--model", "tiny-qwen3-moe", "--aux-loss", "pooled"]) == 2
+    assert "aux_loss" in capsys.readouterr().err  # no coefficient: Qwen3's tiny preset has 0
+    argv = ["plan", "--model", "tiny-qwen3-moe", "--gpus", "2", "--gpu-memory", "64MiB",
+            "--seq-len", "32", "--global-batch", "4", "--expert-bias", "--json"]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["fitting"] > 0

@@ -392,3 +392,22 @@ def test_shared_expert_width_independent_of_routed_width():
     assert megatron_args(wide).moe_shared_expert_intermediate_size == 96
     peak = estimate(wide)["ranks"][0]["activation_bytes"]
     assert peak > estimate(base)["ranks"][0]["activation_bytes"]
+
+
+def test_megatron_leaves_the_routing_controls_out(capsys):
+    """Megatron's formulas have no router term and count parameters only: the report says
+    which of the run's routing controls they leave out, and its figures do not move."""
+    from harness.cli import main as cli_main  # noqa: PLC0415
+
+    plain = EstimateConfig(preset("tiny-qwen3-moe"), pp=2, num_microbatches=4, seq_len=64)
+    model = preset("tiny-qwen3-moe", aux_loss="pooled", aux_loss_coef=0.01, expert_bias=True)
+    ours, theirs = estimate(plain)["megatron"], estimate(plain.replace(model=model))["megatron"]
+    assert ours["not_counted"] == [] and len(theirs["not_counted"]) == 3
+    assert ours["total_bytes"] == theirs["total_bytes"]
+    lite = estimate(EstimateConfig(preset("deepseek-v2-lite"), pp=4, num_microbatches=8))
+    assert lite["megatron"]["not_counted"] == [
+        "the router tensors the balancing losses keep for backward"
+    ]
+    argv = ["estimate", "--model", "tiny-qwen3-moe", "--pp", "2", "--expert-bias"]
+    assert cli_main(argv) == 0
+    assert "do not count: the expert-bias buffers" in capsys.readouterr().out

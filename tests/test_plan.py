@@ -67,7 +67,9 @@ def test_plan_traffic_is_the_communication_model():
             partition.append(range(start, start + count))
             start += count
         per_rank = [
-            bytes_sent_by_plan_kind(predict_traffic(c, rank * c.dp, partition))
+            bytes_sent_by_plan_kind(
+                predict_traffic(c, rank * c.dp, partition, trainer=c.blocked_update)
+            )
             for rank in range(c.pp)
         ]
         assert p.traffic == {k: max(t[k] for t in per_rank) for k in per_rank[0]}

@@ -8,6 +8,7 @@ optimizer, whatever PP, DP, EP or M.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -217,13 +218,17 @@ class PipelineRunner:
         return getattr(self.schedule, "balance", None)
 
     def step_load(self) -> torch.Tensor:
-        """`step_load` of the last training step, reduced once and kept (every rank of the
-        DP group must ask for a step's load, or none: it is one all-reduce)."""
+        """`step_load` of the last training step, reduced once and kept while that step's
+        `StepBalance` lives (every rank of the DP group must ask for a step's load, or none:
+        it is one all-reduce). Kept beside it, not by it: the next step's start drops both,
+        so nothing of a step outlives it into the next one's memory, whoever asked."""
         balance = self.balance
-        kept = getattr(self, "_load", None)
-        if kept is None or kept[0] is not balance:
-            self._load = (balance, step_load(self.part, balance, self.layout))
-        return self._load[1]
+        if balance is None:
+            return step_load(self.part, None, self.layout)
+        loads = self.__dict__.setdefault("_loads", weakref.WeakKeyDictionary())
+        if balance not in loads:
+            loads[balance] = step_load(self.part, balance, self.layout)
+        return loads[balance]
 
     def balancing_values(self) -> torch.Tensor:
         """`shared_balancing` of the last training step (collectives on every rank)."""

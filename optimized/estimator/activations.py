@@ -28,6 +28,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from optimized.estimator.balancing import balancing
 from optimized.estimator.config import EstimateConfig
 
 F32, I64, COMPLEX64 = 4, 8, 8
@@ -244,6 +245,7 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
                 Saved("router.topk_weights", tokens * top_k * F32),
                 Saved("router.topk_sum", tokens * F32),
             ]
+    saved += balancing_saved(config)
     saved += [
         Saved("dispatch.token_index", sent * I64),
         Saved("dispatch.weight_order", sent * I64),
@@ -270,6 +272,31 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
         Saved("aggregate.weights", sent * b),
         Saved("aggregate.weighted", sent * hidden * b),
     ]
+    return saved
+
+
+def balancing_saved(config: EstimateConfig) -> list[Saved]:
+    """What the routing controls' terms save in a MoE layer (`models.network.balancing`), named
+    as the router's (made with it, freed with it): GPT-OSS's float32 softmax over every
+    expert when a load-balancing loss is on (the other families' router saves its own);
+    the z-loss's ``logsumexp`` input (float32 logits, or their float copy) and output;
+    the ``layer`` form's ``[E]`` load share, the ``sequence`` form's ``[B, E]``. The pooled
+    form saves nothing (`optimized.estimator.balancing`)."""
+    m, tokens, experts = config.model, config.tokens, config.model.num_experts
+    controls = balancing(config)
+    saved = []
+    if controls.aux and m.model_type == "gpt_oss":
+        saved.append(Saved("router.balance.probs", tokens * experts * F32))
+    if controls.aux and controls.aux_form == "layer":
+        saved.append(Saved("router.balance.layer_share", experts * F32))
+    if controls.aux and controls.aux_form == "sequence":
+        share = config.micro_batch_size * experts * F32
+        saved.append(Saved("router.balance.sequence_share", share))
+    if controls.z_coef > 0:
+        saved += [
+            Saved("router.balance.z_logits", tokens * experts * F32),
+            Saved("router.balance.z_logsumexp", tokens * F32),
+        ]
     return saved
 
 

@@ -7,14 +7,21 @@ its dtype, batch, FSDP2 and optimizer sharding at each DP, AdamW's float32 momen
 masters, gradient sync and recomputation. The estimator's own choices (``--stack
 reference``, ``--optimizer-state-dtype param``: torch's AdamW as `twinpipe compare` runs it,
 ``--shard-optimizer`` without FSDP, ``--tp``/``--etp``) are there for planning.
+
+The routing controls are the trainer's ``[moe]`` keys (`add_routing_controls`): a flag sets
+the field on the model's config as the section does (unset: what the model's config asks,
+`models.network.ModelConfig.balancing`, which the section's defaults keep), so the estimate
+of a balancing run counts what that run holds and sends (`optimized.estimator.balancing`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+from models.network import AUX_FORMS, ModelConfig
 from optimized.estimator import EstimateConfig, estimate
 
 GIB = 1024**3
@@ -39,6 +46,54 @@ def add_dtype_and_stack(parser: argparse.ArgumentParser) -> None:
         help="whose activations to count: the plain reference stack or the optimized one "
         "(early frees, fused cross-entropy)",
     )
+
+
+ROUTING_CONTROLS = {
+    "aux_loss": "aux_loss",
+    "aux_loss_coef": "aux_loss_coef",
+    "z_loss_coef": "router_z_loss_coef",
+    "expert_bias": "expert_bias",
+    "expert_bias_rate": "expert_bias_rate",
+}
+"""The trainer's ``[moe]`` keys, each a flag here (``--z-loss-coef``), and the `ModelConfig`
+field each sets."""
+
+
+def add_routing_controls(parser: argparse.ArgumentParser) -> None:
+    """The routing controls, as `twinpipe estimate` and `twinpipe plan` take them."""
+    group = parser.add_argument_group(
+        "routing controls", "the trainer's [moe] keys (unset: what the model's config asks, "
+        "as the trainer's defaults keep it)",
+    )  # fmt: skip
+    group.add_argument(
+        "--aux-loss", choices=("auto", *AUX_FORMS), default=None,
+        help="load-balancing loss: auto (what the HF config asks), none, pooled "
+        "(transformers'), layer or sequence (DeepSeek's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--aux-loss-coef", type=float, default=None,
+        help="its coefficient (default: the family's HF field)",
+    )  # fmt: skip
+    group.add_argument(
+        "--z-loss-coef", type=float, default=None, help="router z-loss coefficient (0: off)"
+    )
+    group.add_argument(
+        "--expert-bias", action=argparse.BooleanOptionalAction, default=None,
+        help="aux-loss-free balancing: a float32 bias per MoE router",
+    )  # fmt: skip
+    group.add_argument(
+        "--expert-bias-rate", type=float, default=None, help="how far a step moves the bias"
+    )
+
+
+def with_routing_controls(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """``model`` with the routing-control flags given set on it (validated there: a bad value
+    raises `ValueError` naming the field)."""
+    changes = {
+        field: getattr(args, key) for key, field in ROUTING_CONTROLS.items()
+        if getattr(args, key, None) is not None
+    }  # fmt: skip
+    return dataclasses.replace(model, **changes) if changes else model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--virtual-pipeline-model-parallel-size", type=int, default=None, help="refused if set"
     )
     parser.add_argument("--moe-latent-size", type=int, default=None, help="refused if set")
+    add_routing_controls(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -172,12 +228,12 @@ def config_from_args(args: argparse.Namespace) -> EstimateConfig:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         moe_latent_size=args.moe_latent_size,
     )  # fmt: skip
-    changes = {}
+    changes = {"model": with_routing_controls(config.model, args)}
     if state_dtype == "param":
         changes["optimizer_state_dtype"] = "param"
     if args.shard_optimizer is not None:
         changes["shard_optimizer"] = args.shard_optimizer
-    return config.replace(**changes) if changes else config
+    return config.replace(**changes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,6 +287,8 @@ def format_report(report: dict) -> str:
         f"weights+optimizer {_gib(meg['weight_and_optimizer_bytes'])}, activations "
         f"{_gib(meg['activation_bytes'])}, total {_gib(meg['total_bytes'])}"
     )
+    if meg.get("not_counted"):
+        lines.append("  Megatron's formulas do not count: " + "; ".join(meg["not_counted"]))
     for row in report.get("partitions", []):
         lines.append(
             f"partition {row['name']:<9} {row['layers_per_stage']}  largest per-rank peak "

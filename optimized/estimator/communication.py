@@ -14,6 +14,22 @@ model, the layout and the runner alone, exactly when routing is balanced
   for other EP ranks' experts and receives the copies of its own experts from each peer;
 - **the loss** (`models.runtime.shared_loss`): one float32 all-reduce over ``dp`` and one
   broadcast over ``pp`` from pp-rank 0;
+- **the routing controls** (`optimized.estimator.balancing`): with the pooled
+  load-balancing loss each p2p message is followed, on its stream, by the micro-batch's
+  ``[2, E]`` float32 sums (forward) or ``[E]`` float32 totals (backward); with the expert
+  bias one all-reduce over ``dp`` of the step's ``[local MoE layers, E]`` int64 load, at the
+  optimizer step (`models.runtime.PipelineRunner.update_expert_biases`; a rank without MoE
+  layers has no load to reduce);
+- **the trainer's own** (``trainer``, `twinpipe train`'s step): the expert load of every MoE
+  layer and the step's balancing values for the log, one float64 ``[L (E + 2) + 2]``
+  all-reduce over the world (`optimized.train.expert_load`), on a model with MoE layers.
+
+What a step is: what the runner's ``forward_backward`` and ``optimizer_step`` do, as its
+loss's collectives are counted because ``forward_backward`` makes them. A value a caller
+asks for after the step for its report is the caller's: `PipelineRunner.balancing_values`
+(a ``[2]`` float32 all-reduce over ``dp`` and one over ``pp``, which `twinpipe compare` reads
+after each step outside the step it counts, and `twinpipe train` folds into its expert-load
+all-reduce) and a ``step_load`` asked without the expert bias are not counted.
 - **plain runners** (`models.runtime.reduce_gradients`): one all-reduce per parameter,
   over ``dp``, routed experts over ``expert_replica`` (where those groups have > 1 rank);
 - **FSDP2** (``fsdp``, `optimized.pipeline.sharding`): the units are each layer's two norms
@@ -50,6 +66,7 @@ import torch
 
 from models.runtime import BACKWARD, FORWARD, Counts, Traffic, stream_name
 from optimized.estimator.activations import I64
+from optimized.estimator.balancing import balancing, pooled_stats_bytes, pooled_totals_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.schedule import comm_events, rank_actions
 
@@ -154,13 +171,18 @@ def fsdp_units(config: EstimateConfig, part, chunks, pp_rank: int) -> list[Unit]
 # ------------------------------------------------------------------ the parts of a step
 def _p2p(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
     message = config.tokens * config.model.hidden_size * config.param_bytes
+    # The pooled loss's sums after each activation, its totals after each gradient.
+    follows = {FORWARD: pooled_stats_bytes(config), BACKWARD: pooled_totals_bytes(config)}
     for event in comm_events(pp_rank, config.pp, config.num_microbatches):
         direction = FORWARD if event.message.kind == "activation" else BACKWARD
         stream = stream_name(direction, event.message.chunk)
-        if event.op == "send":
-            _add(counts, "send", stream, message, 0)
-        else:
-            _add(counts, "recv", stream, 0, message)
+        for nbytes in (message, follows[direction]):
+            if not nbytes:
+                continue
+            if event.op == "send":
+                _add(counts, "send", stream, nbytes, 0)
+            else:
+                _add(counts, "recv", stream, 0, nbytes)
 
 
 def balanced_rows(config: EstimateConfig) -> list[int]:
@@ -179,6 +201,8 @@ def _all_to_all(
         return
     m, ep = config.model, config.ep
     moe_layers = sum(1 for layer in part.decoder_layers if layer.is_moe)
+    if not moe_layers:  # a rank of dense layers only exchanges nothing
+        return
     calls = moe_layers * config.num_microbatches
     count_bytes = (ep - 1) * (m.num_experts // ep) * I64
     _add(counts, "all_to_all", "ep", count_bytes, count_bytes, calls)
@@ -206,6 +230,22 @@ def _loss(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
             _add(counts, "broadcast", "pp", (config.pp - 1) * F32, 0)
         else:
             _add(counts, "broadcast", "pp", 0, F32)
+
+
+def _balancing(config: EstimateConfig, part, counts: Counts) -> None:
+    """The expert bias's load all-reduce (see the module docstring)."""
+    moe = sum(1 for layer in part.decoder_layers if layer.is_moe)
+    if balancing(config).expert_bias and config.dp > 1 and moe:
+        moved = (config.dp - 1) * moe * config.model.num_experts * I64
+        _add(counts, "all_reduce", "dp", moved, moved)
+
+
+def _trainer(config: EstimateConfig, counts: Counts) -> None:
+    """`twinpipe train`'s expert-load all-reduce (`optimized.train.expert_load`)."""
+    world, layers = config.pp * config.dp, sum(config.moe_layers())
+    if world > 1 and layers:
+        moved = (world - 1) * F64 * (layers * (config.model.num_experts + 2) + 2)
+        _add(counts, "all_reduce", "world", moved, moved)
 
 
 def _plain_reduction(config: EstimateConfig, part, counts: Counts) -> None:
@@ -298,13 +338,15 @@ def predict_traffic(
     rank: int,
     partition: list[range] | None = None,
     routed: tuple[int, int] | None = None,
+    trainer: bool = False,
 ) -> Counts:
     """``(kind, group) -> Traffic`` of global rank ``rank`` for one training step of the
     runner ``config`` describes: the reference or optimized stack with plain AdamW, or
     (``fsdp``) the optimized stack sharded as `twinpipe train` runs it (`ShardedAdamW`).
 
     ``routed``: the routed copies this rank sent to other EP ranks and received from them
-    over the step's dispatches, when the routing was observed; None: `BalancedRouting`."""
+    over the step's dispatches, when the routing was observed; None: `BalancedRouting`.
+    ``trainer``: the step as `twinpipe train` takes it, its own per-step collective too."""
     pp_rank, dp_rank = divmod(rank, config.dp)
     ep_rank = dp_rank % config.ep
     partition = partition or runner_partition(config)
@@ -320,6 +362,9 @@ def predict_traffic(
     else:
         _plain_reduction(config, part, counts)
     _loss(config, pp_rank, counts)
+    _balancing(config, part, counts)
+    if trainer:
+        _trainer(config, counts)
     return counts
 
 

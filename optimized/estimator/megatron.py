@@ -26,6 +26,14 @@ term), MTP's input norms and ``[2H -> H]`` projection. The functions keep Megatr
 and meaning; `megatron_args` maps an `EstimateConfig` onto Megatron's fields (twinpipe
 does not pad the vocabulary, runs no sequence parallelism at TP = 1, and its optimized
 stack recomputes the attention block: "selective" recomputation).
+
+Nor does it count the routing controls (`optimized.estimator.balancing`): its activation
+formula has no router term, so the tensors a load-balancing loss or the z-loss keep (the
+z-loss's float32 ``[T, E]`` logits, GPT-OSS's all-expert softmax, DeepSeek's load shares)
+and the pooled loss's per-micro-batch counts are not in it, and its parameter count leaves
+out the expert bias, a float32 ``[E]`` buffer per MoE layer (Megatron's own
+``expert_bias`` and ``local_tokens_per_expert`` buffers too). `megatron_figures` lists
+what applies to the run under ``not_counted``.
 """
 
 from __future__ import annotations
@@ -438,13 +446,27 @@ def megatron_args(config: EstimateConfig) -> MegatronArgs:
     )
 
 
-def megatron_figures(config: EstimateConfig) -> dict[str, float]:
+def not_counted(config: EstimateConfig) -> list[str]:
+    """What of ``config``'s routing controls Megatron's formulas leave out (module docstring)."""
+    controls = config.model.balancing()
+    missing = []
+    if controls.aux or controls.z_coef > 0:
+        missing.append("the router tensors the balancing losses keep for backward")
+    if controls.pooled:
+        missing.append("the pooled loss's per-micro-batch expert counts")
+    if controls.expert_bias:
+        missing.append("the expert-bias buffers")
+    return missing
+
+
+def megatron_figures(config: EstimateConfig) -> dict:
     """Megatron's figures for ``config`` in bytes, as `estimate`'s ``megatron`` entry."""
     args = megatron_args(config)
     static = compute_weight_and_optimizer_memory(args)
     activation = megatron_activation_memory(args, config.num_microbatches)
     shard = megatron_shard(args)
     return {
+        "not_counted": not_counted(config),
         "weight_and_optimizer_bytes": static,
         "activation_bytes": activation,
         "total_bytes": static + activation,
@@ -466,6 +488,7 @@ __all__ = [
     "megatron_args",
     "megatron_figures",
     "megatron_params",
+    "not_counted",
     "megatron_shard",
     "report_theoretical_memory",
 ]

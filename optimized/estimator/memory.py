@@ -31,6 +31,7 @@ from optimized.estimator.activations import (
     routed_rows,
 )
 from optimized.estimator.activations import head_saved as head_saved_items
+from optimized.estimator.balancing import bias_buffer_bytes, step_state_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.params import (
     ParamCount,
@@ -315,18 +316,20 @@ def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> P
 def buffer_bytes(config: EstimateConfig, layers) -> int:
     """Non-parameter buffers the registered modules hold: each attention's rotary
     ``inv_freq`` (half the rotary width), in float32 whatever the run dtype, as transformers
-    keeps it (`models.network.layers._init_rope_buffer`)."""
-    m = config.model
+    keeps it (`models.network.layers._init_rope_buffer`), and with the expert bias on each
+    MoE router's float32 ``e_score_correction_bias``."""
+    m, layers = config.model, list(layers)
     rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
-    return len(list(layers)) * (rotary // 2) * F32
+    return len(layers) * (rotary // 2) * F32 + bias_buffer_bytes(config, layers)
 
 
-def batch_bytes(config: EstimateConfig) -> int:
+def batch_bytes(config: EstimateConfig, layers=()) -> int:
     """Every rank draws the whole global batch's int64 ids and labels; the step's loss and
     its token count (`models.runtime.token_count`: a 0-dim int64 on the device, so that
-    nothing is read on the host) live through the step."""
+    nothing is read on the host) live through the step, and so does the routing controls'
+    state of a rank holding ``layers`` (`optimized.estimator.balancing.step_state_bytes`)."""
     global_batch = config.dp * config.num_microbatches * config.micro_batch_size
-    return 2 * I64 * global_batch * config.seq_len + F32 + I64
+    return 2 * I64 * global_batch * config.seq_len + F32 + I64 + step_state_bytes(config, layers)
 
 
 def static_bytes(
@@ -403,7 +406,7 @@ def with_optimizer_step(
     (all of it, created now on the first step) and two temporaries of the largest tensor.
     The step's peak is whichever is higher, the walk's or this."""
     temporaries = optimizer_temporaries(config, count)
-    activations = batch_bytes(config) + temporaries
+    activations = batch_bytes(config, [*estimate.layers[0], *estimate.layers[1]]) + temporaries
     return record_optimizer_step(
         estimate, estimate.weights_bytes, optimizer, activations, start_below=temporaries
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from optimized.estimator.activations import (
     F32,
 )
+from optimized.estimator.balancing import pooled_stats_bytes, pooled_totals_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
     RankEstimate,
@@ -49,7 +50,11 @@ def estimate_rank_optimized(
     # The first step's forward and backward run before AdamW has created its state.
     optimizer = 0 if config.first_step else state_bytes
     chunk_layers = [list(partition[s]) for s in stages]
-    weights += buffer_bytes(config, [x for c in chunk_layers for x in c])
+    rank_layers = [x for c in chunk_layers for x in c]
+    weights += buffer_bytes(config, rank_layers)
+    held = batch_bytes(config, rank_layers)  # the batch and the step's balancing state
+    # The pooled loss's counts of a micro-batch on a chunk, and its totals.
+    stats, totals = pooled_stats_bytes(config), pooled_totals_bytes(config)
     th = tokens * m.hidden_size * b
     first, last = rank == 0, rank == config.pp - 1
     by_micro_batch: dict = {}
@@ -173,6 +178,7 @@ def estimate_rank_optimized(
 
     def f_start(chunk):
         fsdp.forward(state, chunk, first)
+        state.activations += stats  # held by the micro-batch's balance to its backward's end
         if chunk == 0 and first:
             state.moment(th + fsdp.running("embedding"))
             state.activations += th  # the embedding's output
@@ -182,7 +188,7 @@ def estimate_rank_optimized(
     def f_end(chunk, mb):
         if is_loss(chunk):
             state.moment(th)
-            state.activations += head
+            state.activations += head + totals
             if mb == 0 and not sharded_head:  # grad_weight becomes lm_head.grad
                 state.grad((chunk, "head"), head_weight)
             else:
@@ -208,8 +214,10 @@ def estimate_rank_optimized(
             fsdp.done(state, chunk, "head")
         elif not (chunk == 0 and last):
             receive()  # the gradient
+            state.activations += totals  # beside it (chunk 0 on the last rank: handed over)
 
     def b_end(chunk):
+        state.activations -= stats
         if not (chunk == 1 and last):  # there the input is chunk 0's output, kept until B0
             state.activations -= th  # the chunk's input (received or embedded), its root
         if chunk == 0 and first:
@@ -218,13 +226,13 @@ def estimate_rank_optimized(
                 state.moment(embedding_backward_bytes(config) + fsdp.running("embedding"))
             state.grad((chunk, "embedding"), embedding_grad_bytes(config))
             fsdp.done(state, chunk, "embedding")
-            state.activations -= th
+            state.activations -= th + totals
         elif chunk == 1 and last:
             # The input gradient is handed to B0 locally: held until B0 has used it (B0 then
             # frees it as any chunk frees its received gradient).
             state.activations += th
         else:
-            send(th)  # the sent gradient
+            send(th + totals)  # the sent gradient and the pooled totals after it
         state.moment()
 
     fsteps = ("attention_forward", "dispatch_start", "dispatch_wait", "experts_forward",
@@ -292,9 +300,7 @@ def estimate_rank_optimized(
             overlapped(action.chunk, step.forward_micro_batch, action.backward_chunk,
                        step.backward_micro_batch)  # fmt: skip
         during = state.peak
-        timeline.append(
-            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
-        )
+        timeline.append(timeline_moment(step, during, weights + optimizer + held, start))
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
@@ -303,7 +309,7 @@ def estimate_rank_optimized(
     estimate = RankEstimate(
         rank=rank, stages=stages, layers=(chunk_layers[0], chunk_layers[1]), params=params,
         weights_bytes=weights, gradients_bytes=gradients_at_peak, optimizer_bytes=optimizer,
-        activation_bytes=activations_at_peak + batch_bytes(config),
+        activation_bytes=activations_at_peak + held,
         peak_phase=peak_step.action.phase, peak_action=action_label(peak_step.action),
         in_flight_at_peak=peak_step.in_flight, max_in_flight=(0, 0),
         all_gradients_bytes=all_gradients, timeline=timeline,

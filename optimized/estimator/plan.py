@@ -282,9 +282,13 @@ def evaluate(config: EstimateConfig, budget: int, partitions: dict | None = None
     )
     if planned.fits:
         planned.bubble = simulate(config.pp, config.num_microbatches).as_dict()
-        # Each pp-rank's first DP rank (its DP peers send as much, but for routing's skew).
+        # Each pp-rank's first DP rank (its DP peers send as much, but for routing's skew);
+        # with the trainer's optimizer, the step is `twinpipe train`'s (its own collective).
+        trainer = config.blocked_update
         per_rank = [
-            bytes_sent_by_plan_kind(predict_traffic(config, rank * config.dp, partition))
+            bytes_sent_by_plan_kind(
+                predict_traffic(config, rank * config.dp, partition, trainer=trainer)
+            )
             for rank in range(config.pp)
         ]
         planned.traffic = {kind: max(t[kind] for t in per_rank) for kind in PLAN_KINDS}

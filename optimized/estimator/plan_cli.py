@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from optimized.estimator.cli import add_dtype_and_stack
+from optimized.estimator.cli import add_dtype_and_stack, add_routing_controls, with_routing_controls
 from optimized.estimator.plan import (
     FSDP_CHOICES,
     OPTIMIZERS,
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimized stack's attention recomputation: auto tries on and off (the "
         "reference never recomputes)",
     )
+    add_routing_controls(parser)
     parser.add_argument("--top", type=int, default=10, help="fitting layouts to print")
     parser.add_argument("--json", action="store_true", help="print every layout as JSON")
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from models.hf import resolve_model
 
     try:
-        model = resolve_model(args.model)
+        model = with_routing_controls(resolve_model(args.model), args)
         if args.seq_len > model.max_position_embeddings:
             raise ValueError(
                 f"--seq-len={args.seq_len} is invalid: {args.model} has "

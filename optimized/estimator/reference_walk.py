@@ -6,6 +6,7 @@ early). Shared pieces live in `optimized.estimator.memory`.
 from __future__ import annotations
 
 from optimized.estimator.activations import chunk_boundary_bytes
+from optimized.estimator.balancing import pooled_stats_bytes, pooled_totals_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
     LayerProfile,
@@ -39,6 +40,10 @@ def estimate_rank_reference(
     optimizer = 0 if config.first_step else state_bytes
     layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
     weights += buffer_bytes(config, layers)
+    held = batch_bytes(config, layers)  # the batch and the step's balancing state
+    # The pooled loss's counts of a micro-batch on a chunk, and its totals: held by the
+    # micro-batch's balance until its backward ends, and by a pending send to the step's end.
+    stats, totals = pooled_stats_bytes(config), pooled_totals_bytes(config)
     by_micro_batch: dict = {}
 
     def chunk_of(chunk: int, mb: int | None):
@@ -63,6 +68,7 @@ def estimate_rank_reference(
     peak, peak_step, timeline, most = -1, None, [], [0, 0]
 
     def forward_start(chunk: int) -> None:
+        state.activations += stats
         if chunk == 1 and last:
             # The input is chunk 0's output, already held (in float32 also as the float input).
             state.activations -= boundary - leaf
@@ -74,6 +80,8 @@ def estimate_rank_reference(
         # end) or the local hand-over to chunk 1 (until B0 frees it).
         if not (chunk == 1 and first):
             state.activations += boundary
+        else:  # the loss stage: the pooled totals, kept to the backward
+            state.activations += totals
 
     def forward_layer(chunk: int, layer: LayerProfile, part: str = "all") -> None:
         if part in ("all", "attention"):
@@ -106,7 +114,7 @@ def estimate_rank_reference(
             state.grad((chunk, "head"), c.head_grad)
         elif not (chunk == 0 and last):
             received = boundary  # the incoming gradient, freed with the backward
-            state.activations += received
+            state.activations += received + totals
         return received
 
     def backward_layer(chunk: int, index: int, layer: LayerProfile, defer: bool, part="all"):
@@ -125,6 +133,10 @@ def estimate_rank_reference(
     def backward_end(chunk: int, received: int) -> None:
         c = chunk_of(chunk, None)
         state.activations -= received
+        if (chunk == 1 and first) or (chunk == 0 and last):  # its counts were not sent
+            state.activations -= stats
+        if chunk == 0 and first:  # nor its totals
+            state.activations -= totals
         if chunk == 0 and last:  # the gradient B1 handed over, and chunk 0's output
             state.activations -= 2 * boundary
         if chunk == 1 and last:  # chunk 1's input lives on as chunk 0's output until B0
@@ -206,9 +218,7 @@ def estimate_rank_reference(
             backward(action.backward_chunk, bmb, False)
         during = state.peak
         most = [max(most[c], step.in_flight[c]) for c in (0, 1)]
-        timeline.append(
-            timeline_moment(step, during, weights + optimizer + batch_bytes(config), start)
-        )
+        timeline.append(timeline_moment(step, during, weights + optimizer + held, start))
         if during[0] > peak:
             peak, peak_step, peak_split = during[0], step, during
         state.peak = max(before, during)
@@ -221,7 +231,7 @@ def estimate_rank_reference(
         weights_bytes=weights,
         gradients_bytes=gradients_at_peak,
         optimizer_bytes=optimizer,
-        activation_bytes=activations_at_peak + batch_bytes(config),
+        activation_bytes=activations_at_peak + held,
         peak_phase=peak_step.action.phase if peak_step else "",
         peak_action=action_label(peak_step.action) if peak_step else "",
         in_flight_at_peak=peak_step.in_flight if peak_step else (0, 0),

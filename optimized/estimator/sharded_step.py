@@ -138,7 +138,7 @@ def with_sharded_optimizer_step(config: EstimateConfig, estimate, count, optimiz
         config, estimate.params, head_weight_numel(config, estimate.stages)
     )
     weights = estimate.weights_bytes - gathered
-    activations = batch_bytes(config) + extra
+    activations = batch_bytes(config, layers) + extra
     return record_optimizer_step(estimate, weights, optimizer, activations, start_below=extra)
 
 

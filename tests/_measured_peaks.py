@@ -1,0 +1,143 @@
+"""The memory estimator held against the harness's measured per-rank peaks (shared by
+tests/test_estimator_vs_measured.py and tests/test_estimator_vs_measured_balancing.py).
+
+`measure_launch` runs both stacks as `twinpipe compare` measures them (lockstep, pinned
+routing, each router call's choices counted) on one set of gloo ranks; `check_estimates`
+holds, per rank, the estimate of the step with the higher peak, from the routing that step
+saw, against the measured peak (within ``tolerance``), and its weights (parameters and
+buffers), optimizer state and every gradient against the tracker's figures exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.compare.lockstep import run_rank
+from harness.compare.rank import RankPlan
+from models.network import SeededWeights
+from models.runtime import OptimizerConfig, launch
+from optimized.estimator import estimate_for_compare
+from optimized.estimator.routing import received_loads
+
+STACKS = ("reference", "optimized")
+
+
+def _rank_all(models, parallels, states, optimizer):
+    """Both stacks on the models, for each of ``parallels`` (a list of ``(parallel config,
+    model names)``; one launch for all: starting the ranks costs more than a tiny model's
+    steps). The ops audit runs with recompute on only: it is not in the measured peak
+    (`harness.compare.ops_audit`), and recompute off changes none of the ops it checks."""
+    return [
+        {
+            name: run_rank(
+                RankPlan(
+                    model,
+                    parallel,
+                    states[name],
+                    *STACKS,
+                    2 if parallel.recompute else 1,
+                    optimizer,
+                    progress=False,
+                    count_routing=True,
+                    ops_audit=parallel.recompute,
+                )
+            )
+            for name, model in models.items()
+            if name in names
+        }
+        for parallel, names in parallels
+    ]
+
+
+def measure_launch(models: dict, parallels: list) -> list[list[dict]]:
+    """Per entry of ``parallels`` (``(ParallelConfig, model names)``, all of one world size),
+    per rank, ``{model name: run_rank's result}``."""
+    states = {name: SeededWeights(model) for name, model in models.items()}
+    args = (models, parallels, states, OptimizerConfig())
+    per_rank = launch(_rank_all, parallels[0][0].world_size, args)
+    return [[result[index] for result in per_rank] for index in range(len(parallels))]
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def layout_fields(parallel) -> dict:
+    """The `estimate_for_compare` layout of a `ParallelConfig`."""
+    return dict(
+        pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+        micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
+        num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
+        recompute=parallel.recompute,
+    )  # fmt: skip
+
+
+def peak_steps(per_rank: list[dict], stack: str) -> list[int]:
+    """Per rank, the step whose measured peak is the higher."""
+    return [
+        max(range(len(r[stack]["memory"])), key=lambda s: r[stack]["memory"][s]["total"])
+        for r in per_rank
+    ]
+
+
+def observed_estimates(model, parallel, per_rank: list[dict], stack: str) -> dict[int, dict]:
+    """Per global rank, the estimate of the step it peaked in from the routing that step saw."""
+    steps = peak_steps(per_rank, stack)
+    observed = {}
+    for step in set(steps):
+        counts = {rank: r[stack]["routing_counts"][step] for rank, r in enumerate(per_rank)}
+        loads = received_loads(counts, parallel.dp, parallel.ep, model.num_experts)
+        mine = {rank: loads[rank] for rank in range(len(per_rank)) if steps[rank] == step}
+        report = estimate_for_compare(
+            model, layout_fields(parallel), stack, routing=mine, first_step=step == 0
+        )
+        observed.update(report["observed_ranks"])
+    return observed
+
+
+def check_estimates(
+    model, parallel, per_rank: list[dict], stack: str, tolerance: float, beside=None
+) -> tuple[list[str], list[str]]:
+    """(a line per rank, failures): the observed-routing estimate of each rank's peak step
+    against the measured peak within ``tolerance``; weights, optimizer state and every
+    gradient exactly. Printed beside it: the balanced-routing estimate, or with ``beside``
+    (``(label, model config)``) that model's estimate under the same routing."""
+    steps = peak_steps(per_rank, stack)
+    observed = observed_estimates(model, parallel, per_rank, stack)
+    if beside is None:
+        label = "balanced routing"
+        balanced = estimate_for_compare(
+            model, layout_fields(parallel), stack, first_step=max(steps) == 0
+        )
+        others = {
+            rank: balanced["ranks"][result["coords"][0]] for rank, result in enumerate(per_rank)
+        }
+    else:
+        label, other_model = beside
+        others = observed_estimates(other_model, parallel, per_rank, stack)
+    rows, failures = [], []
+    for rank, result in enumerate(per_rank):
+        measured = result[stack]["memory"][steps[rank]]
+        est = observed[rank]
+        error = est["peak_bytes"] / measured["total"] - 1
+        other = others[rank]["peak_bytes"] / measured["total"] - 1
+        rows.append(
+            f"{result['coords']}: est {est['peak_bytes']:,} measured {measured['total']:,} "
+            f"({error:+.2%}; {label} {other:+.2%}) at {measured['peak_moment']}"
+        )
+        static = (("weights_bytes", "parameters"), ("optimizer_bytes", "optimizer_state"))
+        for ours, theirs in static:
+            if est[ours] != measured[theirs]:
+                failures.append(f"{result['coords']} {ours} {est[ours]:,} != {measured[theirs]:,}")
+        # Gradients: every parameter's, once the backward is done, equal exactly (at the peak
+        # itself only some exist, and which depends on where inside an action the peak falls).
+        # Both stacks run on the same parameters (lockstep), whose gradients have their size.
+        measured_grads = result["param_elements"] * _element_size(parallel.dtype)
+        if est["all_gradients_bytes"] != measured_grads:
+            failures.append(
+                f"{result['coords']} all_gradients_bytes {est['all_gradients_bytes']:,} "
+                f"!= {measured_grads:,}"
+            )
+        if abs(error) > tolerance:
+            failures.append(f"{result['coords']} peak off by {error:+.2%}")
+    return rows, failures
