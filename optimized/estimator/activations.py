@@ -222,7 +222,7 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     rows = routed(config)
     sent, grouped, received = rows.sent, rows.grouped, rows.received
     saved: list[Saved] = []
-    # The weights are the scores indexed at the chosen experts (models.network.layers._at): the
+    # The weights are the scores indexed at the chosen experts (models.network.router._at): the
     # ``[T, k]`` expert index and a ``[T, 1]`` row index are saved; the selection is detached.
     routed_index = [
         Saved("router.topk_indices", tokens * top_k * I64),
