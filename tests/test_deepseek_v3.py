@@ -12,7 +12,7 @@ import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from models.hf import config_from_hf, config_to_hf
-from models.network import Router, max_group_scores, preset
+from models.network import Router, RoutingTape, attach_routing_tape, max_group_scores, preset
 
 MOONLIGHT = {  # moonshotai/Moonlight-16B-A3B's config.json (auto_map and token ids left out)
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
@@ -137,6 +137,36 @@ def test_group_score_of_the_best_expert_picks_otherwise():
     assert sorted(hf(x)[2][0].tolist()) == sorted(ours.route(x).experts[0].tolist()) == [0, 2]
     ours.group_score = max_group_scores
     assert sorted(ours.route(x).experts[0].tolist()) == [0, 4]
+
+
+def test_a_replay_judges_a_flip_of_groups_on_the_group_scores():
+    """Two stacks a hair apart at the group tie keep different groups: the replay explains
+    the flip by the group scores' difference (no problem); a candidate scoring groups by
+    their best expert is refused, its group scores named."""
+    baseline, _, x = _at_a_group_tie()
+    candidate, _, _ = _at_a_group_tie()
+    scores = x.sigmoid()[0]
+    tie = float((scores[2] + scores[3]) - (scores[4] + scores[5]))
+    group = scores[2] + scores[3]
+    step = float(torch.nextafter(group, torch.tensor(2.0)) - group)
+    with torch.no_grad():
+        baseline.e_score_correction_bias[5] = tie + 2 * step  # keeps groups 0 and 2
+        candidate.e_score_correction_bias[5] = tie - 2 * step  # keeps groups 0 and 1
+    tape = RoutingTape()
+    attach_routing_tape(baseline, tape)
+    assert sorted(baseline.route(x).experts[0].tolist()) == [0, 4]
+    replay = tape.replay()
+    attach_routing_tape(candidate, replay)
+    assert sorted(candidate.route(x).experts[0].tolist()) == [0, 4]  # the baseline's
+    result = replay.result()
+    assert len(result.swaps) == 1 and result.problems() == []
+    swap = result.swaps[0]
+    assert 0 <= swap.gap <= swap.drift < 1e-6  # judged on the group scores, not the experts'
+    wrong = tape.replay()
+    candidate.group_score = max_group_scores
+    attach_routing_tape(candidate, wrong)
+    candidate.route(x)
+    assert any("(its group scores)" in p for p in wrong.result().problems())
 
 
 # ---------------------------------------------------------------------- config

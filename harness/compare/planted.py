@@ -18,7 +18,10 @@ README gives the commands at real widths.
   them no gradient, so they never train (what a kernel without the sinks' gradient, such as
   FlashAttention-4's ``learnable_sink`` path in one peer, ships);
 - ``dispatch-wrong-expert``: one routed token of every expert dispatch is computed by the
-  next local expert instead of its own.
+  next local expert instead of its own;
+- ``group-score-from-max``: DeepSeek-V3's group-limited routing scores each group by its
+  best expert (DeepSeek-V2's rule) instead of the sum of its two best; the optimized stack's
+  routers get it (`models.network.Router.group_score`) as its runner builds them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ PLANTS = (
     "attention-drops-window",
     "attention-frozen-sink",
     "dispatch-wrong-expert",
+    "group-score-from-max",
 )
 
 
@@ -129,6 +133,22 @@ def _dispatch_wrong_expert(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     yield ops_class, "to_expert_order", planted
 
 
+def _group_score_from_max() -> Iterator[tuple[Any, str, Any]]:
+    import optimized.pipeline.runner as runner  # noqa: PLC0415
+    from models.network import Router, max_group_scores  # noqa: PLC0415
+
+    original = runner.build_part
+
+    def planted(*args, **kwargs):
+        part = original(*args, **kwargs)
+        for module in part.modules():
+            if isinstance(module, Router):
+                module.group_score = max_group_scores
+        return part
+
+    yield runner, "build_part", planted
+
+
 @contextmanager
 def planted(name: str | None) -> Iterator[None]:
     """Bug ``name`` planted in the optimized stack of this process while the block runs
@@ -145,6 +165,7 @@ def planted(name: str | None) -> Iterator[None]:
         "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
         "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
+        "group-score-from-max": _group_score_from_max,
     }
     if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")

@@ -16,6 +16,9 @@ baseline's parameters and optimizer state. Two ways, by what the stacks are:
 
 The truth of a bfloat16 comparison is the reference stack in float32, loaded from the
 baseline's parameters before each step (`load_parameters`).
+
+Training-state buffers (`models.network.state_buffers`: an expert bias, which chooses
+experts) go with the parameters every way: shared, copied, loaded.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from models.network import state_buffers
 
 STACKS = {
     "reference": "reference.pipeline:ReferencePipeline",
@@ -92,8 +97,8 @@ def shares_state(baseline: Any, candidate: Any) -> bool:
 
 
 def share_parameters(baseline: Any, candidate: Any) -> None:
-    """Make ``candidate`` run on ``baseline``'s parameters and optimizer (see the module
-    docstring). The candidate's own parameters are dropped."""
+    """Make ``candidate`` run on ``baseline``'s parameters, training-state buffers and
+    optimizer (see the module docstring). The candidate's own parameters are dropped."""
     theirs = dict(baseline.part.named_parameters(remove_duplicate=False))
     owners = dict(candidate.part.named_modules())
     for name, mine in list(candidate.part.named_parameters(remove_duplicate=False)):
@@ -109,6 +114,10 @@ def share_parameters(baseline: Any, candidate: Any) -> None:
         setattr(owners[prefix], attribute, other)
     if set(theirs) != set(dict(candidate.part.named_parameters(remove_duplicate=False))):
         raise RuntimeError("the two stacks hold different parameters on this rank")
+    buffers = dict(state_buffers(baseline.part))
+    for name, _ in state_buffers(candidate.part):
+        prefix, _, attribute = name.rpartition(".")
+        owners[prefix]._buffers[attribute] = buffers[name]
     candidate.optimizer = baseline.optimizer
 
 
@@ -220,6 +229,15 @@ def load_parameters(target: Any, source: Any) -> None:
             if storage.nbytes() < wanted:
                 storage.resize_(wanted)
             mine[name].copy_(value)
+    copy_buffers(source, target)
+
+
+def copy_buffers(source: Any, target: Any) -> None:
+    """``target``'s training-state buffers set to ``source``'s values (never sharded)."""
+    mine = dict(state_buffers(target.part))
+    with torch.no_grad():
+        for name, value in state_buffers(source.part):
+            mine[name].copy_(value)
 
 
 def release_parameters(part: nn.Module) -> None:
@@ -283,3 +301,4 @@ def copy_state(source: Any, target: Any) -> None:
                     state.pop(params[name], None)
         if shards:
             target.optimizer.reset_masters()
+    copy_buffers(source, target)

@@ -167,13 +167,14 @@ class RoutingTape:
         self.choices += own.numel()
         mine = scores.detach().float().cpu()
         theirs = torch.from_numpy(call.scores)
-        drift = _relative(mine, theirs)
+        drift, where = _relative(mine, theirs), key
         pair = None
         if groups is not None and call.groups is not None:
             pair = (groups.detach().float().cpu(), torch.from_numpy(call.groups))
-            drift = max(drift, _relative(*pair))
+            if _relative(*pair) > drift:
+                drift, where = _relative(*pair), f"{key} (its group scores)"
         if drift > self.worst_drift[0]:
-            self.worst_drift = (drift, key, number)
+            self.worst_drift = (drift, where, number)
         self.router_drift[key] = max(drift, self.router_drift.get(key, 0.0))
         if ranked is not None:
             mine = ranked.detach().float().cpu()

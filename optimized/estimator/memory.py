@@ -317,7 +317,7 @@ def buffer_bytes(config: EstimateConfig, layers) -> int:
     ``inv_freq`` (half the rotary width), in float32 whatever the run dtype, as transformers
     keeps it (`models.network.layers._init_rope_buffer`)."""
     m = config.model
-    rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    rotary = m.qk_rope_head_dim if m.is_deepseek else m.head_dim
     return len(list(layers)) * (rotary // 2) * F32
 
 
