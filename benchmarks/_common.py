@@ -5,7 +5,10 @@ forward and backward, on inputs made fresh by a setup function that is not
 timed, and records in ``extra_info`` the op, the implementation, the shape,
 the dtype, the device and the peak memory of one extra run measured by
 `harness.memory.MemoryTracker` (exact storage accounting on CPU, the caching
-allocator's statistics on CUDA; inputs included in both).
+allocator's statistics on CUDA; inputs included in both). That run also counts the Triton
+kernels the op launches (``triton_launches``) beside the process's Triton mode (``triton``:
+``interpreter`` or ``compiled``): an interpreted kernel's time is no speed measurement, and
+the dashboard says so for exactly the ops that launched one.
 
 Shapes: each benchmark names a GPU shape (the seed's: 4096 tokens x 102400 vocabulary in
 bfloat16 for the losses, GPT-OSS-20B's attention at 4096 tokens, ...) and a small CPU
@@ -16,8 +19,10 @@ on the CPU interpreter they take minutes per op, but the memory figures are the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,16 +61,49 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _tracked(run: Callable[..., Any], setup: Setup) -> tuple[int, list[torch.Tensor]]:
-    """The peak bytes of one run of ``run(*setup())`` (inputs included), and its inputs."""
+def triton_mode() -> str:
+    """``interpreter`` where this process runs Triton kernels through Triton's interpreter
+    (the CPU), else ``compiled``."""
+    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+
+
+@contextlib.contextmanager
+def counting_triton_launches() -> Iterator[list[int]]:
+    """Counts the Triton kernel launches made inside the block (``counter[0]``), compiled or
+    interpreted: both kinds of kernel launch through their class's ``run``."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    counter = [0]
+    originals = {kind: kind.run for kind in (JITFunction, InterpretedFunction)}
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            counter[0] += 1
+            return original(self, *args, **kwargs)
+
+        return run
+
+    for kind, original in originals.items():
+        kind.run = counting(original)
+    try:
+        yield counter
+    finally:
+        for kind, original in originals.items():
+            kind.run = original
+
+
+def _tracked(run: Callable[..., Any], setup: Setup) -> tuple[int, list[torch.Tensor], int]:
+    """The peak bytes of one run of ``run(*setup())`` (inputs included), its inputs, and the
+    Triton kernels it launched."""
     args, kwargs = setup()
     synchronize()
     tracker = MemoryTracker(DEVICE)
-    with tracker.step():
+    with counting_triton_launches() as launches, tracker.step():
         run(*args, **kwargs)
         synchronize()
     inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-    return tracker.peak_bytes, inputs
+    return tracker.peak_bytes, inputs, launches[0]
 
 
 def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
@@ -75,7 +113,7 @@ def peak_memory_bytes(run: Callable[..., Any], setup: Setup) -> int:
 def peak_above_inputs_bytes(run: Callable[..., Any], setup: Setup) -> int:
     """Peak memory of one run beyond its tensor inputs and the gradients they received
     (how the issue's loss figures count: 1.00x the logits for an in-place cross-entropy)."""
-    peak, inputs = _tracked(run, setup)
+    peak, inputs, _ = _tracked(run, setup)
     held = sum(t.nbytes + (t.grad.nbytes if t.grad is not None else 0) for t in inputs)
     return peak - held
 
@@ -102,13 +140,16 @@ def bench(
         synchronize()
 
     benchmark.group = op
+    peak, _, launches = _tracked(run, setup)
     benchmark.extra_info.update(
         op=op,
         implementation=implementation,
         device=str(DEVICE),
         device_name=torch.cuda.get_device_name(DEVICE) if ON_CUDA else cpu_name(),
         shapes="gpu" if _gpu_shapes else "cpu",
-        peak_memory_bytes=peak_memory_bytes(run, setup),
+        peak_memory_bytes=peak,
+        triton=triton_mode(),
+        triton_launches=launches,
         **{
             key: str(value) if isinstance(value, torch.dtype) else value
             for key, value in info.items()

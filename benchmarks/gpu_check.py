@@ -2,21 +2,32 @@
 
 Run it on a machine with a CUDA GPU, from the checkout::
 
-    python -m benchmarks.gpu_check --out gpu-check
+    python -m benchmarks.gpu_check --out gpu-check            # every part
+    python -m benchmarks.gpu_check --out gpu-check --first-contact
 
-It runs, each in its own process with its own time limit (so one hang costs one part):
+Parts, each a process group of its own with its own time limit (`benchmarks.gpu_check_runner`:
+killed whole at its limit, SIGTERM then SIGKILL, and nothing of it left running after it):
 
-1. ``tests``: the suite's CUDA tests (``-m gpu``) and the kernel tests, compiled on the GPU;
-2. ``compare``: `twinpipe compare` of mid-qwen3-moe at PP1 in bfloat16 (the verdict, each
+1. ``probe``: the kernels' NaN and infinity through their bfloat16 stores, compiled
+   (``tests/test_ops_nonfinite.py``): the check a GPU's own NaN bit patterns need;
+2. ``tests``: the suite's CUDA tests (``-m gpu``), then the kernel tests compiled on the GPU;
+   not the cross-compile tests (``-m cross_compile``: they build for GPUs without one);
+3. ``compare``: `twinpipe compare` of mid-qwen3-moe at PP 1 in bfloat16 (the verdict, each
    stack's time per step, the estimate against the CUDA peak for both stacks);
-3. ``train``: `twinpipe train` throughput on the mid presets at 4 x 4096 tokens (tokens/s,
+4. ``train``: `twinpipe train` throughput on the mid presets at 4 x 4096 tokens (tokens/s,
    TFLOP/s and MFU from the trainer's own metrics file; steady-state steps only);
-4. ``ops``: the op benchmarks at GPU shapes (`benchmarks/`), optimized against plain.
+5. ``ops``: the op benchmarks at GPU shapes (`benchmarks/`), optimized against plain;
+6. ``multi`` (two GPUs or more): `twinpipe compare` at PP 2, and at DP 2 / EP 2 with FSDP2,
+   on NCCL: the p2p stream groups, the asynchronous all-to-all, the count exchange, the DP
+   reductions.
 
-and writes ``gpu_check.json`` (everything, machine-readable) and ``gpu_check.md`` (the
-table for a closing note) into ``--out``. ``--only`` picks parts; each part's limit can be
-scaled with ``--time-scale``. A part that fails or runs out of time is recorded as such, with
-the tail of its output, and the others still run. Exit 0 when every part ran and passed.
+A pytest part is read from pytest's JUnit file and passes only when at least one test
+passed: skipped and error counts, failures and skip reasons go in the table. On a machine
+with a GPU every part runs with ``TRITON_INTERPRET=0`` (an inherited ``1`` would make the
+CUDA tests skip). The budget of each part is printed at the start; ``--time-scale`` scales
+them. After every part ``gpu_check.json`` (everything) and ``gpu_check.md`` (the table for a
+closing note) are written again into ``--out``, so a run cut short keeps what it measured;
+``--first-contact`` runs the cheapest parts first. Exit 0 when every part run passed.
 
 On an offline GPU machine (`../shared/GPU.md`): unpack the wheels it lacks into a folder on
 ``PYTHONPATH`` first; nothing here needs the network.
@@ -28,17 +39,26 @@ import argparse
 import json
 import os
 import platform
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check_runner import pytest_part, run_part
+from benchmarks.gpu_check_table import markdown, result_word
+
 ROOT = Path(__file__).resolve().parents[1]
 
-PARTS = ("tests", "compare", "train", "ops")
-LIMITS_S = {"tests": 100, "compare": 120, "train": 60, "ops": 110}
-"""Each part's limit (train: each preset); 8 minutes in all on one H100."""
+PARTS = ("probe", "tests", "compare", "train", "ops", "multi")
+BUDGET_S = {"probe": 20, "tests": 120, "compare": 90, "train": 120, "ops": 70, "multi": 60}
+"""Each part's limit on a warm machine (Triton's cache filled), 480 s in all: 8 minutes."""
+TEST_SHARE = {"gpu": 0.4, "kernels": 0.6}
+KERNEL_TESTS = "not multiprocess and not cross_compile"
+"""The kernel tests the ``tests`` part selects: not the cross-compile ones (they build for
+GPUs on a machine without one, each with a limit of its own)."""
+"""How the ``tests`` part splits its budget between its two pytest runs."""
+PROBE_TESTS = ("tests/test_ops_nonfinite.py",)
 TRAIN_PRESETS = ("mid-deepseek-v2", "mid-qwen3-moe", "mid-gpt-oss")
 TRAIN_STEPS = 6
 STEADY_FROM = 3
@@ -47,33 +67,18 @@ COMPARE_ARGS = (
     "--model mid-qwen3-moe --pp 1 --dp 1 --ep 1 --micro-batches 4 --micro-batch-size 1 "
     "--seq-len 1024 --steps 2 --dtype bfloat16 --device cuda"
 ).split()
+MULTI_RUNS = {
+    "pp2": "--pp 2 --dp 1 --ep 1",
+    "dp2-ep2": "--pp 1 --dp 2 --ep 2 --candidate optimized-fsdp",
+}
+MULTI_ARGS = (
+    "--model tiny-qwen3-moe --micro-batches 4 --micro-batch-size 2 --seq-len 128 --steps 2 "
+    "--dtype bfloat16 --device cuda"
+).split()
 TRAIN_ARGS = (
     "--nproc 1 --pp 1 --dp 1 --ep 1 --micro-batches 4 --micro-batch-size 1 --seq-len 4096 "
     f"--dtype bfloat16 --device cuda --steps {TRAIN_STEPS}"
 ).split()
-
-
-def _run(command: list[str], limit_s: float, env: dict[str, str] | None = None) -> dict:
-    """``command`` to completion or its limit: exit code, seconds, the output's tail."""
-    start = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
-        code, out = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        code = None
-        out = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(
-            errors="replace"
-        )
-    return {
-        "command": " ".join(command),
-        "exit_code": code,
-        "timed_out": code is None,
-        "seconds": round(time.monotonic() - start, 1),
-        "tail": out[-3000:],
-    }
 
 
 def twinpipe(*args: str) -> list[str]:
@@ -99,42 +104,100 @@ def machine() -> dict[str, Any]:
     }
 
 
-def check_tests(out: Path, scale: float) -> dict:
-    """The tests that need CUDA (``-m gpu``), then the kernel tests, compiled on the GPU."""
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
-    kernels = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_ops_*.py"))
-    gpu = _run([*pytest, "-m", "gpu", "tests"], LIMITS_S["tests"] * scale / 2)
-    ops = _run([*pytest, "-m", "not multiprocess", *kernels], LIMITS_S["tests"] * scale / 2)
-    summaries = []
-    for run in (gpu, ops):
-        last = [line for line in run["tail"].splitlines() if " passed" in line or " failed" in line]
-        summaries.append(last[-1].strip() if last else "no summary")
+def part_env(gpus: int) -> dict[str, str]:
+    """What every part's environment sets: on a machine with a GPU, kernels compiled
+    (``TRITON_INTERPRET=0``), whatever the caller's shell exported."""
+    return {"TRITON_INTERPRET": "0"} if gpus else {}
+
+
+def plan_parts(only: list[str] | None, gpus: int) -> tuple[list[str], dict[str, str]]:
+    """(the parts to run, the parts left out and why): every part by default, ``multi`` only
+    with two GPUs or more; ``--only`` runs what it names (``multi`` then fails on one GPU)."""
+    if only:
+        return list(only), {}
+    if gpus < 2:
+        return [p for p in PARTS if p != "multi"], {
+            "multi": f"needs 2 GPUs or more; {gpus} visible"
+        }
+    return list(PARTS), {}
+
+
+def order(parts: list[str], first_contact: bool) -> list[str]:
+    """The parts in the order asked, or with ``first_contact`` the cheapest first."""
+    return sorted(parts, key=lambda part: BUDGET_S[part]) if first_contact else list(parts)
+
+
+def budget_table(parts: list[str], scale: float) -> str:
+    rows = [f"  {part:<8} {BUDGET_S[part] * scale:6.0f} s" for part in parts]
+    total = sum(BUDGET_S[part] for part in parts) * scale
+    return "\n".join(["gpu_check: budget per part (a warm machine):", *rows,
+                      f"  {'total':<8} {total:6.0f} s ({total / 60:.1f} min)"])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- parts
+def check_probe(out: Path, scale: float, env: dict) -> dict:
+    return pytest_part(["-rs", *PROBE_TESTS], BUDGET_S["probe"] * scale, out, "probe", env)
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with a test marked ``gpu`` (collecting the whole suite costs time)."""
+    return sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").glob("test_*.py")
+        if "mark.gpu" in path.read_text()
+    )
+
+
+def kernel_test_files() -> list[str]:
+    """The kernel tests (``test_ops_*.py``) the probe has not run."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_ops_*.py"))
+    return [name for name in files if name not in PROBE_TESTS]
+
+
+def check_tests(out: Path, scale: float, env: dict) -> dict:
+    """The tests that need CUDA (``-m gpu``), then the kernel tests, compiled on the GPU; the
+    cross-compile tests (no use on a GPU) are left out."""
+    limit = BUDGET_S["tests"] * scale
+    gpu = pytest_part(["-m", "gpu", *gpu_test_files()], limit * TEST_SHARE["gpu"], out,
+                      "tests-gpu", env)  # fmt: skip
+    kernels = pytest_part(
+        ["-m", KERNEL_TESTS, *kernel_test_files()],
+        limit * TEST_SHARE["kernels"], out, "tests-kernels", env,
+    )  # fmt: skip
     return {
         "gpu": gpu,
-        "kernels": ops,
-        "seconds": round(gpu["seconds"] + ops["seconds"], 1),
-        "timed_out": gpu["timed_out"] or ops["timed_out"],
-        "summary": f"-m gpu: {summaries[0]}; kernel tests: {summaries[1]}",
-        "passed": gpu["exit_code"] == 0 and ops["exit_code"] == 0,
+        "kernels": kernels,
+        "seconds": round(gpu["seconds"] + kernels["seconds"], 1),
+        "timed_out": gpu["timed_out"] or kernels["timed_out"],
+        "passed": gpu["passed"] and kernels["passed"],
     }
 
 
-def check_compare(out: Path, scale: float) -> dict:
-    folder = out / "compare"
-    run = _run(
-        twinpipe("compare", *COMPARE_ARGS, "--out", str(folder)), LIMITS_S["compare"] * scale
-    )
+def _compare_report(run: dict, folder: Path) -> dict:
+    """A compare run judged by its exit code and its report's verdict."""
     report_path = folder / "report.json"
     if not report_path.exists():
         run["passed"] = False
         return run
     report = json.loads(report_path.read_text())
     run["verdict"] = "pass" if report.get("passed") else "fail"
+    run["problems"] = report.get("problems", [])[:5]
     run["passed"] = run["exit_code"] == 0 and bool(report.get("passed"))
     run["seconds_per_step"] = {
         side: report["time"][side] for side in ("baseline", "candidate") if side in report["time"]
     }
     run["stacks"] = {"baseline": report.get("baseline"), "candidate": report.get("candidate")}
+    run["device"] = report.get("device")
+    run["report"] = report
+    return run
+
+
+def check_compare(out: Path, scale: float, env: dict) -> dict:
+    folder = out / "compare"
+    command = twinpipe("compare", *COMPARE_ARGS, "--out", str(folder))
+    run = _compare_report(run_part(command, BUDGET_S["compare"] * scale,
+                                   out / "logs" / "compare.log", env), folder)  # fmt: skip
+    report = run.pop("report", {})
     estimates = {}
     for rank in report.get("memory", {}).get("ranks", []):
         for side in ("baseline", "candidate"):
@@ -146,8 +209,26 @@ def check_compare(out: Path, scale: float) -> dict:
                 "error": estimate.get("error"),
             }
     run["estimates"] = estimates
-    run["device"] = report.get("device")
     return run
+
+
+def check_multi(out: Path, scale: float, env: dict) -> dict:
+    """Two compares on NCCL: PP 2 (the p2p stream groups), DP 2 / EP 2 with FSDP2 (the
+    asynchronous all-to-all, the count exchange, the DP reductions)."""
+    runs = {}
+    for name, layout in MULTI_RUNS.items():
+        folder = out / f"multi-{name}"
+        command = twinpipe("compare", *layout.split(), *MULTI_ARGS, "--out", str(folder))
+        run = run_part(command, BUDGET_S["multi"] * scale / len(MULTI_RUNS),
+                       out / "logs" / f"multi-{name}.log", env)  # fmt: skip
+        runs[name] = _compare_report(run, folder)
+        runs[name].pop("report", None)
+    return {
+        "runs": runs,
+        "seconds": round(sum(r["seconds"] for r in runs.values()), 1),
+        "timed_out": any(r["timed_out"] for r in runs.values()),
+        "passed": all(r["passed"] for r in runs.values()),
+    }
 
 
 def train_rates(metrics: Path) -> dict:
@@ -169,26 +250,32 @@ def train_rates(metrics: Path) -> dict:
     }
 
 
-def check_train(out: Path, scale: float) -> dict:
+def check_train(out: Path, scale: float, env: dict) -> dict:
     runs = {}
     for preset in TRAIN_PRESETS:
         metrics = out / f"train-{preset}.jsonl"
         metrics.unlink(missing_ok=True)
         command = twinpipe("train", "--model", preset, *TRAIN_ARGS, "--metrics-file", str(metrics))
-        run = _run(command, LIMITS_S["train"] * scale)
+        run = run_part(command, BUDGET_S["train"] * scale / len(TRAIN_PRESETS),
+                       out / "logs" / f"train-{preset}.log", env)  # fmt: skip
         if metrics.exists():
             run.update(train_rates(metrics))
         run["passed"] = run["exit_code"] == 0
         runs[preset] = run
-    return {"presets": runs, "passed": all(r["passed"] for r in runs.values())}
+    return {
+        "presets": runs,
+        "seconds": round(sum(r["seconds"] for r in runs.values()), 1),
+        "timed_out": any(r["timed_out"] for r in runs.values()),
+        "passed": all(r["passed"] for r in runs.values()),
+    }
 
 
-def check_ops(out: Path, scale: float) -> dict:
+def check_ops(out: Path, scale: float, env: dict) -> dict:
     result = out / "ops.json"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/"]
-    command += ["--gpu-shapes", f"--benchmark-json={result}", "--benchmark-max-time=0.2"]
-    run = _run(command, LIMITS_S["ops"] * scale)
-    run["passed"] = run["exit_code"] == 0
+    result.unlink(missing_ok=True)
+    args = ["benchmarks/", "--gpu-shapes", f"--benchmark-json={result}",
+            "--benchmark-max-time=0.2"]  # fmt: skip
+    run = pytest_part(args, BUDGET_S["ops"] * scale, out, "ops", env)
     if result.exists():
         run["ops"] = summarize_benchmarks(json.loads(result.read_text()))
     return run
@@ -211,87 +298,22 @@ def summarize_benchmarks(document: dict) -> list[dict]:
     return rows
 
 
-def markdown(summary: dict) -> str:
-    """The table a closing note quotes."""
-    m = summary["machine"]
-    lines = [
-        f"# twinpipe GPU check ({m['date']})",
-        "",
-        f"{', '.join(m['gpus']) or 'no GPU: ' + m['why_no_gpu']}; torch {m['torch']}, CUDA "
-        f"{m['cuda']}, Triton {m['triton']}, Python {m['python']}, {m['cpus']} CPUs",
-        "",
-        "| part | result | seconds | figures |",
-        "|---|---|---|---|",
-    ]
-    parts = summary["parts"]
-    if "tests" in parts:
-        t = parts["tests"]
-        lines.append(_row("tests", t, t.get("summary", "")))
-    if "compare" in parts:
-        c = parts["compare"]
-        per_step = ", ".join(
-            f"{side} {', '.join(f'{s:.2f}' for s in times)} s"
-            for side, times in c.get("seconds_per_step", {}).items()
-        )
-        errors = ", ".join(
-            f"{name} {e['error'] * 100:+.2f}%"
-            for name, e in c.get("estimates", {}).items()
-            if e.get("error") is not None
-        )
-        figures = f"verdict {c.get('verdict', '-')}; per step: {per_step}; estimate: {errors}"
-        lines.append(_row("compare mid-qwen3-moe PP1 bf16", c, figures))
-    if "train" in parts:
-        for preset, r in parts["train"]["presets"].items():
-            figures = "; ".join(
-                text
-                for text in (
-                    _figure(r, "tokens_per_second", "{:,.0f} tokens/s"),
-                    _figure(r, "tflops", "{:.0f} TFLOP/s"),
-                    _figure(r, "mfu", "MFU {:.1%}"),
-                    _figure(r, "peak_memory_bytes", "peak {:.2e} B"),
-                )
-                if text
-            )
-            lines.append(_row(f"train {preset} 4x4096 bf16", r, figures))
-    if "ops" in parts:
-        o = parts["ops"]
-        lines.append(_row("ops", o, f"{len(o.get('ops', []))} benchmarks"))
-        lines += [
-            "",
-            "| op | implementation | median ms | TFLOP/s | peak bytes |",
-            "|---|---|---|---|---|",
-        ]
-        for row in o.get("ops", []):
-            tflops = f"{row['tflops']:.0f}" if row.get("tflops") else ""
-            lines.append(
-                f"| {row['op']} | {row['implementation']} | {row['median_ms']:.3f} | {tflops} "
-                f"| {row.get('peak_bytes') or ''} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _row(name: str, part: dict, figures: str) -> str:
-    return f"| {name} | {_result(part)} | {part.get('seconds', '')} | {figures} |"
-
-
-def _result(part: dict) -> str:
-    if part.get("timed_out"):
-        return "timed out"
-    return "pass" if part.get("passed") else "FAIL"
-
-
-def _figure(record: dict, key: str, form: str) -> str:
-    return form.format(record[key]) if record.get(key) is not None else ""
-
-
-CHECKS = {"tests": check_tests, "compare": check_compare, "train": check_train, "ops": check_ops}
+CHECKS = {
+    "probe": check_probe, "tests": check_tests, "compare": check_compare, "train": check_train,
+    "ops": check_ops, "multi": check_multi,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-check", help="folder for the JSON and the table")
-    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--only", nargs="+", choices=PARTS, help="these parts, in this order")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every limit")
+    parser.add_argument(
+        "--first-contact",
+        action="store_true",
+        help="the cheapest parts first (results are written after each part)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
@@ -302,16 +324,56 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: --out {out}: cannot write there ({error})", file=sys.stderr)
         return 2
     summary: dict[str, Any] = {"machine": machine(), "parts": {}}
-    for part in args.only:
+    gpus = len(summary["machine"]["gpus"])
+    parts, summary["not_run"] = plan_parts(args.only, gpus)
+    parts = order(parts, args.first_contact)
+    env = part_env(gpus)
+    if gpus and os.environ.get("TRITON_INTERPRET", "0") != "0":
+        print("gpu_check: TRITON_INTERPRET=1 in the environment: the parts run with 0 (a GPU "
+              "is here; interpreted kernels would skip every CUDA test)", flush=True)  # fmt: skip
+    summary.update(order=parts, budget_s={p: BUDGET_S[p] * args.time_scale for p in parts})
+    print(budget_table(parts, args.time_scale), flush=True)
+    for part in parts:
         print(f"gpu_check: {part} ...", flush=True)
-        summary["parts"][part] = CHECKS[part](out, args.time_scale)
-        (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-        print(f"gpu_check: {part}: {_result(summary['parts'][part])}", flush=True)
-    table = markdown(summary)
-    (out / "gpu_check.md").write_text(table)
-    print(table)
+        began = time.monotonic()
+        try:
+            if part == "multi" and gpus < 2:
+                why = f"needs 2 GPUs or more; {gpus} visible"
+                summary["parts"][part] = {"passed": False, "seconds": 0, "why": why}
+            else:
+                summary["parts"][part] = CHECKS[part](out, args.time_scale, env)
+        except SystemExit:  # a signal (`cli`): the part's processes are stopped; say so
+            summary["parts"][part] = {"passed": False, "why": "stopped by a signal",
+                                      "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
+            _write(out, summary)
+            raise
+        _write(out, summary)
+        print(f"gpu_check: {part}: {result_word(summary['parts'][part])}", flush=True)
+    print(markdown(summary))
     return 0 if all(p.get("passed") for p in summary["parts"].values()) else 1
 
 
+def _write(out: Path, summary: dict) -> None:
+    """Both files, each written whole and then moved into place: a reader (or a run cut
+    short) sees the last complete version."""
+    for name, text in (("gpu_check.json", json.dumps(summary, indent=1)),
+                       ("gpu_check.md", markdown(summary))):  # fmt: skip
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out / name)
+
+
+def cli() -> int:
+    """`main`, stopped cleanly by SIGTERM or SIGINT: the running part's processes are stopped,
+    the results so far written, and the exit code is 128 + the signal."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

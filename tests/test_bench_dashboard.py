@@ -272,3 +272,135 @@ def test_history_reads_bare_files_dropped_into_the_folder(tmp_path, kind):
     (entry,) = bench.read_history(tmp_path)
     assert entry["kind"] == kind
     assert entry["git_commit"] in ("0123456789ab", "0c6fbe0d1e2f")
+
+
+def _op_run(commit: str, date: str, extra: dict, optimized: float, plain: float) -> dict:
+    benches = [
+        dict(_bench("test_cross_entropy", "cross_entropy", impl, median, 1), extra_info=extra)
+        for impl, median in (("optimized", optimized), ("plain", plain))
+    ]
+    return {"kind": "bench", "git_commit": commit, "date": date, "machine": "m",
+            "benchmark": {"benchmarks": benches}}  # fmt: skip
+
+
+def test_a_speedup_measured_through_the_interpreter_is_marked_not_coloured(tmp_path):
+    """On a CPU the fused cross-entropy's Triton kernels ran through the interpreter: its
+    0.02x is no slowdown, so it is drawn neutral with the badge and the page says why. A GPU
+    run of the same op is the real comparison: its 0.5x is a regression, in red. A CPU op
+    that launched no kernel (plain torch) measured a real CPU time, coloured; a run recorded
+    before the Triton mode was is presumed interpreted when it ran on the CPU."""
+    history = tmp_path / "history"
+    history.mkdir()
+    cpu = {"device": "cpu", "triton": "interpreter", "triton_launches": 4}
+    gpu = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3", "triton": "compiled",
+           "triton_launches": 4}  # fmt: skip
+    runs = [
+        _op_run("aaaaaaa1111", "2026-11-20T10:00:00Z", cpu, 1.0, 0.02),
+        _op_run("bbbbbbb2222", "2026-11-21T10:00:00Z", gpu, 0.002, 0.001),
+    ]
+    for i, run in enumerate(runs):
+        (history / f"bench-{i}.json").write_text(json.dumps(run))
+    entries = bench.read_history(history)
+    series = dashboard.collect_ops(entries)["cross_entropy"]
+    (on_cpu,) = series["256x32000"]
+    (on_gpu,) = series["256x32000 on cuda (NVIDIA H100 80GB HBM3)"]
+    assert on_cpu.interpreted and not on_gpu.interpreted
+    assert (on_cpu.speedup, on_gpu.speedup) == (0.02, 0.5)
+
+    site = tmp_path / "site"
+    assert main(["dashboard", str(history), "--out", str(site), "--no-results"]) == 0
+    page = (site / "index.html").read_text()
+    summary = page.split("<h3")[0]
+    assert "<p class='note'>" in summary and "Triton's interpreter" in summary
+    badge = "Triton interpreter (CPU): not a speed measurement"
+    assert f'<span class="neutral">0.02x</span> <span class="badge">{badge}</span>' in summary
+    assert '<span class="bad">0.50x</span>' in summary  # the GPU's regression stays red
+    assert '<span class="bad">0.02x</span>' not in page
+
+    from harness.history.dashboard_data import triton_interpreted
+
+    assert not triton_interpreted({"extra_info": dict(cpu, triton_launches=0)}, "cpu")
+    assert triton_interpreted({"extra_info": {}}, "cpu")  # recorded before the mode was
+    assert not triton_interpreted({"extra_info": {}}, "cuda (NVIDIA H100 80GB HBM3)")
+
+
+def test_a_gpu_only_history_has_no_interpreter_note(tmp_path):
+    history = tmp_path / "history"
+    history.mkdir()
+    gpu = {"device": "cuda:0", "device_name": "H100", "triton": "compiled", "triton_launches": 2}
+    (history / "b.json").write_text(json.dumps(_op_run("c", "2026-11-21T10:00:00Z", gpu, 1, 2)))
+    site = tmp_path / "site"
+    assert main(["dashboard", str(history), "--out", str(site), "--no-results"]) == 0
+    page = (site / "index.html").read_text()
+    assert "class='note'" not in page and "badge" not in page.split("</style>")[1]
+    assert '<span class="good">2.00x</span>' in page
+
+
+def test_the_benchmarks_record_the_triton_kernels_an_op_launched():
+    """What the dashboard keys off: a fused op launches Triton kernels, a plain one none."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks._common import counting_triton_launches, triton_mode
+    from optimized.ops import silu_and_mul
+
+    x = torch.randn(4, 16)
+    with counting_triton_launches() as fused:
+        silu_and_mul(x)
+    with counting_triton_launches() as plain:
+        F.silu(x[:, :8]) * x[:, 8:]
+    assert fused[0] >= 1 and plain[0] == 0
+    assert triton_mode() == ("interpreter" if x.device.type == "cpu" else "compiled")
+
+
+def _results(path: pathlib.Path, **change) -> pathlib.Path:
+    entry = {
+        "id": "suite-time", "topic": "tests", "what": "the whole suite's wall time",
+        "figure": [23.3, 18.65], "unit": "min", "date": "2026-11-27", "date_basis": "measured",
+        "commit": "6ba4c65", "command": "python -m pytest -q", "device": "cpu",
+        "machine": "2-core CPU machine", "versions": {"torch": "2.13.0+cpu"}, **change,
+    }  # fmt: skip
+    path.write_text(json.dumps({"about": "test", "results": [entry]}))
+    return path
+
+
+def test_the_dashboard_shows_the_measured_results(tmp_path, capsys):
+    history = tmp_path / "history"
+    history.mkdir()
+    results = _results(tmp_path / "results.json")
+    site = tmp_path / "site"
+    assert main(["dashboard", str(history), "--out", str(site), "--results", str(results)]) == 0
+    page = (site / "index.html").read_text()
+    section = page.split("<h2 id='measured-results'>Measured results</h2>")[1]
+    assert "<h3>The tests</h3>" in section
+    row = ("<td>suite-time</td><td>the whole suite&#x27;s wall time</td><td>23.3 / 18.65 min</td>"
+           "<td>2026-11-27</td><td>6ba4c65</td><td>cpu</td><td>2-core CPU machine</td>"
+           "<td><code>python -m pytest -q</code></td>")  # fmt: skip
+    assert row in section
+    # Without --results the checkout's docs/results.json is drawn; --no-results leaves it out.
+    assert main(["dashboard", str(history), "--out", str(site)]) == 0
+    assert "docs/results.json" in (site / "index.html").read_text()
+    assert main(["dashboard", str(history), "--out", str(site), "--no-results"]) == 0
+    assert "Measured results" not in (site / "index.html").read_text()
+    # A malformed results file is bad input, named, and nothing is written.
+    bad = _results(tmp_path / "bad.json", date="yesterday")
+    assert (
+        main(["dashboard", str(history), "--out", str(tmp_path / "s2"), "--results", str(bad)]) == 2
+    )
+    assert "date 'yesterday': expected YYYY-MM-DD" in capsys.readouterr().err
+    assert not (tmp_path / "s2").exists()
+
+
+def test_the_results_page_lists_every_result(tmp_path):
+    from harness.history import results as measured
+
+    document = measured.load_results(_results(tmp_path / "results.json"))
+    document["about"] = "a | b"
+    page = measured.render_markdown(document)
+    assert page.startswith("# Measured results\n")
+    assert '| <a id="suite-time"></a>`suite-time` |' in page and "a \\| b" in page
+    assert "| 23.3 / 18.65 min | 2026-11-27, 6ba4c65 |" in page
+    recorded = dict(document["results"][0], date_basis="recorded", figure=1188, unit="tests")
+    assert "| 1,188 tests | 2026-11-27 (recorded), 6ba4c65 |" in measured.render_markdown(
+        {"results": [recorded]}
+    )

@@ -5,7 +5,7 @@ the byte-accurate memory tracker (`harness.memory`) in place of the trainer's RS
 RSS says nothing at tiny width (the interpreter's ~0.4 GB hides the model); the tracker
 counts tensor bytes only, so a load or save that gathered a whole tensor, copied the
 optimizer state or held a stored chunk too long would show here. The mid-width figures
-are in the README ("Real checkpoints at real scale")."""
+are in docs/results.md (docs/checkpoints.md says how they are measured)."""
 
 from __future__ import annotations
 

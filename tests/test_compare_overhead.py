@@ -7,8 +7,9 @@ comparisons, the candidate's update on the side, the baseline's update) under on
 tracker. The difference is what the harness holds: one gradient-sized set of tensors in the
 model dtype (the baseline's gradients while the candidate runs, the candidate's updated
 parameters while the baseline updates), plus what the other stack keeps of its own (its
-rotary tables, its last batch: 16 KiB here, its loss: 4 bytes), and in bfloat16 with the
-noise floor what the float32 truth keeps of its own (the same: its buffers and last batch).
+rotary tables, its last batch: 16 KiB here, its loss: 4 bytes, its step's load and balancing
+losses: `models.network.StepBalance`), and in bfloat16 with the noise floor what the float32
+truth keeps of its own (the same: its buffers, last batch and step's balance).
 The float32 truth of a bfloat16 run is bounded the same way, its own step included: it
 runs one micro-batch at a time (`ReferenceDualPipeV.sequential`), the bf16 parameters it
 copies are freed and AdamW's moments parked in a file meanwhile (`harness.compare.spill`), and its
@@ -74,9 +75,16 @@ def _overhead_worker(model, parallel, state, noise_floor):
         # The float32 truth (bfloat16 with the noise floor) is a third stack: like the
         # baseline it keeps its buffers and its last micro-batches, not its parameters.
         "truth_buffers": _buffer_bytes(rank.truth.part) if rank.truth is not None else 0,
-        # The baseline's schedule keeps its step's micro-batches until its next step.
+        # The baseline's schedule keeps its step's micro-batches until its next step, and
+        # its step's routing controls (`models.network.StepBalance`: the load, aux, z).
         "batch": sum(t.untyped_storage().nbytes() for t in synthetic_batch(model, parallel, 1)),
+        "balance": _balance_bytes(rank.baseline.balance),
     }
+
+
+def _balance_bytes(balance) -> int:
+    tensors = [balance.aux, balance.z, *balance.load.values()] if balance is not None else []
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 @pytest.mark.multiprocess
@@ -101,8 +109,9 @@ def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor)
             f"buffers {r['buffers']:,} B)"
         )
         assert r["during_candidate"] <= r["harness"]
-        others = r["buffers"] + r["batch"] + 64  # what the baseline keeps (and its loss scalar)
+        # What the baseline keeps (and its loss scalar); the truth keeps the same of its own.
+        others = r["buffers"] + r["batch"] + r["balance"] + 64
         if noise_floor:
-            others += r["truth_buffers"] + r["batch"] + 64  # what the truth keeps, likewise
+            others += r["truth_buffers"] + r["batch"] + r["balance"] + 64
         assert added <= r["parameters"] + others, (rank, added, r)
         assert r["parameters"] <= beside <= r["parameters"] + others, (rank, beside, r)

@@ -78,7 +78,7 @@ def test_router_chooses_and_weighs_as_transformers(overrides):
     ours, hf = _routers(config)
     x = torch.randn(512, config.hidden_size, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16):
-        routed = ours.route(x.to(dtype), record=True)
+        routed = ours(x.to(dtype), record=True)
         logits, weights, experts = hf(x.to(dtype))
         assert torch.equal(routed.experts, experts)
         assert torch.equal(routed.weights, weights)
@@ -120,7 +120,7 @@ def test_a_bias_that_flips_a_groups_top2_sum_changes_the_choice_as_transformers(
         with torch.no_grad():
             for router in (ours, hf):
                 router.e_score_correction_bias[5] = bias
-        routed = ours.route(x)
+        routed = ours(x)
         _, weights, experts = hf(x)
         assert torch.equal(routed.experts, experts) and torch.equal(routed.weights, weights)
         picks.append(tuple(sorted(experts[0].tolist())))
@@ -134,9 +134,9 @@ def test_group_score_of_the_best_expert_picks_otherwise():
     """The seam the planted bug uses (`Router.group_score`): scoring a group by its best
     expert, as DeepSeek-V2 does, keeps group 2 without any bias, where V3 keeps group 1."""
     ours, hf, x = _at_a_group_tie()
-    assert sorted(hf(x)[2][0].tolist()) == sorted(ours.route(x).experts[0].tolist()) == [0, 2]
+    assert sorted(hf(x)[2][0].tolist()) == sorted(ours(x).experts[0].tolist()) == [0, 2]
     ours.group_score = max_group_scores
-    assert sorted(ours.route(x).experts[0].tolist()) == [0, 4]
+    assert sorted(ours(x).experts[0].tolist()) == [0, 4]
 
 
 def test_a_replay_judges_a_flip_of_groups_on_the_group_scores():
@@ -154,10 +154,10 @@ def test_a_replay_judges_a_flip_of_groups_on_the_group_scores():
         candidate.e_score_correction_bias[5] = tie - 2 * step  # keeps groups 0 and 1
     tape = RoutingTape()
     attach_routing_tape(baseline, tape)
-    assert sorted(baseline.route(x).experts[0].tolist()) == [0, 4]
+    assert sorted(baseline(x).experts[0].tolist()) == [0, 4]
     replay = tape.replay()
     attach_routing_tape(candidate, replay)
-    assert sorted(candidate.route(x).experts[0].tolist()) == [0, 4]  # the baseline's
+    assert sorted(candidate(x).experts[0].tolist()) == [0, 4]  # the baseline's
     result = replay.result()
     assert len(result.swaps) == 1 and result.problems() == []
     swap = result.swaps[0]
@@ -165,7 +165,7 @@ def test_a_replay_judges_a_flip_of_groups_on_the_group_scores():
     wrong = tape.replay()
     candidate.group_score = max_group_scores
     attach_routing_tape(candidate, wrong)
-    candidate.route(x)
+    candidate(x)
     assert any("(its group scores)" in p for p in wrong.result().problems())
 
 

@@ -54,6 +54,16 @@ def test_quantize_rounds_each_value_to_a_nearby_code():
     assert torch.equal(dequantize(*quantize(exact), torch.float32), exact)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_quantize_refuses_a_value_the_format_cannot_hold(value):
+    """e2m1 codes and e8m0 scales have no NaN or infinity: a NaN would otherwise be written as
+    some finite code (its block's scale a cast of NaN), silently."""
+    weight = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2))
+    weight[1, 2, 40] = value
+    with pytest.raises(ValueError, match=r"MXFP4 cannot hold .*\[2, 4, 64\].*\[1, 2, 1, 8\]"):
+        quantize(weight)
+
+
 def _published_style(tmp_path, seed=1):
     """A tiny GPT-OSS written by us in bf16, then quantised as GPT-OSS is published."""
     model = build_model(preset("tiny-gpt-oss"), dtype=torch.bfloat16, seed=seed)

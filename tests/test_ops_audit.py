@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from harness.compare.op_checks import error_stats
+from harness.compare.op_checks import error_stats, nonfinite_problem
 from harness.compare.ops_audit import OpsAudit
 from harness.compare.planted import planted
 from harness.compare.record import StepRecord
@@ -130,3 +130,25 @@ def test_the_bias_statistic():
     toward_zero = bits.view(torch.float32)
     assert abs(error_stats(nearest, truth)[1]) < 0.02
     assert error_stats(toward_zero, truth)[1] == pytest.approx(-math.sqrt(3) / 2, abs=0.01)
+
+
+def test_an_activation_that_zeroes_a_nan_fails(compute_device):
+    """``nan-to-zero-store``: a NaN is born in the activation's input on both sides and the
+    planted store writes it as zero. The candidate's output is finite where the float32 truth
+    is NaN: lost, whatever its error on the other elements."""
+    x = torch.randn(64, 2 * INNER, generator=torch.Generator().manual_seed(3))
+    x = x.to(compute_device, torch.bfloat16)
+    row = _by_op(_audited("nan-to-zero-store", lambda ops: ops.silu_and_mul(x)))["silu_and_mul"]
+    assert not row["passed"]
+    assert row["problem"].startswith("finite output where the float32 truth is NaN"), row
+
+
+def test_nonfinite_elements_are_judged_by_place():
+    """Non-finite where the truth is finite (made) or finite where it is not (lost) fails;
+    the same non-finite places on both sides leave the finite elements to be judged."""
+    truth = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    assert nonfinite_problem(truth.clone(), truth) is None
+    lost = torch.tensor([1.0, 0.0, float("inf"), 2.0])
+    assert "1 elements: a NaN or infinity lost" in nonfinite_problem(lost, truth)
+    made = torch.tensor([1.0, float("nan"), float("inf"), float("nan")])
+    assert nonfinite_problem(made, truth).startswith("non-finite output where the float32 truth")

@@ -24,6 +24,8 @@ from tests._kernel_compile import jit_function_names
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"sm_80", "sm_90"}
 
+pytestmark = pytest.mark.cross_compile
+
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:

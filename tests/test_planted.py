@@ -3,7 +3,7 @@
 Each bug (`harness.compare.planted`) is small: nothing crashes and the loss hardly moves. Tiny
 presets, bfloat16, lockstep with the float32 noise floor; one launch per model runs the
 correct stack and every bug that applies (the bugs are planted and removed in the ranks).
-At real widths: the README's `twinpipe compare --plant` commands.
+At real widths: the `twinpipe compare --plant` commands of docs/compare.md.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from harness.compare.lockstep import run_rank
+from harness.compare.planted import round_toward_zero
 from harness.compare.rank import RankPlan
 from harness.compare.verdict import build_report
 from models.network import SeededWeights, preset
 from models.runtime import OptimizerConfig, ParallelConfig, launch
+from tests._nonfinite import NONFINITE
 
 PARALLEL = ParallelConfig(
     pp=2, dp=1, ep=1, micro_batches=4, micro_batch_size=1, seq_len=32, dtype="bfloat16"
@@ -40,7 +43,7 @@ RUNS = {
     "tiny-qwen3-moe": (
         "tiny-qwen3-moe",
         PARALLEL,
-        ("cross-entropy-grad-1.01", "dispatch-wrong-expert"),
+        ("cross-entropy-grad-1.01", "dispatch-wrong-expert", "nan-to-zero-store"),
     ),
     "tiny-gpt-oss, 1024 tokens": ("tiny-gpt-oss", WIDE, ("activation-round-to-zero",)),
 }
@@ -109,6 +112,11 @@ def test_a_planted_bug_fails(run, plant):
     audit = report["ops_audit"]
     if plant == "cross-entropy-grad-1.01":
         assert audit["passed"]
+    elif plant == "nan-to-zero-store":
+        # The reference's NaN against the planted stack's finite loss, and the op that lost it.
+        assert "step 0: loss not finite (baseline nan; the other side finite)" in report["problems"]
+        assert audit["ops"]["silu_and_mul"]["failed"] > 0, audit
+        assert any("NaN or infinity lost" in p for p in report["problems"]), report["problems"]
     elif plant == "attention-frozen-sink":
         # The audit checks each op's forward; the sinks' missing gradient is the step's to see,
         # and it names them: their gradient is zero, 1 - cos = 1, at any width.
@@ -169,3 +177,13 @@ def test_a_scaled_cross_entropy_gradient_fails_in_float32():
     assert not planted["passed"]
     assert max(planted["grads"]["max_one_minus_cos"]) <= planted["tolerance"]["grad_one_minus_cos"]
     assert any("relative error" in problem for problem in planted["problems"])
+
+
+def test_the_truncating_plant_keeps_nan_and_infinity():
+    """The planted truncation drops the low 16 bits; a NaN whose payload lies there would
+    come out infinite, so NaN is kept as NaN: the plant rounds, it does not invent values."""
+    cut = round_toward_zero(NONFINITE)
+    assert torch.equal(cut.isnan(), NONFINITE.isnan())
+    assert torch.equal(cut.isinf(), NONFINITE.isinf())
+    assert cut[-2] == float("inf") and cut[-1] == float("-inf")
+    assert round_toward_zero(torch.tensor([1.0 + 2**-8 + 2**-9])) == 1.0 + 2**-8

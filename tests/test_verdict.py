@@ -67,3 +67,42 @@ def test_against_the_oracle_every_step_s_loss_is_judged():
     assert report["trajectory"]["judged_steps"] == [0, 1]
     assert not report["passed"]
     assert any(p.startswith("step 1: loss differs") for p in report["problems"])
+
+
+def _nan_grads(name: str = "norm.weight") -> dict:
+    """Every gradient exact but ``name``'s, which holds a NaN on the baseline side only."""
+    grads = _grads()
+    broken = TRUTH[name].clone()
+    broken[3] = float("nan")
+    grads[name] = pair_sums(TRUTH[name], broken)
+    return grads
+
+
+def test_a_nan_on_either_side_fails_and_so_do_two():
+    """NaN never passes: the baseline's NaN loss against the candidate's finite one (what a
+    stack that zeroes NaNs shows), the reverse, and both; infinities alike."""
+    nan, inf = float("nan"), float("inf")
+    for losses in ((nan, 2.0), (2.0, nan), (nan, nan), (inf, 2.0), (2.0, -inf)):
+        report = _report([_record(losses)])
+        assert not report["passed"], losses
+        assert any("step 0: loss not finite" in p for p in report["problems"]), report["problems"]
+
+
+def test_a_nan_gradient_fails_at_a_step_that_is_not_judged():
+    """Free-running pipelines judge step 0 only (later steps measure AdamW's amplified
+    rounding): a NaN at step 1, in a gradient or the evaluation, fails all the same."""
+    report = _report([_record((2.0, 2.0)), _record((1.9, 1.9), _nan_grads())], "reference",
+                     "optimized")  # fmt: skip
+    assert report["trajectory"]["judged_steps"] == [0]
+    assert not report["passed"]
+    assert any("step 1: gradients not finite on a side: norm.weight" in p
+               for p in report["problems"]), report["problems"]  # fmt: skip
+    plan = RankPlan(
+        preset("tiny-qwen3-moe"), ParallelConfig(), None, "reference", "optimized", 1,
+        OptimizerConfig(), trajectory="free", routing="free", track_memory=False,
+    )  # fmt: skip
+    rank = {"steps": [_record((2.0, 2.0))], "eval": {"loss": {"baseline": float("nan"),
+            "candidate": 2.0}, "routing": {}}, "lockstep": False, "coords": (0, 0, 0)}  # fmt: skip
+    report = build_report(plan, [rank])
+    assert not report["passed"]
+    assert any(p.startswith("evaluation: loss not finite") for p in report["problems"])

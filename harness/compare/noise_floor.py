@@ -16,8 +16,8 @@ each bf16 stack's error against it is measured, per quantity:
 - each router's scores (the worst call's relative L2 difference, `models.network.routing`).
 
 The candidate passes a quantity when its error is at most ``K`` times the reference's plus
-an allowance. The rules, and why (the README's "How the noise floor's constants were
-chosen" gives the measurements behind each):
+an allowance. The rules, and why (docs/compare.md's "Why the constants are what they are"
+links the measurements behind each, in docs/results.json):
 
 - ``K = 2``: correct stacks sit well below it, the planted bugs (`harness.compare.planted`)
   but the rounding bias well above (the bias shows in its radial part, below). Below 2 a

@@ -45,6 +45,21 @@ def error_stats(out: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, i
     return rel, bias, n
 
 
+def nonfinite_problem(out: torch.Tensor, truth: torch.Tensor) -> str | None:
+    """What is wrong with the non-finite elements of ``out`` against ``truth``: made where
+    the truth is finite, or lost (a NaN or an infinity stored as a number, as a rounding
+    that turned NaN into zero did); None when both are non-finite in the same places."""
+    out_bad, truth_bad = ~torch.isfinite(out), ~torch.isfinite(truth)
+    made, lost = int((out_bad & ~truth_bad).sum()), int((truth_bad & ~out_bad).sum())
+    problems = []
+    if made:
+        problems.append(f"non-finite output where the float32 truth is finite ({made} elements)")
+    if lost:
+        problems.append(f"finite output where the float32 truth is NaN or infinite ({lost} "
+                        "elements: a NaN or infinity lost)")  # fmt: skip
+    return "; ".join(problems) or None
+
+
 def index_problem(name: str, inputs: dict, out: Any) -> str | None:
     """What is wrong with an index op's output (``gather_rows``, ``to_expert_order``,
     ``from_expert_order``), or None when it is exact."""

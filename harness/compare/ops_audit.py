@@ -3,8 +3,8 @@ PyTorch, beside the pipeline verdict.
 
 Why. The pipeline verdict (`harness.compare.noise_floor`) judges a whole step against a
 float32 truth, within ``k`` times the reference's own bfloat16 error. At real widths some
-bugs are smaller than a step's bfloat16 noise and pass it (the README gives the figures at
-mid width): a bfloat16 activation stored toward zero, and one token in a few thousand
+bugs are smaller than a step's bfloat16 noise and pass it (docs/results.json holds the
+figures at mid width): a bfloat16 activation stored toward zero, and one token in a few thousand
 computed by the wrong expert. At the op that produced them neither is small: truncation shifts
 every element of the op's output by half a unit in the last place, always toward zero,
 and a misrouted row is a wrong index, exactly. So the audit looks there.
@@ -58,6 +58,7 @@ from harness.compare.op_checks import (
     error_stats,
     host,
     index_problem,
+    nonfinite_problem,
     numeric_outputs,
     snapshot,
 )
@@ -176,10 +177,14 @@ class OpsAudit(Instrument):
             self._record(name, kind="index", passed=problem is None, problem=problem)
             return
         candidate, truth, reference = numeric_outputs(self.reference, name, inputs, out)
-        if not bool(torch.isfinite(candidate).all()) and bool(torch.isfinite(truth).all()):
-            self._record(name, kind="numeric", passed=False, problem="non-finite output",
+        problem = nonfinite_problem(candidate, truth)
+        if problem is not None:
+            self._record(name, kind="numeric", passed=False, problem=problem,
                          elements=candidate.numel())  # fmt: skip
             return
+        # Non-finite in the same places as the truth: the errors are the finite elements'.
+        keep = torch.isfinite(truth) & torch.isfinite(reference)
+        candidate, truth, reference = candidate[keep], truth[keep], reference[keep]
         e_c, beta_c, n = error_stats(candidate, truth)
         e_r, beta_r, _ = error_stats(reference, truth)
         rel_limit = K * e_r + SLACK_REL

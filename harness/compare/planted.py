@@ -3,9 +3,9 @@
 A comparison that never fails proves nothing. Each bug here is one a kernel author could
 plausibly ship, and each is small: nothing crashes, the loss moves little or not at all.
 `twinpipe compare --plant NAME` plants one in every rank (the optimized stack's ops are
-patched in the rank processes, nowhere else) and must exit 1; the same command without
-``--plant`` must exit 0. `tests/test_planted.py` runs them on the tiny presets and the
-README gives the commands at real widths.
+patched in the rank processes, nowhere else; one bug also patches the reference's) and must
+exit 1; the same command without ``--plant`` must exit 0. `tests/test_planted.py` runs them
+on the tiny presets and docs/compare.md gives the commands at real widths.
 
 - ``activation-round-to-zero``: the expert activation's bfloat16 output truncated
   (rounded toward zero) instead of rounded to nearest even, as a Triton store of a float32
@@ -22,6 +22,12 @@ README gives the commands at real widths.
 - ``group-score-from-max``: DeepSeek-V3's group-limited routing scores each group by its
   best expert (DeepSeek-V2's rule) instead of the sum of its two best; the optimized stack's
   routers get it (`models.network.Router.group_score`) as its runner builds them.
+- ``nan-to-zero-store``: the expert activations' bfloat16 stores, forward and backward, map
+  NaN to zero, as the kernels' rounding once did on GPUs (a GPU's NaN ``0x7FFFFFFF`` carried
+  into the sign bit). No NaN arises in a correct run at any width the tests use, so this bug
+  brings its own: the first element of every activation's input is NaN, in both stacks (and
+  the float32 truth). The reference's loss and gradients turn NaN, the planted stack's stay
+  finite: a stack that silently zeroes NaNs must fail, never pass.
 """
 
 from __future__ import annotations
@@ -40,13 +46,16 @@ PLANTS = (
     "attention-frozen-sink",
     "dispatch-wrong-expert",
     "group-score-from-max",
+    "nan-to-zero-store",
 )
 
 
-def _round_toward_zero(x: torch.Tensor) -> torch.Tensor:
-    """float32 values cut to bfloat16 by dropping the low 16 bits (rounding toward zero)."""
-    bits = x.float().contiguous().view(torch.int32) & -65536
-    return bits.view(torch.float32).to(torch.bfloat16)
+def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 values cut to bfloat16 by dropping the low 16 bits (rounding toward zero); a
+    NaN stays NaN (dropping the bits of one whose payload is all low would give infinity)."""
+    x = x.float().contiguous()
+    truncated = (x.view(torch.int32) & -65536).view(torch.float32)
+    return torch.where(x.isnan(), x, truncated).to(torch.bfloat16)
 
 
 class _TruncatedOutput(torch.autograd.Function):
@@ -54,7 +63,7 @@ class _TruncatedOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x32):
-        return _round_toward_zero(x32)
+        return round_toward_zero(x32)
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,6 +158,58 @@ def _group_score_from_max() -> Iterator[tuple[Any, str, Any]]:
     yield runner, "build_part", planted
 
 
+def _nan_first(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its first element NaN (no gradient flows to that element)."""
+    if x.numel() == 0:
+        return x
+    first = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    first.view(-1)[0] = True
+    return torch.where(first, torch.full((), float("nan"), dtype=x.dtype, device=x.device), x)
+
+
+def _zero_nan(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(x.isnan(), 0.0) if x.dtype == torch.bfloat16 else x
+
+
+class _NanToZeroStore(torch.autograd.Function):
+    """Forward: a bfloat16 store that writes NaN as zero; backward: as is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _zero_nan(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _NanToZeroGradientStore(torch.autograd.Function):
+    """Forward: as is; backward: the input gradient's bfloat16 store writes NaN as zero."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _zero_nan(grad)
+
+
+def _nan_to_zero_store(reference_class: type, optimized_class: type):
+    for name in ("silu_and_mul", "clamped_swiglu"):
+        reference, optimized = getattr(reference_class, name), getattr(optimized_class, name)
+
+        def born(self, x, *args, _original=reference, **kwargs):
+            return _original(self, _nan_first(x), *args, **kwargs)
+
+        def zeroed(self, x, *args, _original=optimized, **kwargs):
+            x = _NanToZeroGradientStore.apply(_nan_first(x))
+            return _NanToZeroStore.apply(_original(self, x, *args, **kwargs))
+
+        yield reference_class, name, born
+        yield optimized_class, name, zeroed
+
+
 @contextmanager
 def planted(name: str | None) -> Iterator[None]:
     """Bug ``name`` planted in the optimized stack of this process while the block runs
@@ -157,6 +218,7 @@ def planted(name: str | None) -> Iterator[None]:
         yield
         return
     from optimized.ops import OptimizedOps  # noqa: PLC0415
+    from reference.ops import ReferenceOps  # noqa: PLC0415
 
     patches: dict[str, Callable[[], Iterator[tuple[Any, str, Any]]]] = {
         "activation-round-to-zero": lambda: _activation_round_to_zero(OptimizedOps),
@@ -166,6 +228,7 @@ def planted(name: str | None) -> Iterator[None]:
         "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
         "group-score-from-max": _group_score_from_max,
+        "nan-to-zero-store": lambda: _nan_to_zero_store(ReferenceOps, OptimizedOps),
     }
     if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")

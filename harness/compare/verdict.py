@@ -8,13 +8,15 @@ Which steps are judged:
   as information (loss curves side by side, divergence per step);
 - against the oracle: every step, free-running (float32 holds it to DESIGN.md's bounds).
 
-What is judged per step: the loss (relative error), every parameter's gradient
-(``1 - cos``, worst first), the routing replay (router scores within the dtype's bound,
-every swap a near-tie its scores explain) and nothing non-finite. In bfloat16 lockstep
-with the noise floor on, the score bound and the candidate's closeness to the float32
-truth come from `harness.compare.noise_floor`, and DESIGN.md's bounds stay as the backstop. The
-parameters after each update are measured and reported (AdamW's first steps move
-elements whose gradient is within rounding of zero by a whole ``lr``, so they are no
+What is judged per step: the loss (relative error), every parameter's gradient (``1 -
+cos``, worst first), the routing replay (router scores within the dtype's bound, every swap
+a near-tie its scores explain). Nothing non-finite passes, judged step or not: a loss,
+gradient or parameter that is NaN or infinite on either side fails the run, the baseline's
+NaN against the candidate's finite value (a stack that zeroes NaNs) as well. In bfloat16
+lockstep with the noise floor on, the score bound and the candidate's closeness to the
+float32 truth come from `harness.compare.noise_floor`, and DESIGN.md's bounds stay as the
+backstop. The parameters after each update are measured and reported (AdamW's first steps
+move elements whose gradient is within rounding of zero by a whole ``lr``, so they are no
 pass/fail figure).
 """
 
@@ -69,6 +71,29 @@ def _drifts(per_rank: list[dict], step: int | None) -> dict[str, dict[str, float
             for router, value in res.router_drift.items():
                 out.setdefault(side, {})[router] = max(value, out.get(side, {}).get(router, 0))
     return out
+
+
+def _nonfinite(records: list, evaluation: dict) -> list[str]:
+    """Every loss, gradient and parameter that is not finite on either side, at every step
+    and the evaluation, judged or not: NaN never passes, and a finite value against a NaN
+    (a stack that dropped or zeroed one) is a failure like two NaNs are."""
+    problems = []
+    for step, record in enumerate(records):
+        losses = {side: record.loss[side] for side in ("baseline", "candidate")}
+        bad = [f"{side} {value}" for side, value in losses.items() if not math.isfinite(value)]
+        if bad:
+            problems.append(f"step {step}: loss not finite ({', '.join(bad)}; "
+                            f"the other side {'also' if len(bad) == 2 else 'finite'})")  # fmt: skip
+        for what, sums in (("gradient", record.grads), ("parameter", record.params)):
+            names = sorted(name for name, s in sums.items() if not s.finite)
+            if names:
+                problems.append(f"step {step}: {what}s not finite on a side: "
+                                f"{', '.join(names[:3])}{' ...' * (len(names) > 3)}")  # fmt: skip
+    bad = [f"{side} {evaluation[side]}" for side in ("baseline", "candidate")
+           if not math.isfinite(evaluation[side])]  # fmt: skip
+    if bad:
+        problems.append(f"evaluation: loss not finite ({', '.join(bad)})")
+    return problems
 
 
 def _memory(per_rank: list[dict], sides: tuple[str, str]) -> list[dict]:
@@ -155,10 +180,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         routing_steps.append(_routing(per_rank, step, limits))
     eval_limits = noise_floor.router_limits(_drifts(per_rank, None)) if floor else None
     eval_routing = _routing(per_rank, None, eval_limits)
+    problems += _nonfinite(records, evaluation)
     for step in judged:
-        values = [loss_rel[step], grads["max_one_minus_cos"][step], grads["max_rel_error"][step]]
-        if not all(math.isfinite(v) for v in values + [loss_b[step], loss_c[step]]):
-            problems.append(f"step {step}: a loss or gradient is not finite")
         if loss_rel[step] > tol["loss_rel"]:
             problems.append(f"step {step}: loss differs by {loss_rel[step]:.3g} (relative)")
         if step not in grads_judged:
@@ -179,7 +202,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
         if floor:
             problems += [f"step {step}: noise floor: {p}" for p in floor_steps[step]["problems"]]
     if lockstep or oracle:
-        if not math.isfinite(eval_rel) or eval_rel > tol["loss_rel"]:
+        if math.isfinite(eval_rel) and eval_rel > tol["loss_rel"]:
             problems.append(f"evaluation: loss differs by {eval_rel:.3g} (relative)")
         if eval_routing:
             problems += [f"evaluation: {p}" for p in eval_routing["problems"]]

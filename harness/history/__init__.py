@@ -11,7 +11,11 @@
 - `dashboard`: ``twinpipe dashboard``: the static page and its command;
 - `dashboard_data`: the history as series (each op against its plain counterpart, each
   compare run's agreement and memory);
-- `dashboard_plots`: those series drawn over commits (matplotlib).
+- `dashboard_plots`: those series drawn over commits (matplotlib);
+- `dashboard_tables`: the page's tables and cell formats (a speed-up measured through
+  Triton's interpreter is marked, not coloured);
+- `results`: the measured-results file (``docs/results.json``): its checks, the Markdown page
+  generated from it and the dashboard's table of it.
 
 May import `harness.report` and `models`; never `harness.compare`, `harness.memory`,
 `optimized` or `reference`: the history is read where no stack runs.

@@ -7,7 +7,13 @@ reports) and renders ``index.html`` with PNG figures beside it:
   time and peak memory, and a table of the latest run with the speed-up and
   the memory ratio;
 - per compare run, each rank's peak memory on both stacks, and the loss and
-  gradient agreement, over commits.
+  gradient agreement, over commits;
+- the measured results (``--results``, by default the checkout's ``docs/results.json``):
+  figures measured by hand, each with its date, machine and command
+  (`harness.history.results`).
+
+A speed-up whose kernels ran through Triton's interpreter (every CPU run) is marked as no
+speed measurement and left uncoloured (`harness.history.dashboard_tables`).
 
 How benchmarks are paired: an op is the benchmark's ``group`` (or, without
 one, ``extra_info["op"]``, or its test name less ``test_`` and the role word).
@@ -22,15 +28,14 @@ Peak memory is read from ``extra_info["peak_bytes"]`` or
 else the first ``extra_info`` key with ``bytes`` in its name.
 
 The data lives in `harness.history.dashboard_data`, the figures in
-`harness.history.dashboard_plots`; this module writes the page and runs the command.
+`harness.history.dashboard_plots`, the tables in `harness.history.dashboard_tables`; this
+module writes the page and runs the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,10 +54,15 @@ from harness.history.dashboard_plots import (
     plot_compare_agreement,
     plot_compare_memory,
     plot_op,
-    time_unit,
+)
+from harness.history.dashboard_tables import (
+    compare_table,
+    op_history_table,
+    ops_summary,
+    slug,
 )
 from harness.history.documents import read_history
-from harness.report import format_bytes
+from harness.history.results import DEFAULT_RESULTS, ResultsError, html_section, load_results
 
 # ---------------------------------------------------------------------- page
 
@@ -71,39 +81,6 @@ __all__ = [
 ]
 
 
-def _fmt_time(value: float | None) -> str:
-    if value is None:
-        return "-"
-    scale, unit = time_unit(value)
-    return f"{value / scale:.3g} {unit}"
-
-
-def _fmt_ratio(value: float | None, good_below: bool) -> str:
-    if value is None:
-        return "-"
-    good = value < 1 if good_below else value > 1
-    css = "good" if good else ("bad" if value != 1 else "")
-    return f'<span class="{css}">{value:.2f}x</span>'
-
-
-def _fmt_error(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return '<span class="bad">NaN</span>'
-    return f"{value:.3g}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "op"
-
-
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; }
@@ -112,11 +89,20 @@ th, td { border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: right; }
 th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 .good { color: #2a7d2a; font-weight: 600; } .bad { color: #b22222; font-weight: 600; }
 .meta { color: #666; } img { max-width: 100%; }
+.neutral { color: #666; } .badge { background: #fff3cd; border: 1px solid #e0c96a;
+  border-radius: 3px; padding: 0 0.3em; font-size: 0.85em; color: #5c4a00; }
+.note { background: #fffbea; border-left: 3px solid #e0c96a; padding: 0.4em 0.8em; }
+.results td, .results th { text-align: left; vertical-align: top; }
+.results td:nth-child(3) { text-align: right; }
 """
 
 
-def render(history_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write ``index.html`` and its PNGs into ``out_dir``; returns the page's path."""
+def render(history_dir: str | Path, out_dir: str | Path, results: str | Path | None = None) -> Path:
+    """Write ``index.html`` and its PNGs into ``out_dir``; returns the page's path.
+
+    ``results``: a measured-results file (`harness.history.results`) drawn as the page's last
+    section; raises `ResultsError` when it is malformed, before anything is written."""
+    measured = load_results(results) if results is not None else None
     entries = read_history(history_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,13 +134,13 @@ def render(history_dir: str | Path, out_dir: str | Path) -> Path:
     if ops:
         bench_labels = {i: _label(e) for i, e in enumerate(bench_runs)}
         parts.append("<h2>Ops: optimized against plain</h2>")
-        parts.append(_ops_summary(ops))
+        parts.append(ops_summary(ops))
         for op, variants in ops.items():
-            image = f"op-{_slug(op)}.png"
+            image = f"op-{slug(op)}.png"
             plot_op(op, variants, bench_labels, out / image)
-            parts.append(f"<h3 id='{_slug(op)}'>{html.escape(op)}</h3>")
+            parts.append(f"<h3 id='{slug(op)}'>{html.escape(op)}</h3>")
             parts.append(f"<img src='{image}' alt='{html.escape(op)} over commits'>")
-            parts.append(_op_history_table(variants))
+            parts.append(op_history_table(variants))
 
     runs = collect_compare(entries)
     if runs:
@@ -163,7 +149,7 @@ def render(history_dir: str | Path, out_dir: str | Path) -> Path:
         for device in devices:
             # One section per device: a GPU's peaks and a CPU's are never one series.
             on_device = [r for r in runs if r.device == device]
-            suffix = "" if len(devices) == 1 else f"-{_slug(device)}"
+            suffix = "" if len(devices) == 1 else f"-{slug(device)}"
             where = f" on {html.escape(device)}" if suffix else ""
             parts.append(f"<h2>Compare runs: optimized against reference{where}</h2>")
             if any(r.ranks for r in on_device):
@@ -173,7 +159,9 @@ def render(history_dir: str | Path, out_dir: str | Path) -> Path:
             image = f"compare-agreement{suffix}.png"
             plot_compare_agreement(on_device, compare_labels, out / image)
             parts.append(f"<img src='{image}' alt='loss and gradient agreement'>")
-            parts.append(_compare_table(on_device))
+            parts.append(compare_table(on_device))
+    if measured is not None:
+        parts.append(html_section(measured, str(results)))
     parts.append("</body></html>")
     page = out / "index.html"
     page.write_text("\n".join(parts))
@@ -186,135 +174,19 @@ def _label(entry: dict[str, Any]) -> str:
     return f"{commit}\n{str(entry.get('date') or '')[:10]}"
 
 
-def _ops_summary(ops: dict[str, dict[str, list[OpPoint]]]) -> str:
-    rows = []
-    for op, variants in ops.items():
-        for variant, series in sorted(variants.items()):
-            latest = series[-1]
-            rows.append(
-                [
-                    f"<a href='#{_slug(op)}'>{html.escape(op)}</a>",
-                    html.escape(variant or "-"),
-                    _fmt_time(latest.optimized_time),
-                    _fmt_time(latest.plain_time),
-                    _fmt_ratio(latest.speedup, good_below=False),
-                    format_bytes(latest.optimized_peak),
-                    format_bytes(latest.plain_peak),
-                    _fmt_ratio(latest.memory_ratio, good_below=True),
-                    html.escape(latest.commit),
-                ]
-            )
-            for name, figures in sorted(latest.others.items()):
-                is_plain = figures["role"] == "plain"
-                time_value, peak = figures["time"], figures["peak"]
-                speedup = (
-                    time_value / latest.optimized_time
-                    if is_plain and time_value and latest.optimized_time
-                    else None
-                )
-                ratio = (
-                    latest.optimized_peak / peak
-                    if is_plain and peak and latest.optimized_peak is not None
-                    else None
-                )
-                rows.append(
-                    [
-                        f"<a href='#{_slug(op)}'>{html.escape(op)}</a>",
-                        html.escape(f"{variant or '-'} ({name})"),
-                        _fmt_time(latest.optimized_time if is_plain else time_value),
-                        _fmt_time(time_value if is_plain else latest.plain_time),
-                        _fmt_ratio(speedup, good_below=False),
-                        format_bytes(latest.optimized_peak if is_plain else peak),
-                        format_bytes(peak if is_plain else latest.plain_peak),
-                        _fmt_ratio(ratio, good_below=True),
-                        html.escape(latest.commit),
-                    ]
-                )
-    header = [
-        "op",
-        "variant",
-        "optimized time",
-        "plain time",
-        "speed-up",
-        "optimized peak",
-        "plain peak",
-        "memory ratio",
-        "commit",
-    ]
-    return (
-        "<p>Latest run of each op (median time; speed-up = plain / optimized; memory "
-        "ratio = optimized / plain).</p>" + _table(header, rows)
-    )
-
-
-def _op_history_table(variants: dict[str, list[OpPoint]]) -> str:
-    rows = []
-    for variant, series in sorted(variants.items()):
-        for point in series:
-            rows.append(
-                [
-                    html.escape(point.commit),
-                    html.escape(point.date),
-                    html.escape(variant or "-"),
-                    _fmt_time(point.optimized_time),
-                    _fmt_time(point.plain_time),
-                    _fmt_ratio(point.speedup, good_below=False),
-                    format_bytes(point.optimized_peak),
-                    format_bytes(point.plain_peak),
-                    _fmt_ratio(point.memory_ratio, good_below=True),
-                ]
-            )
-    header = [
-        "commit",
-        "date",
-        "variant",
-        "optimized",
-        "plain",
-        "speed-up",
-        "optimized peak",
-        "plain peak",
-        "memory ratio",
-    ]
-    return _table(header, rows)
-
-
-def _compare_table(runs: list[CompareRun]) -> str:
-    all_ranks = sorted({rank for r in runs for rank in r.ranks})
-    header = ["commit", "date", "verdict", "loss rel err", "grad rel err", "grad 1-cos"]
-    header += [f"rank {rank} peak (baseline -> candidate)" for rank in all_ranks]
-    rows = []
-    for r in runs:
-        verdict = (
-            "<span class='good'>passed</span>" if r.passed else "<span class='bad'>FAILED</span>"
-        )
-        row = [
-            html.escape(r.commit),
-            html.escape(r.date),
-            verdict,
-            _fmt_error(r.loss_rel_error),
-            _fmt_error(r.grad_rel_error),
-            _fmt_error(r.grad_one_minus_cos),
-        ]
-        for rank in all_ranks:
-            figures = r.ranks.get(rank)
-            if not figures:
-                row.append("-")
-                continue
-            ratio = figures.get("ratio")
-            row.append(
-                f"{format_bytes(figures['baseline'])} -> {format_bytes(figures['candidate'])}"
-                + (f" ({_fmt_ratio(ratio, good_below=True)})" if ratio is not None else "")
-            )
-        rows.append(row)
-    return _table(header, rows)
-
-
 # ---------------------------------------------------------------------- CLI
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("history", help="history folder written by `twinpipe bench`")
     parser.add_argument("--out", default="site", help="output folder (default site/)")
+    parser.add_argument(
+        "--results",
+        metavar="PATH",
+        help="a measured-results JSON drawn as the page's last table (default: the checkout's "
+        "docs/results.json, when there is one)",
+    )
+    parser.add_argument("--no-results", action="store_true", help="leave the measured results out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,6 +200,13 @@ def run(args: argparse.Namespace) -> int:
     except BadInput as error:
         print(f"twinpipe dashboard: error: {error}", file=sys.stderr)
         return 2
-    page = render(args.history, args.out)
+    results = args.results or (DEFAULT_RESULTS if DEFAULT_RESULTS.exists() else None)
+    if args.no_results:
+        results = None
+    try:
+        page = render(args.history, args.out, results)
+    except ResultsError as error:
+        print(f"twinpipe dashboard: error: --results {error}", file=sys.stderr)
+        return 2
     print(f"twinpipe dashboard: wrote {page}")
     return 0

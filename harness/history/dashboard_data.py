@@ -6,6 +6,10 @@ their nature, not by a change (`twinpipe diff` refuses the pair for the same rea
 variant measured on a device other than the CPU is its own series, named after the device
 (``variant on cuda (NVIDIA H100 80GB HBM3)``); compare runs carry their device, and the page
 draws one section per device.
+
+A CPU run's Triton kernels ran through Triton's interpreter, so its optimized times are no
+speed measurement: each point says whether that was so (`triton_interpreted`), and the page
+marks it rather than colour a speed-up no kernel earned.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class OpPoint:
     plain_peak: float | None = None
     # Further implementations of the op (e.g. a second plain one): name -> figures.
     others: dict[str, dict[str, Any]] = field(default_factory=dict)
+    interpreted: bool = False
+    """The optimized implementation's Triton kernels ran through Triton's interpreter."""
 
     @property
     def speedup(self) -> float | None:
@@ -81,6 +87,22 @@ def entry_device(entry: dict[str, Any]) -> str:
     if device is None or device[0] == "cpu":
         return "cpu"
     return f"{device[0]} ({device[1]})" if device[1] else device[0]
+
+
+def triton_interpreted(bench: dict[str, Any], device: str) -> bool:
+    """Whether a benchmark's Triton kernels ran through Triton's interpreter.
+
+    ``extra_info["triton"]`` (``interpreter`` or ``compiled``) and ``triton_launches`` (the
+    kernels one run launched) say so where `benchmarks/_common.py` recorded them: an op that
+    launched no kernel measured plain torch, a real CPU time. A run recorded before them is
+    presumed interpreted when it ran on the CPU (`entry_device`), where every Triton kernel
+    is interpreted."""
+    extra = bench.get("extra_info") or {}
+    mode = extra.get("triton")
+    if mode in ("interpreter", "compiled"):
+        launches = extra.get("triton_launches")
+        return mode == "interpreter" and (not isinstance(launches, int) or launches > 0)
+    return device == "cpu"
 
 
 def _tokens(text: str) -> list[str]:
@@ -171,6 +193,8 @@ def collect_ops(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[OpPoi
                     if index == 0:
                         setattr(point, f"{role}_time", median)
                         setattr(point, f"{role}_peak", peak_bytes(bench))
+                        if role == "optimized":
+                            point.interpreted = triton_interpreted(bench, device)
                     else:
                         name = benchmark_implementation(bench) or str(bench.get("name"))
                         point.others[name] = {

@@ -94,7 +94,10 @@ def plot_op(op: str, variants: dict[str, list[OpPoint]], labels: dict[int, str],
                     label=f"{name}{suffix}",
                 )
     axes[0][0].set_ylabel(f"median time ({t_unit})")
-    axes[0][0].set_title(f"{op}: time, lower is better")
+    if any(p.interpreted for p in points):  # no kernel's speed: say so where it is drawn
+        axes[0][0].set_title(f"{op}: time, Triton interpreted (CPU): not a speed", fontsize=9)
+    else:
+        axes[0][0].set_title(f"{op}: time, lower is better")
     if has_memory:
         axes[0][1].set_ylabel(f"peak memory ({m_unit})")
         axes[0][1].set_title(f"{op}: peak memory, lower is better")

@@ -148,7 +148,7 @@ class MemoryTracker:
         Python's cyclic garbage collector runs once before the step and is paused during
         it. Tensors caught in reference cycles are freed only when the collector runs, and
         it runs when its allocation counters say so: left on, the same step measured twice
-        could differ by whatever those cycles held (README: how the peak is measured).
+        could differ by whatever those cycles held (docs/memory.md: how the peak is measured).
         Paused, the figure is reproducible (cycles made during the step count as held, as
         they would on a GPU until a collection).
         """

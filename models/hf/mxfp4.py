@@ -58,12 +58,21 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., K]`` values (K a multiple of 32) as MXFP4 ``(blocks, scales)``.
 
     Each block's scale is the power of two that brings its largest magnitude to at most
-    6 (the largest e2m1 value); each value is rounded to the nearest e2m1 code.
+    6 (the largest e2m1 value); each value is rounded to the nearest e2m1 code. A NaN or an
+    infinity is refused (ValueError): the format has no code for one.
     """
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, "
                          f"got {list(weight.shape)}")  # fmt: skip
     values = weight.float().contiguous().reshape(*weight.shape[:-1], -1, BLOCK)
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):  # e2m1 and e8m0 have no NaN or infinity to write
+        where = tuple(int(i) for i in (~finite).nonzero()[0])
+        raise ValueError(
+            f"MXFP4 cannot hold {values[where].item()} (weight {list(weight.shape)}, block "
+            f"element {list(where)}): only finite values quantise; the codes would silently "
+            f"turn it into a number"
+        )
     largest = values.abs().amax(dim=-1).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-SCALE_BIAS, 127)
     scaled = values / torch.exp2(exponent).unsqueeze(-1)

@@ -229,7 +229,7 @@ class MoE(nn.Module):
     ) -> AttentionOut:
         tokens = x.reshape(-1, x.shape[-1])
         records = balance is not None and balance.step.balancing.records
-        weights, experts, logits, probs = self.router_module.route(tokens, record=records)
+        weights, experts, logits, probs = self.router_module(tokens, record=records)
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         top_k = experts.shape[1]

@@ -57,7 +57,7 @@ class Routing(NamedTuple):
 
 
 class Router(nn.Module):
-    """Top-k routing of each family. Returns ``(weights [T, k], experts [T, k])``.
+    """Top-k routing of each family. Returns a `Routing`: ``weights [T, k]``, ``experts [T, k]``.
 
     DeepSeek-V2: float32 softmax over all experts, greedy or group-limited top-k,
     times ``routed_scaling_factor``. DeepSeek-V3: float32 sigmoid scores; the experts
@@ -99,10 +99,6 @@ class Router(nn.Module):
         """A `models.network.RoutingTape` recording or replaying the choices (harness, tests)."""
         self.tape_key = ""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routed = self.route(x)
-        return routed.weights, routed.experts
-
     def _choice(self, values: torch.Tensor) -> torch.Tensor:
         """What the top-k ranks: ``values`` (detached), plus the expert bias when there is one."""
         ranked = values.detach()
@@ -110,8 +106,10 @@ class Router(nn.Module):
             ranked = ranked.float() + self.e_score_correction_bias
         return ranked
 
-    def route(self, x: torch.Tensor, record: bool = False) -> Routing:
-        """The call's `Routing`; ``record``: also the logits and all-expert probabilities."""
+    def forward(self, x: torch.Tensor, record: bool = False) -> Routing:
+        """The call's `Routing`; ``record``: also the logits and all-expert probabilities.
+        (Called through the module, so that hooks -- FSDP2's gathers, the harness's routing
+        counts -- see every call.)"""
         biased = self.e_score_correction_bias is not None
         if self.family == "gpt_oss":
             logits = F.linear(x, self.weight, self.bias)

@@ -106,7 +106,10 @@ def float32_products(dtype: torch.dtype, device: torch.device) -> tuple[bool, st
     native, what = native_bf16_gemm()
     if choice == "native" or (choice == "auto" and native):
         return False, f"native bfloat16 GEMM ({what})" if native else f"native ({what})"
-    why = f"this CPU has no native bfloat16 GEMM ({what})" if not native else f"{GEMM_ENV}={choice}"
+    if choice == "auto":
+        why = f"this CPU has no native bfloat16 GEMM ({what})"
+    else:  # asked for, whatever the CPU has
+        why = f"{GEMM_ENV}={choice} ({'native' if native else 'no native'} bfloat16 GEMM: {what})"
     return True, f"bfloat16 products computed as float32 products rounded once: {why}"
 
 

@@ -95,30 +95,49 @@ this many elements (a block of rows, a long stretch) instead of what suits a GPU
 def _cast_rne(x, dtype: tl.constexpr):
     """``x`` (float32) cast to ``dtype``, rounding to nearest even as torch does.
 
-    Triton's interpreter converts float32 to bfloat16 by truncation (toward zero),
-    unlike torch and compiled Triton (round to nearest even). Truncation is a biased
-    rounding: its errors do not cancel in later sums, and it made every bfloat16
-    result of the CPU path half an ulp low on average. For bfloat16 the value is
-    rounded here on its float32 bits first, so the conversion that follows is exact
-    on both paths (on CUDA the same rounding happens twice, which changes nothing).
+    Triton's interpreter converts float32 to bfloat16 by truncation (toward zero), unlike
+    torch and compiled Triton (round to nearest even), and its conversion of subnormals is
+    off. Truncation is a biased rounding: its errors do not cancel in later sums, and it
+    made every bfloat16 result of the CPU path half an ulp low on average. For bfloat16
+    the value is rounded here on its float32 bits (`round_to_bfloat16`) and the top half of
+    those bits is the result, taken as it is: no conversion runs, so both paths store the
+    same bits, NaNs and infinities included.
     """
     if dtype == tl.bfloat16:
-        x = round_to_bfloat16(x)
+        return (rounded_bits(x) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
-def _round_to_bfloat16(x):
-    """``x`` (float32) rounded to the nearest bfloat16 value, to nearest even, kept in
-    float32 (finite values and infinities)."""
+def _rounded_bits(x):
+    """The bits of ``x`` (float32) rounded to the nearest bfloat16 value, to nearest even
+    (uint32, the low half zero): finite values round (the largest ones overflow to infinity,
+    as torch's do), infinities stay infinite, and a NaN stays a NaN of its sign.
+
+    Rounding adds ``0x7FFF`` plus the lowest kept bit and drops the low half. A NaN's bits
+    must not take that path: a GPU's canonical NaN ``0x7FFFFFFF`` carries into the sign
+    bit and becomes ``-0.0``, ``0xFFFFFFFF`` wraps to ``+0.0``, and a NaN whose payload
+    lies in the low half only would become an infinity. A NaN keeps its top half instead,
+    with the quiet bit set, so it is a NaN in bfloat16 too."""
     bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, (bits & 0xFFFF0000) | 0x00400000, rounded)
+
+
+def _round_to_bfloat16(x):
+    """``x`` (float32) rounded to the nearest bfloat16 value, kept in float32
+    (`_rounded_bits`: NaN and infinities kept)."""
+    return rounded_bits(x).to(tl.float32, bitcast=True)
 
 
 # The interpreter runs kernels as Python, so it calls the helpers as plain functions: as jit
 # device functions they would re-patch triton.language on every call (about 1 ms each).
-round_to_bfloat16 = _round_to_bfloat16 if INTERPRETED else triton.jit(_round_to_bfloat16)
-cast_rne = _cast_rne if INTERPRETED else triton.jit(_cast_rne)
+if INTERPRETED:
+    rounded_bits, round_to_bfloat16, cast_rne = _rounded_bits, _round_to_bfloat16, _cast_rne
+else:
+    rounded_bits, round_to_bfloat16, cast_rne = map(
+        triton.jit, (_rounded_bits, _round_to_bfloat16, _cast_rne)
+    )
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -147,5 +166,5 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 __all__ = [
     "INTERPRETED", "INTERPRETER_ELEMENTS", "cast_rne", "launch", "round_to_bfloat16",
-    "single_threaded_numpy_blas", "skip_unused_overflow_checks", "tl", "triton",
+    "rounded_bits", "single_threaded_numpy_blas", "skip_unused_overflow_checks", "tl", "triton",
 ]  # fmt: skip

@@ -6,7 +6,8 @@ runs one pass over memory per elementwise op. Here one kernel reads the
 ``[..., 2I]`` input and writes the ``[..., I]`` output; backward saves only
 the input and recomputes everything in one more kernel. Values are loaded in
 their storage dtype, computed in float32 and stored back in it, rounded to nearest even as torch
-rounds (`optimized.ops._triton.cast_rne`).
+rounds (`optimized.ops._triton.cast_rne`). A NaN or an infinity in the input reaches the output
+as torch's ops would give it: the clamps pass NaN on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, cast_rne, l
 BLOCK = INTERPRETER_ELEMENTS if INTERPRETED else 1024
 """Elements per program: 1024 compiled, `INTERPRETER_ELEMENTS` on the interpreter
 (elementwise kernels: the same values, 30x faster at the tiny presets' shapes)."""
+NAN = tl.constexpr(tl.PropagateNan.ALL)
+"""The clamps pass a NaN on, as torch's ``clamp`` does (Triton's default minimum and maximum
+return the other operand, on GPUs and on the interpreter alike)."""
 
 
 @triton.jit
@@ -55,8 +59,8 @@ def _clamped_swiglu_forward_kernel(x_ptr, out_ptr, n_elements, alpha, limit, BLO
     mask = index < n_elements
     gate = tl.load(x_ptr + 2 * index, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + 2 * index + 1, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
+    gate = tl.minimum(gate, limit, propagate_nan=NAN)
+    up = tl.minimum(tl.maximum(up, -limit, propagate_nan=NAN), limit, propagate_nan=NAN)
     out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     tl.store(out_ptr + index, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
@@ -70,8 +74,8 @@ def _clamped_swiglu_backward_kernel(
     gate_raw = tl.load(x_ptr + 2 * index, mask=mask, other=0.0).to(tl.float32)
     up_raw = tl.load(x_ptr + 2 * index + 1, mask=mask, other=0.0).to(tl.float32)
     grad_out = tl.load(grad_out_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate_raw, limit)
-    up = tl.minimum(tl.maximum(up_raw, -limit), limit)
+    gate = tl.minimum(gate_raw, limit, propagate_nan=NAN)
+    up = tl.minimum(tl.maximum(up_raw, -limit, propagate_nan=NAN), limit, propagate_nan=NAN)
     sig = tl.sigmoid(alpha * gate)
     glu = gate * sig
     # clamp passes the gradient where the input lies inside the bounds (inclusive).
@@ -92,24 +96,47 @@ def _check_pairs(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the last dimension must be even; got shape {tuple(x.shape)}")
 
 
+# The launches, given every tensor (contiguous; ``x [..., 2I]``, the others ``[..., I]`` or
+# like ``x``). Each value is loaded in its tensor's dtype and stored in its output's, so the
+# bfloat16 stores can be fed float32 values (tests feed a GPU's NaN bit patterns through them).
+def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = silu(gate) * up`` for ``x = [gate | up]``."""
+    if out.numel():
+        launch(_silu_and_mul_forward_kernel, _grid(out.numel()), x, out, out.numel(),
+               x.shape[-1] // 2, BLOCK=BLOCK)  # fmt: skip
+
+
+def launch_silu_and_mul_backward(x: torch.Tensor, grad_out: torch.Tensor, grad_x: torch.Tensor):
+    """``grad_x``, the gradient of `launch_silu_and_mul` at ``x`` for ``grad_out``."""
+    if grad_out.numel():
+        launch(_silu_and_mul_backward_kernel, _grid(grad_out.numel()), x, grad_out, grad_x,
+               grad_out.numel(), x.shape[-1] // 2, BLOCK=BLOCK)  # fmt: skip
+
+
+def launch_clamped_swiglu(x: torch.Tensor, out: torch.Tensor, alpha: float, limit: float):
+    """``out``: GPT-OSS's clamped SwiGLU of the interleaved gate/up columns of ``x``."""
+    if out.numel():
+        launch(_clamped_swiglu_forward_kernel, _grid(out.numel()), x, out, out.numel(),
+               float(alpha), float(limit), BLOCK=BLOCK)  # fmt: skip
+
+
+def launch_clamped_swiglu_backward(
+    x: torch.Tensor, grad_out: torch.Tensor, grad_x: torch.Tensor, alpha: float, limit: float
+) -> None:
+    """``grad_x``, the gradient of `launch_clamped_swiglu` at ``x`` for ``grad_out``."""
+    if grad_out.numel():
+        launch(_clamped_swiglu_backward_kernel, _grid(grad_out.numel()), x, grad_out, grad_x,
+               grad_out.numel(), float(alpha), float(limit), BLOCK=BLOCK)  # fmt: skip
+
+
 class SiluAndMul(torch.autograd.Function):
     """``silu(gate) * up`` for ``x = [gate | up]``; saves only ``x``."""
 
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous()
-        inner = x.shape[-1] // 2
-        out = x.new_empty(tuple(x.shape[:-1]) + (inner,))
-        if out.numel():
-            launch(
-                _silu_and_mul_forward_kernel,
-                _grid(out.numel()),
-                x,
-                out,
-                out.numel(),
-                inner,
-                BLOCK=BLOCK,
-            )
+        out = x.new_empty(tuple(x.shape[:-1]) + (x.shape[-1] // 2,))
+        launch_silu_and_mul(x, out)
         ctx.save_for_backward(x)
         return out
 
@@ -117,19 +144,8 @@ class SiluAndMul(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(x)
-        if grad_out.numel():
-            launch(
-                _silu_and_mul_backward_kernel,
-                _grid(grad_out.numel()),
-                x,
-                grad_out,
-                grad_x,
-                grad_out.numel(),
-                x.shape[-1] // 2,
-                BLOCK=BLOCK,
-            )
+        launch_silu_and_mul_backward(x, grad_out.contiguous(), grad_x)
         return grad_x
 
 
@@ -140,17 +156,7 @@ class ClampedSwiGLU(torch.autograd.Function):
     def forward(ctx, x, alpha, limit):
         x = x.contiguous()
         out = x.new_empty(tuple(x.shape[:-1]) + (x.shape[-1] // 2,))
-        if out.numel():
-            launch(
-                _clamped_swiglu_forward_kernel,
-                _grid(out.numel()),
-                x,
-                out,
-                out.numel(),
-                float(alpha),
-                float(limit),
-                BLOCK=BLOCK,
-            )
+        launch_clamped_swiglu(x, out, alpha, limit)
         ctx.save_for_backward(x)
         ctx.alpha, ctx.limit = float(alpha), float(limit)
         return out
@@ -159,20 +165,8 @@ class ClampedSwiGLU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(x)
-        if grad_out.numel():
-            launch(
-                _clamped_swiglu_backward_kernel,
-                _grid(grad_out.numel()),
-                x,
-                grad_out,
-                grad_x,
-                grad_out.numel(),
-                ctx.alpha,
-                ctx.limit,
-                BLOCK=BLOCK,
-            )
+        launch_clamped_swiglu_backward(x, grad_out.contiguous(), grad_x, ctx.alpha, ctx.limit)
         return grad_x, None, None
 
 

@@ -44,6 +44,7 @@ from optimized.ops.attention_blocks import (
     FLOAT32_BLOCKS,
     PREPROCESS_ROWS,
     Blocks,
+    check_shape,
     interpreter_blocks,
     kernel_launch,
 )
@@ -195,6 +196,7 @@ def _check(q, k, v, window, sinks, blocks) -> None:
         )
     if blocks is not None:
         blocks.check()
+    check_shape(batch, heads, seq)
 
 
 def sdpa_attention(q, k, v, scaling: float) -> torch.Tensor:

@@ -34,6 +34,10 @@ packs (tiny presets: 8 pairs of 64 rows; score tiles of 512 x 512 cost numpy abo
 as one more program costs Python)."""
 PREPROCESS_ROWS = 128
 """Rows per program of the backward's preprocess on GPUs."""
+MAX_PROGRAMS = 2**31 - 1
+"""The most programs a CUDA grid's first axis holds (its other two: 65 535 each)."""
+SMALLEST_BLOCK = 16
+"""The fewest rows a block of any kernel here has (`Blocks.check`)."""
 KERNELS = {
     "forward": attention_forward_kernel,
     "backward_kv": attention_backward_kv_kernel,
@@ -62,7 +66,7 @@ class Blocks(NamedTuple):
         for name in KERNELS:
             rows, cols = getattr(self, name)
             for size in (rows, cols):
-                if size < 16 or size & (size - 1):
+                if size < SMALLEST_BLOCK or size & (size - 1):
                     raise ValueError(
                         f"Blocks.{name}={(rows, cols)} is invalid: block sizes must be powers "
                         f"of two >= 16"
@@ -121,6 +125,33 @@ def pack_for(limit: int, pairs: int) -> int:
     return pack
 
 
+def attention_grid(seq_len: int, block: int, pair_programs: int) -> tuple[int]:
+    """The one-axis grid of ``pair_programs`` programs of pairs over a sequence of
+    ``block``-row blocks (`optimized.ops.attention_kernels._grid_position` unfolds it). A
+    ValueError naming the shape and the limit where even that axis cannot hold it."""
+    programs = triton.cdiv(seq_len, block) * pair_programs
+    if programs > MAX_PROGRAMS:
+        raise ValueError(
+            f"flash_attention: {seq_len} tokens in blocks of {block} rows for {pair_programs} "
+            f"programs of (batch x head) pairs need {programs} programs; a CUDA grid holds at "
+            f"most {MAX_PROGRAMS} (2^31 - 1)"
+        )
+    return (programs,)
+
+
+def check_shape(batch: int, heads: int, seq_len: int) -> None:
+    """Refuse, before anything is allocated, a shape whose grid would not fit at the smallest
+    block: ``batch x heads`` pairs of ``seq_len`` tokens (a ValueError naming both)."""
+    pairs = batch * heads
+    if triton.cdiv(seq_len, SMALLEST_BLOCK) * pairs > MAX_PROGRAMS:
+        raise ValueError(
+            f"flash_attention: batch {batch} x {heads} heads x {seq_len} tokens is out of reach: "
+            f"{pairs} pairs of {triton.cdiv(seq_len, SMALLEST_BLOCK)} blocks of "
+            f"{SMALLEST_BLOCK} rows exceed a CUDA grid's {MAX_PROGRAMS} programs (2^31 - 1); "
+            f"split the batch"
+        )
+
+
 def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
     """(kernel, grid, launch keywords) for kernel ``name`` over ``pairs`` (batch x head)
     pairs: the fixed ``blocks`` when given, else the autotuner (bfloat16 on GPUs)."""
@@ -128,12 +159,12 @@ def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
     if blocks is None:
 
         def grid(meta):
-            return (triton.cdiv(seq_len, meta[per_program]), pairs)
+            return attention_grid(seq_len, meta[per_program], pairs)
 
         return TUNED[name], grid, {"PACK": 1}
     rows, cols = getattr(blocks, name)
     pack = pack_for(blocks.pack, pairs)
-    grid = (triton.cdiv(seq_len, cols if name == "backward_kv" else rows), pairs // pack)
+    grid = attention_grid(seq_len, cols if name == "backward_kv" else rows, pairs // pack)
     keywords = {"BLOCK_M": rows, "BLOCK_N": cols, "PACK": pack}
     if not INTERPRETED:
         keywords.update(num_warps=blocks.warps, num_stages=blocks.stages)
@@ -142,6 +173,7 @@ def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
 
 __all__ = [
     "BACKWARD_KV_CONFIGS", "BACKWARD_Q_CONFIGS", "FLOAT32_BLOCKS", "FORWARD_CONFIGS",
-    "INTERPRETER_ROWS", "PREPROCESS_ROWS", "TUNED", "TUNING_KEY", "Blocks",
-    "interpreter_blocks", "kernel_launch", "pack_for",
+    "INTERPRETER_ROWS", "MAX_PROGRAMS", "PREPROCESS_ROWS", "SMALLEST_BLOCK", "TUNED",
+    "TUNING_KEY", "Blocks", "attention_grid", "check_shape", "interpreter_blocks",
+    "kernel_launch", "pack_for",
 ]  # fmt: skip

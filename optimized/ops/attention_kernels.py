@@ -24,6 +24,14 @@ the mask and the bounds checks. Rows past the sequence end load zeros and a log-
 ``+inf``, so their probabilities are exactly 0 in the backward. "No window" is a window of
 the sequence length.
 
+Addresses: a row's offset (row index times row stride) is formed in 64 bits, as are the
+batch and head offsets and the statistics' indices: ``rows * stride`` passes 2^31 at 262 K
+tokens of 8192-wide rows, where 32-bit arithmetic would wrap to a wrong address. The grid
+is one axis, (query or key blocks) x (programs of pairs), folded (`_grid_position`), so no
+batch x heads count meets CUDA's 65 535 limit on a grid's other axes
+(`optimized.ops.attention_blocks.attention_grid` refuses, with the shape, what even one
+axis cannot hold).
+
 Packing: a program normally serves one (batch x head) pair (``PACK = 1``, scalar base
 addresses: the GPU path). With ``PACK > 1`` it serves ``PACK`` consecutive pairs at once,
 its tiles ``PACK`` times as tall, each row carrying its pair's base address, and every
@@ -88,6 +96,15 @@ def _operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     return x
 
 
+def _grid_position(seq_len, BLOCK: tl.constexpr):
+    """(block of the sequence, program of pairs) of this program. The grid is one axis
+    (CUDA lets only the first pass 65 535 programs): each program of pairs takes the
+    sequence's blocks in a row, as a two-axis grid's first axis would."""
+    blocks = (seq_len + BLOCK - 1) // BLOCK
+    program = tl.program_id(0)
+    return program % blocks, program // blocks
+
+
 def _pairs(program, BLOCK: tl.constexpr, PACK: tl.constexpr):
     """(pair, position in the block) of each row of a program's tile: one (batch x head)
     pair for ``PACK == 1``, else ``PACK`` consecutive pairs of ``BLOCK`` rows each."""
@@ -118,7 +135,7 @@ def _load_tile(
 ):  # fmt: skip
     """``[len(index), BLOCK_DIM]``: rows ``index`` of the ``[rows, DIM]`` matrix at ``base``;
     with ``CHECK`` rows at or past ``bound`` (and always columns past ``DIM``) read 0."""
-    pointers = base + index[:, None] * stride + dims[None, :]
+    pointers = base + index.to(tl.int64)[:, None] * stride + dims[None, :]
     if CHECK:
         if DIM == BLOCK_DIM:
             x = tl.load(pointers, mask=(index < bound)[:, None], other=0.0)
@@ -137,7 +154,7 @@ def _load_tile(
 def _store_tile(base, index, stride, dims, bound, value, DIM: tl.constexpr):
     """Rows ``index`` below ``bound`` of the ``[rows, DIM]`` matrix at ``base``, rounded to
     nearest even."""
-    pointers = base + index[:, None] * stride + dims[None, :]
+    pointers = base + index.to(tl.int64)[:, None] * stride + dims[None, :]
     mask = (index < bound)[:, None] & (dims < DIM)[None, :]
     tl.store(pointers, cast_rne(value, pointers.dtype.element_ty), mask=mask)
 
@@ -159,10 +176,13 @@ def _visible_t(cols, col_pairs, rows, row_pairs, window, PACK: tl.constexpr):
     return visible
 
 
-_row_max, _row_sum, _operand, _pairs, _base, _load_tile, _store_tile, _visible, _visible_t = map(
-    _jit,
-    (_row_max, _row_sum, _operand, _pairs, _base, _load_tile, _store_tile, _visible, _visible_t),
-)
+(
+    _row_max, _row_sum, _operand, _grid_position, _pairs, _base, _load_tile, _store_tile,
+    _visible, _visible_t,
+) = map(_jit, (
+    _row_max, _row_sum, _operand, _grid_position, _pairs, _base, _load_tile, _store_tile,
+    _visible, _visible_t,
+))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- forward
@@ -210,9 +230,10 @@ def attention_forward_kernel(
     """One program per (query block, ``PACK`` batch x head pairs): the output and the
     log-sum-exp of its rows. ``scale`` is ``scaling * log2(e)``; ``BLOCK_M`` is a multiple
     of ``BLOCK_N``."""
-    start_m = tl.program_id(0) * BLOCK_M
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)
-    col_pairs, col_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
+    block, pair_program = _grid_position(seq_len, BLOCK_M)
+    start_m = block * BLOCK_M
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)
+    col_pairs, col_local = _pairs(pair_program, BLOCK_N, PACK)
     rows = start_m + row_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty
@@ -250,7 +271,7 @@ def attention_forward_kernel(
         QK_DIM, V_DIM, BLOCK_QK, BLOCK_V, BLOCK_N, PACK, True, dtype, UPCAST,
     )  # fmt: skip
     # Rows past the sequence end may have seen nothing; they are not stored.
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a NaN stays NaN: the log-sum-exp carries it
     out_base = _base(out_ptr, row_pairs, heads, 1, stride_ob, stride_oh, PACK)
     _store_tile(out_base, rows, stride_os, v_dims, seq_len, acc / l_i[:, None], V_DIM)
     lse = (m_i + tl.math.log2(l_i)) * LN2
@@ -303,12 +324,15 @@ def _backward_kv_range(
         s_t = tl.dot(key, tl.trans(q), input_precision="ieee") * scale
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)
         if MASKED:
-            p_t = tl.where(_visible_t(cols, key_pairs, rows, row_pairs, window, PACK), p_t, 0.0)
+            visible = _visible_t(cols, key_pairs, rows, row_pairs, window, PACK)
+            p_t = tl.where(visible, p_t, 0.0)
         grad = _load_tile(grad_base, rows, stride_gs, v_dims, seq_len, V_DIM, BLOCK_V, MASKED,
                           UPCAST)  # fmt: skip
         dv = tl.dot(_operand(p_t, DTYPE, UPCAST), grad, dv, input_precision="ieee")
         dp_t = tl.dot(value, tl.trans(grad), input_precision="ieee")
         ds_t = p_t * (dp_t - delta[None, :])
+        if MASKED:  # 0 * NaN: a NaN row must not reach keys it cannot see
+            ds_t = tl.where(visible, ds_t, 0.0)
         dk = tl.dot(_operand(ds_t, DTYPE, UPCAST), q, dk, input_precision="ieee")
     return dk, dv
 
@@ -329,10 +353,11 @@ def attention_backward_kv_kernel(
     """One program per (key block, ``PACK`` batch x KV-head pairs): dK and dV of its keys,
     summed over the ``groups`` query heads that share them. ``BLOCK_N`` is a multiple of
     ``BLOCK_M``."""
-    start_n = tl.program_id(0) * BLOCK_N
+    block, pair_program = _grid_position(seq_len, BLOCK_N)
+    start_n = block * BLOCK_N
     kv_heads = heads // groups
-    key_pairs, key_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)  # KV pairs of the rows
+    key_pairs, key_local = _pairs(pair_program, BLOCK_N, PACK)
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)  # KV pairs of the rows
     cols = start_n + key_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty
@@ -395,9 +420,12 @@ def _backward_q_range(
         s = tl.dot(q, tl.trans(key), input_precision="ieee") * scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(rows, row_pairs, cols, col_pairs, window, PACK), p, 0.0)
+            visible = _visible(rows, row_pairs, cols, col_pairs, window, PACK)
+            p = tl.where(visible, p, 0.0)
         dp = tl.dot(grad, tl.trans(value), input_precision="ieee")
         ds = p * (dp - delta[:, None])
+        if MASKED:
+            ds = tl.where(visible, ds, 0.0)
         dq = tl.dot(_operand(ds, DTYPE, UPCAST), key, dq, input_precision="ieee")
     return dq
 
@@ -417,9 +445,10 @@ def attention_backward_q_kernel(
 ):  # fmt: skip
     """One program per (query block, ``PACK`` batch x head pairs): dQ of its rows.
     ``BLOCK_M`` is a multiple of ``BLOCK_N``; the key blocks are the forward's."""
-    start_m = tl.program_id(0) * BLOCK_M
-    row_pairs, row_local = _pairs(tl.program_id(1), BLOCK_M, PACK)
-    col_pairs, col_local = _pairs(tl.program_id(1), BLOCK_N, PACK)
+    block, pair_program = _grid_position(seq_len, BLOCK_M)
+    start_m = block * BLOCK_M
+    row_pairs, row_local = _pairs(pair_program, BLOCK_M, PACK)
+    col_pairs, col_local = _pairs(pair_program, BLOCK_N, PACK)
     rows = start_m + row_local
     qk_dims, v_dims = tl.arange(0, BLOCK_QK), tl.arange(0, BLOCK_V)
     dtype = q_ptr.dtype.element_ty

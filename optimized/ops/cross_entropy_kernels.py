@@ -7,6 +7,9 @@ one vocabulary chunk of logits at a time, the statistics carried from chunk to c
 a float32 ``[4, rows]`` tensor (`STATS`): the running maximum ``m``, the sum ``d`` of
 ``exp(x - m)``, the plain sum of the logits (label smoothing) and the target's logit.
 
+Addresses are formed in 64 bits: a row index times the row stride, a column index times the
+column stride (a transposed view's is the row count), and the statistics' rows.
+
 Launch parameters. Compiled (GPU): one program per row, blocks of up to 32768 columns
 and 32 warps (Liger-Kernel's CE uses the same: ``BLOCK_SIZE = min(65536 // 2,
 next_power_of_2(V))``, ``num_warps = 32`` on CUDA), so a 102400-wide row is four blocks
@@ -69,6 +72,7 @@ def _row_stats_kernel(
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)
+    stats_row = tl.cast(stats_stride, tl.int64)  # (a stride of 1 arrives as a constant)
     row_ptrs = logits_ptr + rows[:, None] * stride_row
     offsets = tl.arange(0, BLOCK)
     if FIRST:
@@ -78,14 +82,15 @@ def _row_stats_kernel(
         target_logit = tl.zeros([ROWS], tl.float32)
     else:
         running_max = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-        running_sum = tl.load(stats_ptr + stats_stride + rows, mask=row_mask, other=0.0)
-        logit_sum = tl.load(stats_ptr + 2 * stats_stride + rows, mask=row_mask, other=0.0)
-        target_logit = tl.load(stats_ptr + 3 * stats_stride + rows, mask=row_mask, other=0.0)
+        running_sum = tl.load(stats_ptr + stats_row + rows, mask=row_mask, other=0.0)
+        logit_sum = tl.load(stats_ptr + 2 * stats_row + rows, mask=row_mask, other=0.0)
+        target_logit = tl.load(stats_ptr + 3 * stats_row + rows, mask=row_mask, other=0.0)
     # An ignored row is read like any other and its results are dropped.
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         col_mask = cols[None, :] < n_cols
-        x = tl.load(row_ptrs + cols[None, :] * stride_col, mask=row_mask[:, None] & col_mask,
+        x = tl.load(row_ptrs + cols.to(tl.int64)[None, :] * stride_col,
+                    mask=row_mask[:, None] & col_mask,
                     other=0.0).to(tl.float32)  # fmt: skip
         logit_sum += tl.sum(x, axis=1)  # masked columns load as 0
         x = tl.where(col_mask, x, float("-inf"))
@@ -99,7 +104,7 @@ def _row_stats_kernel(
     target_logit += tl.load(logits_ptr + rows * stride_row + local_target * stride_col,
                             mask=in_chunk, other=0.0).to(tl.float32)  # fmt: skip
     tl.store(stats_ptr + rows, running_max, mask=row_mask)
-    tl.store(stats_ptr + stats_stride + rows, running_sum, mask=row_mask)
+    tl.store(stats_ptr + stats_row + rows, running_sum, mask=row_mask)
     if LAST:
         log_sum_exp = running_max + tl.log(running_sum)
         z_loss = lse_square_scale * log_sum_exp * log_sum_exp
@@ -109,8 +114,8 @@ def _row_stats_kernel(
         tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_mask)
         tl.store(z_loss_ptr + rows, tl.where(valid, z_loss, 0.0), mask=row_mask)
     else:
-        tl.store(stats_ptr + 2 * stats_stride + rows, logit_sum, mask=row_mask)
-        tl.store(stats_ptr + 3 * stats_stride + rows, target_logit, mask=row_mask)
+        tl.store(stats_ptr + 2 * stats_row + rows, logit_sum, mask=row_mask)
+        tl.store(stats_ptr + 3 * stats_row + rows, target_logit, mask=row_mask)
 
 
 @triton.jit
@@ -127,8 +132,9 @@ def _row_grad_kernel(
     row_mask = rows < n_rows
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index).to(tl.int64)
     valid = row_mask & (target != ignore_index)
+    stats_row = tl.cast(stats_stride, tl.int64)  # (a stride of 1 arrives as a constant)
     row_max = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-    row_sum = tl.load(stats_ptr + stats_stride + rows, mask=row_mask, other=1.0)
+    row_sum = tl.load(stats_ptr + stats_row + rows, mask=row_mask, other=1.0)
     log_sum_exp = row_max + tl.log(row_sum)
     scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([ROWS], tl.float32)
     if UPSTREAM:
@@ -144,7 +150,7 @@ def _row_grad_kernel(
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        ptrs = row_ptrs + cols[None, :] * stride_col
+        ptrs = row_ptrs + cols.to(tl.int64)[None, :] * stride_col
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         probability = tl.exp(x - row_max[:, None]) / row_sum[:, None]
         grad = probability * probability_scale[:, None] - uniform

@@ -5,8 +5,9 @@ The DualPipeV stages call a decoder layer's stage methods, never ``layer.forward
 every *leaf* module inside them is called through its own ``forward`` (or, for the
 output layer, a registered forward method): the norms, the attention block, the dense
 MLP, the router, the shared experts, the routed experts, the embedding, the final norm
-and the output layer. Each is `fully_shard`-ed on its own, so each is its own FSDP2
-parameter group and its own FSDP2 root (nothing forwards the pipeline part as a whole):
+and the output layer. Each is `fully_shard`-ed on
+its own, so each is its own FSDP2 parameter group and its own FSDP2 root (nothing forwards
+the pipeline part as a whole):
 
 - parameters, gradients and AdamW state are sharded along dim 0; the pre-forward hook
   all-gathers a module's parameters; with ``reshard_after_forward`` the post-forward hook

@@ -9,7 +9,8 @@
   as an explicit DCP chunk (`chunks`, which `export` reads too); `export`: Hugging Face out;
 - `preflight`: everything ``twinpipe train`` checks before a process group starts, and
   the run it plans;
-- `trainer`: the training loop on one rank; `objective`: z-loss and label smoothing
+- `trainer`: the training loop on one rank; `faults`: the faults tests inject into it
+  (crashes, signals, NaN mid-step); `objective`: z-loss and label smoothing
   (the optimized runner only) and the z-loss for the log; `metrics`: a step's figures,
   its log line with TFLOP/s and MFU, the JSON-lines and TensorBoard sink; `phases`: the
   peak memory of each phase (load, train, save); `profiling`: torch.profiler traces and

@@ -27,17 +27,15 @@ ranks agree at the end of the step, save, and return ``signal``; the command exi
 128 + the signal. Metrics are written once per step: on resume, records past the resumed
 step are dropped from the metrics file before the steps are run again.
 
-Fault injection for tests: ``TWINPIPE_FAULT=KIND@STEP:RANK`` with KIND one of
-``nan-grad`` (fill this rank's gradients with NaN), ``crash`` (raise), ``sigterm`` or
-``sigkill`` (signal this process), or ``ckpt-dir-gone`` (replace ``checkpoint.dir`` by a
-file, as a disk that went away would) at 0-based step STEP on global rank RANK.
+Fault injection for tests: ``TWINPIPE_FAULT=KIND@STEP:RANK`` (`optimized.train.faults`):
+a crash, a signal, a lost checkpoint folder, NaN gradients, or one NaN mid-step in one rank's
+attention, routed experts or loss gradient.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -63,7 +61,7 @@ from models.runtime import (
     rescue_folder,
 )
 from optimized.pipeline import sharding
-from optimized.train import checkpointing
+from optimized.train import checkpointing, faults
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.loader import BatchToDevice, TokenDataset, TokenLoader
@@ -124,15 +122,6 @@ def global_batch(inputs: torch.Tensor, labels: torch.Tensor, layout: Layout):
         dist.all_gather(pieces, pair.contiguous(), group=layout.dp_group)
         pair = torch.cat(pieces, dim=1)
     return pair[0], pair[1]
-
-
-def _fault() -> tuple[str, int, int] | None:
-    spec = os.environ.get("TWINPIPE_FAULT")
-    if not spec:
-        return None
-    kind, _, where = spec.partition("@")
-    step, _, rank = where.partition(":")
-    return kind, int(step), int(rank or 0)
 
 
 class _StopFlag:
@@ -213,7 +202,7 @@ def train(
     if layout.rank == 0:
         print(throughput.describe(), flush=True)
     saved = _Saver(cfg, run_id, optimizer, loader, layout, model_config)
-    fault = _fault()
+    fault = faults.fault_from_env() or faults.Fault("none", -1, -1)
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
     result = {"start": start, "stopped_at": cfg.steps, "signal": 0}
@@ -229,16 +218,15 @@ def train(
             peaks.begin()
             counter.start()
             ids, labels = global_batch(*to_device(next(loader)), layout)
-            if fault and fault[1] == step and fault[2] == layout.rank:
-                _inject(fault[0], step, layout, cfg.checkpoint.dir)
-            if fsdp:
-                loss = sharding.forward_backward_on_device(runner, optimizer, sharded, ids, labels)
-            else:
-                loss = runner.forward_backward_on_device(ids, labels)
-            if fault and fault[0] == "nan-grad" and fault[1] == step and fault[2] == layout.rank:
-                for p in runner.part.parameters():
-                    if p.grad is not None:
-                        p.grad.fill_(float("nan"))
+            faults.before_step(fault, step, layout.rank, cfg.checkpoint.dir)
+            with faults.mid_step(fault, step, layout.rank, runner.part):
+                if fsdp:
+                    loss = sharding.forward_backward_on_device(
+                        runner, optimizer, sharded, ids, labels
+                    )
+                else:
+                    loss = runner.forward_backward_on_device(ids, labels)
+            faults.after_backward(fault, step, layout.rank, runner.part)
             norm_on_device = optimizer.prepare_gradients_on_device()
             z_loss = None
             if cfg.loss.z_loss:
@@ -321,16 +309,6 @@ def _profiler(cfg: TrainConfig, start: int, layout: Layout, device) -> StepProfi
         print(f"warning: logging.profile_steps = {cfg.logging.profile_steps}: this run starts "
               f"after step {start}, nothing is profiled", file=sys.stderr, flush=True)  # fmt: skip
     return StepProfiler(folder, steps, layout.rank, device)
-
-
-def _inject(kind: str, step: int, layout: Layout, cfg_dir: str | None) -> None:
-    if kind == "crash":
-        raise RuntimeError(f"injected fault: rank {layout.rank} crashed at step {step + 1}")
-    if kind in ("sigterm", "sigkill"):
-        os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
-    if kind == "ckpt-dir-gone" and cfg_dir:
-        shutil.rmtree(cfg_dir, ignore_errors=True)
-        Path(cfg_dir).write_text("the disk went away\n")
 
 
 def _nonfinite(cfg, step, loss, norm, optimizer, layout) -> None:
