@@ -6,7 +6,8 @@ on a shared machine (``flock /tmp/twinpipe-heavy.lock nice -n 5 python -m ...``)
 
 - ``write``: a ``mid-*`` preset built by transformers at random weights in bf16 and saved
   with transformers' ``save_pretrained``; ``--mxfp4`` then re-writes GPT-OSS's experts as
-  published (`models.hf.write_mxfp4`).
+  published (`models.hf.write_mxfp4`), ``--fp8`` DeepSeek-V3's linear weights
+  (`models.hf.write_fp8`, 128 x 128 blocks).
 - ``load``: `models.from_pretrained` in a fresh process; its peak resident memory (``VmHWM``,
   which counts the checkpoint's mapped pages, and the anonymous memory it allocated) over the
   process's own baseline, against the target 1.10 x the model's bytes + its largest tensor.
@@ -79,14 +80,18 @@ def write(args: argparse.Namespace) -> None:
     hf_config.dtype = torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     out = Path(args.out)
-    bf16 = out / "bf16" if args.mxfp4 else out
+    bf16 = out / "bf16" if args.mxfp4 or args.fp8 else out
     model.save_pretrained(bf16, max_shard_size="1GB")
     del model
     if args.mxfp4:
         from models.hf import write_mxfp4
 
         write_mxfp4(bf16, out / "mxfp4", max_shard_bytes=1 << 30)
-    print(json.dumps({"written": str(out), "mxfp4": args.mxfp4}))
+    if args.fp8:
+        from models.hf import write_fp8
+
+        write_fp8(bf16, out / "fp8", max_shard_bytes=1 << 30)
+    print(json.dumps({"written": str(out), "mxfp4": args.mxfp4, "fp8": args.fp8}))
 
 
 # ---------------------------------------------------------------------- load
@@ -205,16 +210,52 @@ def export_check(args: argparse.Namespace) -> None:
 
 
 # -------------------------------------------------------------------- dry-run
-def _disk_bytes(name: str, count: int, shape: torch.Size, quantized: bool) -> int:
-    """Bytes of ``count`` rows of our tensor ``name`` (whole shape ``shape``) in the
-    published on-disk format: bf16, GPT-OSS experts as MXFP4 blocks and scales."""
+def _fp8_bytes(shape: tuple[int, ...], first: int, count: int) -> int:
+    """Rows ``[first, first + count)`` of a 128 x 128-block FP8 weight: a byte per value,
+    and the float32 scale rows that cover them."""
+    from models.hf import fp8_grid_shape
+
+    rows, cols = shape
+    touched = (first + count - 1) // 128 - first // 128 + 1 if count else 0
+    return count * cols + touched * fp8_grid_shape(shape, (128, 128))[1] * 4
+
+
+def _disk_bytes(name: str, first: int, count: int, shape: torch.Size, fmt: str) -> int:
+    """Bytes of rows ``[first, first + count)`` of our tensor ``name`` (whole shape
+    ``shape``) in the published on-disk format ``fmt``: bf16, GPT-OSS's experts as MXFP4
+    blocks and scales (``mxfp4``), DeepSeek-V3's linear weights in FP8 (``fp8``); an expert
+    bias is float32."""
     from models.hf import FUSED_EXPERTS, mxfp4_shapes
 
     per_row = math.prod(shape[1:])
-    if quantized and FUSED_EXPERTS.match(name):
+    if name.endswith("e_score_correction_bias"):
+        return count * 4
+    if fmt == "mxfp4" and FUSED_EXPERTS.match(name):
         packed = mxfp4_shapes(name, shape).values()
         return sum(count * math.prod(s[1:]) for s in packed)
+    if fmt == "fp8" and FUSED_EXPERTS.match(name):  # per expert: gate and up, or down
+        rows, cols = shape[1:]
+        if name.endswith("gate_up_proj"):
+            return count * 2 * _fp8_bytes((rows // 2, cols), 0, rows // 2)
+        return count * _fp8_bytes((rows, cols), 0, rows)
+    if fmt == "fp8" and _is_fp8(name) and len(shape) == 2:
+        return _fp8_bytes(tuple(shape), first, count)
     return count * per_row * 2
+
+
+def _checkpoint_bytes(name: str, shape: torch.Size, fmt: str) -> int:
+    """A whole tensor of the checkpoint (its on-disk name) in format ``fmt``."""
+    if fmt == "mxfp4" and name.endswith(("_blocks", "_scales")):
+        return shape.numel()
+    if fmt == "fp8" and len(shape) == 2 and _is_fp8(name):
+        return _fp8_bytes(tuple(shape), 0, shape[0])
+    return shape.numel() * (4 if name.endswith("e_score_correction_bias") else 2)
+
+
+def _is_fp8(name: str) -> bool:
+    from models.hf import PUBLISHED_FP8
+
+    return bool(PUBLISHED_FP8.match(name))
 
 
 def dry_run_report(
@@ -227,12 +268,13 @@ def dry_run_report(
     checkpoint's size; ``per_rank`` adds each rank's count and bytes, ``tensors`` its reads
     (our tensor name, first row, rows -- experts, for routed experts -- and bytes on disk)."""
     from models.hf import MXFP4, expected_hf_shapes, expected_state_shapes
-    from models.network import CausalLM, ExpertParallel, preset
+    from models.network import CausalLM, ExpertParallel, preset, state_buffers
     from models.runtime import ParallelConfig, even_partition, rank_chunks
     from optimized.pipeline import default_partition, held_rows
 
     config = preset(model)
-    quantized = config.model_type == "gpt_oss" and not bf16
+    published = {"gpt_oss": "mxfp4", "deepseek_v3": "fp8"}
+    fmt = "bf16" if bf16 else published.get(config.model_type, "bf16")
     parallel = ParallelConfig(
         pp=pp, dp=dp, ep=ep, micro_batches=2 * pp, seq_len=seq_len, dtype="bfloat16"
     )
@@ -240,11 +282,9 @@ def dry_run_report(
         stages = even_partition(config.num_hidden_layers, 2 * pp)
     else:  # what twinpipe train uses: the memory estimator's choice
         stages = default_partition(config, parallel)
-    shapes = expected_hf_shapes(config, MXFP4 if quantized else None)
+    shapes = expected_hf_shapes(config, MXFP4 if fmt == "mxfp4" else None)
     whole = expected_state_shapes(config)
-    checkpoint = sum(
-        s.numel() * (1 if n.endswith(("_blocks", "_scales")) else 2) for n, s in shapes.items()
-    )
+    checkpoint = sum(_checkpoint_bytes(n, s, fmt) for n, s in shapes.items())
     ranks, total, count = [], 0, 0
     for pp_rank in range(pp):
         chunks = rank_chunks(stages, pp_rank)
@@ -254,9 +294,11 @@ def dry_run_report(
                 part = CausalLM(config, None, expert_parallel, chunks[0] + chunks[1],
                                 pp_rank == 0, pp_rank == 0)  # fmt: skip
             rows = held_rows(part, dp, ep, dp_rank)
+            # Training-state buffers (an expert bias) are whole on every rank of their stage.
+            rows.update({n: (0, b.shape[0]) for n, b in state_buffers(part)})
             reads = [
                 {"tensor": n, "first_row": first, "rows": held,
-                 "bytes": _disk_bytes(n, held, whole[n], quantized)}
+                 "bytes": _disk_bytes(n, first, held, whole[n], fmt)}
                 for n, (first, held) in rows.items() if held
             ]  # fmt: skip
             nbytes = sum(r["bytes"] for r in reads)
@@ -268,7 +310,9 @@ def dry_run_report(
             count += len(reads)
     report = {
         "model": model, "pp": pp, "dp": dp, "ep": ep,
-        "format": "bf16 + MXFP4 experts" if quantized else "bf16",
+        "format": {"mxfp4": "bf16 + MXFP4 experts", "fp8": "bf16 + FP8 linear weights"}.get(
+            fmt, "bf16"
+        ),
         "stages": " ".join(f"{s[0]}-{s[-1]}" if s else "-" for s in stages),
         "checkpoint_bytes": checkpoint, "bytes_read_by_all_ranks": total,
         "equal": total == checkpoint, "tensor_slices": count,
@@ -306,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--mxfp4", action="store_true", help="also write GPT-OSS experts as MXFP4")
+    p.add_argument("--fp8", action="store_true", help="also write DeepSeek-V3's weights in FP8")
     p.add_argument("--seed", type=int, default=0)
     p = commands.add_parser("load", help="from_pretrained's peak memory, in a fresh process")
     p.add_argument("checkpoint")
@@ -321,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--ep", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--bf16", action="store_true", help="GPT-OSS as a bf16 checkpoint")
+    p.add_argument("--bf16", action="store_true", help="GPT-OSS, DeepSeek-V3 as a bf16 checkpoint")
     p.add_argument(
         "--partition", choices=("estimated", "even"), default="estimated",
         help="stage layers: the estimator's choice (as twinpipe train) or even",

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from benchmarks.checkpoints import dry_run_report, main
-from models.hf import expected_state_shapes
+from models.hf import PUBLISHED_FP8, expected_state_shapes
 from models.network import preset
 
 PUBLISHED_BYTES = {
@@ -54,6 +54,41 @@ def test_the_ranks_read_the_published_checkpoint_once(model):
             assert first == end and count > 0, (name, sorted(pieces))
             end = first + count
         assert end == whole[name], name
+
+
+DEEPSEEK_V3_FP8_BYTES = 673_150_611_808
+"""DeepSeek-V3's checkpoint as published (FP8 linear weights with a float32 scale per 128 x 128
+block, float32 expert biases, the rest bf16) without its MTP module (layer 61)."""
+
+
+def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
+    """At PP4 DP8 EP8 every row of every FP8 weight and every bf16 tensor is read by exactly
+    one rank; a rank also reads the scale rows its rows need, so a 128-row block cut by an
+    FSDP2 boundary has its scales read by both ranks, and each DP rank of a stage reads its
+    layers' expert biases (buffers, not sharded). That, and nothing else, is read twice."""
+    report = dry_run_report("deepseek-v3", pp=4, dp=8, ep=8, partition="even", tensors=True)
+    assert report["format"] == "bf16 + FP8 linear weights"
+    assert report["checkpoint_bytes"] == DEEPSEEK_V3_FP8_BYTES
+    config = preset("deepseek-v3")
+    whole = expected_state_shapes(config)
+    rows = _rows_read(report)
+    assert rows.keys() == whole.keys()
+    duplicated = 0
+    for name, pieces in rows.items():
+        if name.endswith("e_score_correction_bias"):
+            assert sorted(pieces) == [(0, 256)] * 8, name  # every DP rank of its stage
+            duplicated += 7 * 256 * 4
+            continue
+        end = 0
+        for first, count in sorted(pieces):
+            assert first == end and count > 0, (name, sorted(pieces))
+            end = first + count
+        assert end == whole[name][0], name
+        if PUBLISHED_FP8.match(name):
+            blocks = [b for f, c in pieces for b in range(f // 128, (f + c - 1) // 128 + 1)]
+            duplicated += (len(blocks) - len(set(blocks))) * -(-whole[name][1] // 128) * 4
+    extra = report["bytes_read_by_all_ranks"] - report["checkpoint_bytes"]
+    assert extra == duplicated and 0 < extra < 1e-6 * report["checkpoint_bytes"]
 
 
 def test_dry_run_command_lists_each_ranks_tensors(capsys):

@@ -26,7 +26,9 @@ def test_qwen_layer_buckets_by_hand():
     assert model_params(cfg()).total == 2 * 512 * 64 + 64 + 4 * (12288 + 672 + 49152)
 
 
-@pytest.mark.parametrize("name", ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3-moe"]
+)
 def test_total_matches_built_model(name):
     model = CausalLM(preset(name))
     assert model_params(cfg(name)).total == sum(p.numel() for p in model.parameters())
@@ -36,6 +38,9 @@ def test_published_totals():
     assert model_params(cfg("deepseek-v2-lite")).total == 15_706_484_224
     assert model_params(cfg("gpt-oss-20b")).total == 20_914_757_184
     assert model_params(cfg("qwen3-30b-a3b")).total == 30_532_122_624
+    # Counted by transformers on the meta device (DeepSeek-V3 without its MTP module).
+    assert model_params(cfg("deepseek-v3")).total == 671_026_404_352
+    assert model_params(cfg("moonlight-16b-a3b")).total == 15_960_108_544
 
 
 def test_active_params():

@@ -15,7 +15,7 @@ from optimized.estimator.config import EstimateConfig
 from reference.ops import ReferenceOps
 from tests._ranks import on_cpu_rank
 
-PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+PRESETS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3-moe")
 
 
 def measured_saved_bytes(model, layer_index, batch, seq, dtype) -> int:
@@ -126,7 +126,7 @@ def measured_optimized_held(model, layer_index, batch, seq, dtype) -> int:
 @pytest.mark.parametrize(
     ("name", "dtype"),
     [("tiny-deepseek-v2", "float32"), ("tiny-deepseek-v2", "bfloat16"),
-     ("tiny-qwen3-moe", "float32")],
+     ("tiny-deepseek-v3", "bfloat16"), ("tiny-qwen3-moe", "float32")],
 )  # fmt: skip
 def test_optimized_layer_steps_match_measured(name, dtype):
     on_cpu_rank(_check_optimized_layer_steps, name, dtype)

@@ -35,7 +35,7 @@ from reference.ops import ReferenceOps
 from tests._memtrack import StorageTracker
 from tests._ranks import on_cpu_rank
 
-PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+PRESETS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3-moe")
 BATCH, SEQ = 2, 32
 DEVICE = torch.device("cpu")
 
@@ -74,9 +74,9 @@ def _config(model, dtype: str, stack: str, loads) -> EstimateConfig:
     return config
 
 
-# DeepSeek-V2's first layer is dense; GPT-OSS's and Qwen3-MoE's layers are all alike.
-LAYERS = [("tiny-deepseek-v2", 0), ("tiny-deepseek-v2", 1), ("tiny-gpt-oss", 1),
-          ("tiny-qwen3-moe", 1)]  # fmt: skip
+# DeepSeek's first layer is dense; GPT-OSS's and Qwen3-MoE's layers are all alike.
+LAYERS = [("tiny-deepseek-v2", 0), ("tiny-deepseek-v2", 1), ("tiny-deepseek-v3", 1),
+          ("tiny-gpt-oss", 1), ("tiny-qwen3-moe", 1)]  # fmt: skip
 # The routing controls that change what a MoE layer saves (`optimized.estimator.balancing`):
 # every one on the families whose HF loss is the pooled one; DeepSeek's own sequence form.
 ALL_ON = dict(aux_loss="pooled", aux_loss_coef=0.01, router_z_loss_coef=0.001, expert_bias=True)

@@ -164,6 +164,16 @@ def test_megatron_untied_output_layer_at_pp1_and_final_norm():
     assert two.tensor_sharded < shard.tensor_sharded - 102_400 * 2048 / 2 + 1
 
 
+def test_megatron_counts_deepseek_v3_as_we_do():
+    """DeepSeek-V3 at Megatron's fields (MLA with q_lora, 3 dense layers, a shared expert):
+    the same total; the expert bias is a buffer, not a parameter, in both."""
+    config = EstimateConfig(preset("deepseek-v3"), pp=8, dp=8, ep=8, num_microbatches=16)
+    args = megatron_args(config)
+    assert args.multi_latent_attention and args.q_lora_rank == 1536
+    assert args.moe_layer_freq == [0] * 3 + [1] * 58
+    assert megatron_shard(args).total_parameters == model_params(config).total
+
+
 def test_megatron_mtp_whole_on_the_last_stage_and_of_the_last_layers_kind():
     args = megatron_args(EstimateConfig(preset("tiny-deepseek-v2"), pp=2, num_microbatches=4))
     layer = megatron_params(args)

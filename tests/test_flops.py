@@ -19,7 +19,7 @@ from optimized.estimator.flops import (
 )
 from reference.ops import ReferenceOps
 
-FAMILIES = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
+FAMILIES = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3-moe")
 BATCH, SEQ = 2, 40  # longer than tiny-gpt-oss's 16-token window
 
 

@@ -396,6 +396,10 @@ DEEP_IMPORTS_ALLOWED = {
     ("harness/compare/planted.py", "optimized.pipeline.dualpipev"): (
         "a planted bug patches the module's own `linear_cross_entropy` name"
     ),
+    ("harness/compare/planted.py", "optimized.pipeline.runner"): (
+        "a planted bug patches the module's own `build_part` name: the optimized stack's "
+        "routers, and only theirs, get its group score"
+    ),
     ("harness/compare/bisect.py", "optimized.pipeline.dualpipev"): (
         "the bisection's loss stage calls the optimized schedule's own loss object "
         "(`SummedLinearCrossEntropy`), so a bug in it, planted or not, is found"
@@ -485,6 +489,9 @@ MODELS_DEEP_IMPORTS_ALLOWED = {
         "the test shrinks the module's read buffer (`READ_BUFFER_BYTES`) to exercise it"
     ),
     ("tests/test_mxfp4.py", "models.hf.checkpoint"): (
+        "the test replaces the module's `safe_open` to prove a load maps no checkpoint file"
+    ),
+    ("tests/test_fp8.py", "models.hf.checkpoint"): (
         "the test replaces the module's `safe_open` to prove a load maps no checkpoint file"
     ),
 }

@@ -19,6 +19,9 @@ on the tiny presets and docs/compare.md gives the commands at real widths.
   FlashAttention-4's ``learnable_sink`` path in one peer, ships);
 - ``dispatch-wrong-expert``: one routed token of every expert dispatch is computed by the
   next local expert instead of its own;
+- ``group-score-from-max``: DeepSeek-V3's group-limited routing scores each group by its
+  best expert (DeepSeek-V2's rule) instead of the sum of its two best; the optimized stack's
+  routers get it (`models.network.Router.group_score`) as its runner builds them.
 - ``nan-to-zero-store``: the expert activations' bfloat16 stores, forward and backward, map
   NaN to zero, as the kernels' rounding once did on GPUs (a GPU's NaN ``0x7FFFFFFF`` carried
   into the sign bit). No NaN arises in a correct run at any width the tests use, so this bug
@@ -48,6 +51,7 @@ PLANTS = (
     "attention-drops-window",
     "attention-frozen-sink",
     "dispatch-wrong-expert",
+    "group-score-from-max",
     "nan-to-zero-store",
     *BALANCING_PLANTS,
 )
@@ -145,6 +149,22 @@ def _dispatch_wrong_expert(ops_class: type) -> Iterator[tuple[Any, str, Any]]:
     yield ops_class, "to_expert_order", planted
 
 
+def _group_score_from_max() -> Iterator[tuple[Any, str, Any]]:
+    import optimized.pipeline.runner as runner  # noqa: PLC0415
+    from models.network import Router, max_group_scores  # noqa: PLC0415
+
+    original = runner.build_part
+
+    def planted(*args, **kwargs):
+        part = original(*args, **kwargs)
+        for module in part.modules():
+            if isinstance(module, Router):
+                module.group_score = max_group_scores
+        return part
+
+    yield runner, "build_part", planted
+
+
 def _nan_first(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its first element NaN (no gradient flows to that element)."""
     if x.numel() == 0:
@@ -214,6 +234,7 @@ def planted(name: str | None) -> Iterator[None]:
         "attention-drops-window": lambda: _attention(OptimizedOps, "window"),
         "attention-frozen-sink": _frozen_sink,
         "dispatch-wrong-expert": lambda: _dispatch_wrong_expert(OptimizedOps),
+        "group-score-from-max": _group_score_from_max,
         "nan-to-zero-store": lambda: _nan_to_zero_store(ReferenceOps, OptimizedOps),
         **BALANCING_PATCHES,
     }

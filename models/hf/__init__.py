@@ -13,7 +13,9 @@ Modules:
   (`CheckpointWeights`), ``from_pretrained``, checks of a folder before any work;
 - `checkpoint_write`: sharded safetensors written tensor by tensor (``save_pretrained``),
   MXFP4 written;
-- `mxfp4`: GPT-OSS's MXFP4 expert weights, dequantised per slice (and quantised for tests).
+- `mxfp4`: GPT-OSS's MXFP4 expert weights, dequantised per slice (and quantised for tests);
+- `fp8`: DeepSeek-V3's block-quantised FP8 weights, dequantised per row slice (and
+  quantised, a checkpoint re-written as published, for tests and benchmarks).
 
 May import `models.network` and `models.runtime`; never `reference`, `optimized` or
 `harness`.
@@ -38,6 +40,10 @@ from models.hf.checkpoint_write import (
     write_config,
     write_mxfp4,
 )
+from models.hf.fp8 import FP8, PUBLISHED_FP8, write_fp8
+from models.hf.fp8 import dequantize as fp8_dequantize
+from models.hf.fp8 import grid_shape as fp8_grid_shape
+from models.hf.fp8 import quantize as fp8_quantize
 from models.hf.hf_config import config_from_hf, config_to_hf, resolve_model
 from models.hf.hf_layout import (
     FUSED_EXPERTS,
@@ -60,10 +66,12 @@ from models.hf.mxfp4 import dequantize, quantize
 __all__ = [
     "CheckpointError",
     "CheckpointWeights",
+    "FP8",
     "FUSED_EXPERTS",
     "HF_EXPERT_BIAS_FAMILIES",
     "INDEX_NAME",
     "MXFP4",
+    "PUBLISHED_FP8",
     "Planned",
     "ShardWriter",
     "WEIGHTS_NAME",
@@ -73,6 +81,9 @@ __all__ = [
     "dequantize",
     "expected_hf_shapes",
     "expected_state_shapes",
+    "fp8_dequantize",
+    "fp8_grid_shape",
+    "fp8_quantize",
     "from_pretrained",
     "hf_stores_expert_bias",
     "hf_tensors",
@@ -91,5 +102,6 @@ __all__ = [
     "to_hf_state_dict",
     "validate_checkpoint",
     "write_config",
+    "write_fp8",
     "write_mxfp4",
 ]

@@ -14,7 +14,8 @@ one tensor -- for routed experts one expert -- at a time, so nothing is mapped o
 whole. On-disk layouts are those of `models.hf.hf_layout`; GPT-OSS's MXFP4 experts are read
 the same way, one expert's ``*_blocks`` and ``*_scales`` rows into small uint8 buffers,
 and dequantised into the parameter's dtype, bit for bit as transformers does
-(`models.hf.mxfp4`).
+(`models.hf.mxfp4`); so are DeepSeek-V3's FP8 weights, a few block rows of float8 values
+and the scale rows that cover them at a time (`models.hf.fp8`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from safetensors import safe_open
 
 from models.hf.checkpoint_write import SAFETENSORS_DTYPES, save_pretrained
 from models.hf.config_json import read_config_json
+from models.hf.fp8 import FP8, block_size, dequantize_rows, grid_shape, scale_name
 from models.hf.hf_config import config_from_hf
 from models.hf.hf_layout import (
     FLOAT_DTYPES,
@@ -41,6 +43,7 @@ from models.hf.hf_layout import (
     check_tensors,
     expected_hf_shapes,
     experts_split_on_disk,
+    skipped_on_disk,
     to_hf_state_dict,
 )
 from models.hf.mxfp4 import dequantize
@@ -198,9 +201,11 @@ class CheckpointLayout(NamedTuple):
     config: ModelConfig
     """The model of its ``config.json``."""
     quantization: str | None
-    """None, or ``mxfp4`` (GPT-OSS's routed experts)."""
+    """None, ``mxfp4`` (GPT-OSS's routed experts) or ``fp8`` (block-quantised weights)."""
     tensors: dict[str, StoredTensor]
-    """Every tensor on disk, by name."""
+    """Every tensor on disk, by name (DeepSeek-V3's MTP layers left out)."""
+    block: tuple[int, int] | None = None
+    """FP8: the block of rows and columns that shares one scale (None: one per tensor)."""
 
 
 def validate_checkpoint(
@@ -214,11 +219,14 @@ def validate_checkpoint(
     own = config_from_hf(path)
     config = config or own
     quantization = quantization_of(raw)
-    if quantization not in (None, MXFP4) or (quantization and config.model_type != "gpt_oss"):
+    readable = {None, MXFP4 if config.model_type == "gpt_oss" else FP8}
+    if quantization not in readable:
         raise CheckpointError(
             f"{config_file}: quantization_config.quant_method={quantization!r} is not read "
-            f"here; twinpipe reads unquantised checkpoints and GPT-OSS's {MXFP4!r} experts"
+            f"here; twinpipe reads unquantised checkpoints, GPT-OSS's {MXFP4!r} experts and "
+            f"the other families' block-quantised {FP8!r} weights (DeepSeek-V3's)"
         )
+    block = _fp8_block(raw, config_file) if quantization == FP8 else None
     if own.model_type != config.model_type:
         raise CheckpointError(
             f"{config_file} holds a {own.model_type} model, not the {config.model_type} model "
@@ -239,18 +247,64 @@ def validate_checkpoint(
             raise CheckpointError(f"tensor {name} is listed for {file} but that file lacks it")
     if index:
         tensors = {name: t for name, t in tensors.items() if name in index}
-    tied = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+    tensors = {name: t for name, t in tensors.items() if not skipped_on_disk(name, config)}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     wrong_dtype = [p for n, t in tensors.items() if (p := _dtype_problem(n, t, quantization))]
+    if quantization == FP8:
+        scales = {n for n in tensors if n.endswith("_scale_inv")}
+        optional |= scales
+        wrong_dtype += _fp8_problems(tensors, scales, block)
     check_tensors(
         f"checkpoint {path}",
-        expected_hf_shapes(config, quantization),
+        expected_hf_shapes(config, quantization if quantization == MXFP4 else None),
         {name: torch.Size(t.shape) for name, t in tensors.items()},
         config,
-        tied,
+        frozenset(optional),
         {name: t.file for name, t in tensors.items()},
         wrong_dtype,
     )
-    return CheckpointLayout(path, config, quantization, tensors)
+    return CheckpointLayout(path, config, quantization, tensors, block)
+
+
+def _fp8_block(raw: dict, config_file: str) -> tuple[int, int] | None:
+    quantization = raw["quantization_config"]
+    fmt = quantization.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(
+            f"{config_file}: quantization_config.fmt={fmt!r} is not read here: FP8 weights "
+            "are read as float8 e4m3 ('e4m3')"
+        )
+    try:
+        return block_size(quantization)
+    except ValueError as error:
+        raise CheckpointError(f"{config_file}: {error}") from None
+
+
+def _fp8_problems(
+    tensors: dict[str, StoredTensor], scales: set[str], block: tuple[int, int] | None
+) -> list[str]:
+    """Each FP8 weight needs its float scale grid (one entry per block), and each scale grid
+    an FP8 weight."""
+    problems = []
+    for name, stored in tensors.items():
+        if stored.dtype != "F8_E4M3":
+            continue
+        scale = tensors.get(scale_name(name))
+        if len(stored.shape) != 2:
+            problems.append(f"{name}: FP8 {list(stored.shape)}, expected a 2-d weight")
+        elif scale is None:
+            problems.append(f"{name}: FP8 without its {scale_name(name)} (in {stored.file})")
+        elif scale.shape != grid_shape(stored.shape, block) or scale.dtype not in ("F32", "BF16"):
+            problems.append(
+                f"{scale_name(name)}: expected F32 {list(grid_shape(stored.shape, block))} "
+                f"(the grid of {list(stored.shape)} in {block} blocks), found {scale.dtype} "
+                f"{list(scale.shape)} (in {scale.file})"
+            )
+    for name in scales:
+        weight = tensors.get(name.removesuffix("_scale_inv"))
+        if weight is None or weight.dtype != "F8_E4M3":
+            problems.append(f"{name}: scales of no FP8 weight (in {tensors[name].file})")
+    return problems
 
 
 def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
@@ -271,6 +325,8 @@ def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
 def _dtype_problem(name: str, stored: StoredTensor, quantization: str | None) -> str | None:
     packed = quantization == MXFP4 and name.endswith(("_blocks", "_scales"))
     allowed = ("U8",) if packed else FLOAT_DTYPES
+    if quantization == FP8 and name.endswith(".weight"):
+        allowed = (*FLOAT_DTYPES, "F8_E4M3")
     if stored.dtype in allowed:
         return None
     expected = " or ".join(allowed)
@@ -299,8 +355,14 @@ class CheckpointWeights:
         return name in self.layout.tensors
 
     def _into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
-        """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out``."""
-        read_rows(self.layout.tensors[name], out, start)
+        """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out`` (an FP8
+        one dequantised, with the rows of its scale grid that cover them)."""
+        stored = self.layout.tensors[name]
+        if stored.dtype == "F8_E4M3":
+            scales = self.layout.tensors[scale_name(name)]
+            dequantize_rows(stored, scales, self.layout.block, out, start, read_rows)
+        else:
+            read_rows(stored, out, start)
 
     def _packed(self, name: str, expert: int) -> torch.Tensor:
         """One expert's rows of an MXFP4 ``*_blocks`` or ``*_scales`` tensor (uint8), read

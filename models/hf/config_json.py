@@ -10,8 +10,8 @@ value and what would be valid, raised where the config is read, before any work.
 
 Worse than a crash is a config that runs and means something else. Hugging Face configs
 carry fields that change the network's math; a field twinpipe does not read would be
-silently ignored, and the run would train another model than the one named (DeepSeek-V3's
-``scoring_func: sigmoid`` routing would run as softmax routing). `UNSUPPORTED` lists every
+silently ignored, and the run would train another model than the one named (a DeepSeek-V2
+config asking for ``scoring_func: sigmoid`` would run as softmax routing). `UNSUPPORTED` lists every
 such field with the values that mean what twinpipe computes; any other value is refused
 by name. Fields that only describe a run (``use_cache``, ``dtype``, token ids) or that the
 the run's balancing controls read (``output_router_logits``, ``router_aux_loss_coef``,
@@ -92,7 +92,8 @@ def _one(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and math.isclose(value, 1.0))
 
 
-_ALL = ("deepseek_v2", "gpt_oss", "qwen3_moe")
+_ALL = ("deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_moe")
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 UNSUPPORTED: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...] = (
     # (families, field, accepted(value), what twinpipe computes)
     (("deepseek_v2",), "scoring_func", _is(None, "softmax"),
@@ -101,15 +102,23 @@ UNSUPPORTED: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...]
      "'greedy' or 'group_limited_greedy' (no noaux_tc bias-corrected selection)"),
     (("deepseek_v2",), "e_score_correction_bias", _zero,
      "absent (no noaux_tc score-correction bias)"),
-    (("deepseek_v2",), "moe_layer_freq", _is(None, 1),
+    (("deepseek_v3",), "scoring_func", _is(None, "sigmoid"),
+     "'sigmoid' (transformers' DeepSeek-V3 router scores with a sigmoid, whatever the field)"),
+    (("deepseek_v3",), "topk_method", _is(None, "noaux_tc"),
+     "'noaux_tc' (transformers' DeepSeek-V3 router chooses so, whatever the field)"),
+    (_DEEPSEEK, "moe_layer_freq", _is(None, 1),
      "1 (every layer from first_k_dense_replace on is MoE)"),
-    (("deepseek_v2",), "mlp_bias", _is(None, False), "false (MLPs without biases)"),
-    (("deepseek_v2", "qwen3_moe"), "hidden_act", _is(None, "silu"), "'silu' (SwiGLU experts)"),
+    (_DEEPSEEK, "mlp_bias", _is(None, False), "false (MLPs without biases)"),
+    (("deepseek_v2", "deepseek_v3", "qwen3_moe"), "hidden_act", _is(None, "silu"),
+     "'silu' (SwiGLU experts)"),
     (_ALL, "attention_dropout", _zero, "0 (no dropout)"),
     (_ALL, "hidden_dropout", _zero, "0 (no dropout)"),
-    (_ALL, "num_nextn_predict_layers", _zero, "0 (no multi-token-prediction layers)"),
+    (_ALL, "num_nextn_predict_layers", _zero,
+     "0 (no multi-token-prediction layers: twinpipe trains the main model only; to train "
+     "DeepSeek-V3's without its MTP module, set it to 0 -- the module's weights, "
+     "model.layers.<num_hidden_layers>.*, are then skipped, as transformers skips them)"),
     (("qwen3_moe",), "use_sliding_window", _is(None, False), "false (full attention)"),
-    (("deepseek_v2", "qwen3_moe"), "layer_types",
+    (("deepseek_v2", "deepseek_v3", "qwen3_moe"), "layer_types",
      lambda v: v is None or (isinstance(v, list) and set(v) <= {"full_attention"}),
      "absent or every entry 'full_attention'"),
     (_ALL, "partial_rotary_factor", _one, "1 (rotary over the whole rotary width)"),

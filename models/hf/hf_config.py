@@ -40,7 +40,20 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict[str, Any]) -> ModelCon
         raise ModelConfigError(f"{where}: {error}") from None
 
 
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True,
+)  # fmt: skip
+"""transformers 5's ``DeepseekV3Config`` defaults: what its modeling computes with for a field
+a ``config.json`` leaves out (DeepSeek-V3's own shape)."""
+
+
 def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
+    if model_type == "deepseek_v3":
+        raw = {**DEEPSEEK_V3_DEFAULTS, **raw}
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope = dict(rope)
     rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -88,6 +101,28 @@ def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
             v_head_dim=raw["v_head_dim"],
             aux_loss_alpha=float(raw.get("aux_loss_alpha") or 0.0),
             seq_aux=bool(raw.get("seq_aux", True)),
+        )
+    if model_type == "deepseek_v3":
+        return ModelConfig(
+            **common,
+            head_dim=raw["qk_rope_head_dim"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            topk_method="noaux_tc",
+            n_group=raw["n_group"],
+            topk_group=raw["topk_group"],
+            routed_scaling_factor=raw["routed_scaling_factor"],
+            norm_topk_prob=bool(raw["norm_topk_prob"]),
+            n_shared_experts=raw["n_shared_experts"] or 0,
+            first_k_dense_replace=raw["first_k_dense_replace"],
+            q_lora_rank=raw["q_lora_rank"],
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            rope_interleave=bool(raw["rope_interleave"]),
+            aux_loss_alpha=float(raw.get("aux_loss_alpha") or 0.0),
+            seq_aux=bool(raw.get("seq_aux", True)),
+            expert_bias=True,
         )
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     if model_type == "gpt_oss":
@@ -162,6 +197,30 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim,
+            aux_loss_alpha=config.aux_loss_alpha,
+            seq_aux=config.seq_aux,
+        )
+    elif config.model_type == "deepseek_v3":
+        out.update(
+            architectures=["DeepseekV3ForCausalLM"],
+            head_dim=config.qk_rope_head_dim,
+            moe_intermediate_size=config.moe_intermediate_size,
+            n_routed_experts=config.num_experts,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob,
+            n_shared_experts=config.n_shared_experts,
+            first_k_dense_replace=config.first_k_dense_replace,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            rope_interleave=config.rope_interleave,
+            num_nextn_predict_layers=0,
             aux_loss_alpha=config.aux_loss_alpha,
             seq_aux=config.seq_aux,
         )

@@ -1,15 +1,19 @@
-"""The on-disk layout of Hugging Face checkpoints (transformers 5) for the three families.
+"""The on-disk layout of Hugging Face checkpoints (transformers 5) for the four families.
 
 In memory, twinpipe's names are transformers 5's (``model.layers.3.mlp.experts.gate_up_proj``),
 but the files differ from memory in three ways, and this module says how:
 
-- DeepSeek-V2 and Qwen3-MoE store one ``gate_proj``/``up_proj``/``down_proj`` per expert
+- DeepSeek and Qwen3-MoE store one ``gate_proj``/``up_proj``/``down_proj`` per expert
   (``model.layers.3.mlp.experts.7.up_proj.weight [I, H]``), the layout of the published
   checkpoints; transformers fuses them on load into ``gate_up_proj [E, 2I, H]`` (gate rows
   first) and ``down_proj [E, H, I]``, and so do we. GPT-OSS is fused on disk as in memory.
 - GPT-OSS is published with its routed experts in MXFP4 (`models.hf.mxfp4`):
   ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``, transposed
   (``[E, 2I, H / 32, 16]`` for our ``gate_up_proj [E, H, 2I]``).
+- DeepSeek-V3 is published in FP8 (`models.hf.fp8`): each linear weight as float8 e4m3 with
+  a float32 ``weight_scale_inv`` per 128 x 128 block beside it.
+- DeepSeek-V3's router holds its expert bias, ``model.layers.N.mlp.gate.e_score_correction_bias``
+  (float32), under the same name on disk as in memory.
 - With tied embeddings ``lm_head.weight`` is not written; it is the embedding.
 
 The routers' expert bias (``...mlp.gate.e_score_correction_bias``, aux-loss-free balancing:
@@ -18,7 +22,11 @@ family's layout has it (`hf_stores_expert_bias`, the one place that decides it):
 trained bias has no tensor to go to, so writing leaves it out (and `twinpipe export` warns)
 and a read starts it at zero.
 
-DeepSeek-V2 in transformers always builds shared experts, of width
+DeepSeek-V3's published checkpoint also holds its multi-token-prediction module as one more
+layer (``model.layers.61.*``): transformers skips it, and so does `validate_checkpoint`'s
+check (`skipped_on_disk`); twinpipe trains the main model only.
+
+DeepSeek in transformers always builds shared experts, of width
 ``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width
 ``shared_experts`` tensors, which we write and accept (our model has no module for them).
 """
@@ -37,6 +45,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 MXFP4 = "mxfp4"
 """``quantization_config.quant_method`` of GPT-OSS's published checkpoints."""
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -44,7 +53,7 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _LIST_AT_MOST = 12
 
 
-HF_EXPERT_BIAS_FAMILIES: frozenset[str] = frozenset()
+HF_EXPERT_BIAS_FAMILIES: frozenset[str] = frozenset({"deepseek_v3"})
 """Families whose Hugging Face layout stores each MoE router's ``e_score_correction_bias``
 (DeepSeek-V3's does; DeepSeek-V2's, GPT-OSS's and Qwen3-MoE's have no such tensor)."""
 
@@ -74,6 +83,15 @@ _SHAPES_ONLY = object()  # ops of a meta-device model that is never run
 def experts_split_on_disk(config: ModelConfig) -> bool:
     """Whether routed experts are stored one tensor per expert (DeepSeek-V2, Qwen3-MoE)."""
     return config.model_type != "gpt_oss"
+
+
+def skipped_on_disk(name: str, config: ModelConfig) -> bool:
+    """Whether a tensor on disk belongs to what twinpipe does not build and transformers skips
+    on load: DeepSeek-V3's multi-token-prediction layers, past ``num_hidden_layers``."""
+    if config.model_type != "deepseek_v3":
+        return False
+    layer = LAYER_INDEX.match(name)
+    return layer is not None and int(layer[1]) >= config.num_hidden_layers
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -148,7 +166,7 @@ def to_hf_state_dict(
         if is_state_buffer(name) and not hf_stores_expert_bias(config):
             continue  # no such tensor in the family's layout
         out.update(hf_tensors(name, tensor, config))
-    if config.model_type == "deepseek_v2" and not config.n_shared_experts:
+    if config.is_deepseek and not config.n_shared_experts:
         reference = state_dict["model.embed_tokens.weight"]
         for layer in range(config.num_hidden_layers):
             if config.is_moe_layer(layer):

@@ -6,7 +6,9 @@ Modules:
 - `config`: `ModelConfig`, the one dataclass every family's shape is (checked on creation);
 - `presets`: the published shapes and the tiny and mid test shapes, by name;
 - `layers`: norms, RoPE, attention (MLA, GQA with q/k norms, sinks and windows), the
-  router, the dense and expert MLPs, the output layer;
+  dense and expert MLPs, the output layer;
+- `router`: each family's router (softmax, sigmoid with a corrected bias, group-limited
+  top-k), its `Routing`;
 - `decoder`: a decoder layer as the five stages DualPipeV overlaps (attention, dispatch,
   experts, combine, aggregate), and expert parallelism's layout of them;
 - `model`: `CausalLM` and the part of it one rank builds (`build_part`);
@@ -49,7 +51,7 @@ from models.network.decoder import (
     SplitSizes,
 )
 from models.network.host_copy import HostCopy, host_side, host_side_depth
-from models.network.layers import RMSNorm, Router, Routing, causal_mask, eager_attention
+from models.network.layers import RMSNorm, causal_mask, eager_attention
 from models.network.model import (
     IGNORE_INDEX,
     CausalLM,
@@ -60,6 +62,7 @@ from models.network.model import (
 )
 from models.network.ops import ExpertLayout, Ops
 from models.network.presets import PRESET_NAMES, preset
+from models.network.router import Router, Routing, max_group_scores, top2_group_scores
 from models.network.routing import BalancedRouting, RoutingTape, attach_routing_tape
 from models.network.weights import (
     Progress,
@@ -117,10 +120,12 @@ __all__ = [
     "is_expert_parameter",
     "keep_float32",
     "layer_aux",
+    "max_group_scores",
     "pooled_aux",
     "preset",
     "sequence_aux",
     "shift_labels",
     "state_buffers",
+    "top2_group_scores",
     "z_loss",
 ]

@@ -1,6 +1,6 @@
-"""One model config for the three MoE families twinpipe trains.
+"""One model config for the four MoE families twinpipe trains.
 
-`ModelConfig` holds the union of the fields of DeepSeek-V2, GPT-OSS and
+`ModelConfig` holds the union of the fields of DeepSeek-V2, DeepSeek-V3, GPT-OSS and
 Qwen3-MoE, named as in their Hugging Face `config.json` where the families
 agree, so that `from_hf` / `to_hf` are a renaming and nothing is guessed.
 Every config is validated when it is built: an impossible one raises
@@ -16,8 +16,10 @@ from typing import Any
 
 from models.network.balancing import AUX_FORMS, Balancing
 
-FAMILIES = ("deepseek_v2", "gpt_oss", "qwen3_moe")
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_moe")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+"""The families with multi-head latent attention, dense first layers and shared experts."""
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "yarn")
 
@@ -27,7 +29,7 @@ class ModelConfig:
     """Shapes and semantics of a MoE decoder-only language model."""
 
     model_type: str
-    """Family: one of ``deepseek_v2``, ``gpt_oss``, ``qwen3_moe`` (as in HF ``model_type``)."""
+    """Family: one of `FAMILIES` (as in HF ``model_type``)."""
     vocab_size: int
     """Number of token ids; rows of the embedding and of the output layer."""
     hidden_size: int
@@ -64,25 +66,26 @@ class ModelConfig:
     """Biases on the attention projections (GPT-OSS: on q/k/v/o; DeepSeek: on the a-projections)."""
     # Router.
     topk_method: str = "greedy"
-    """DeepSeek-V2 routing: ``greedy`` or ``group_limited_greedy``."""
+    """DeepSeek routing: ``greedy`` or ``group_limited_greedy`` (V2); ``noaux_tc`` (V3, the
+    only one: sigmoid scores, groups ranked by the sum of their two best biased scores)."""
     n_group: int | None = None
-    """DeepSeek-V2 group-limited routing: number of expert groups."""
+    """DeepSeek group-limited routing: number of expert groups."""
     topk_group: int | None = None
-    """DeepSeek-V2 group-limited routing: groups a token may use."""
+    """DeepSeek group-limited routing: groups a token may use."""
     routed_scaling_factor: float = 1.0
-    """DeepSeek-V2: routed expert weights are multiplied by this."""
+    """DeepSeek: routed expert weights are multiplied by this."""
     norm_topk_prob: bool = False
-    """Qwen3-MoE: renormalise the top-k probabilities to sum to one."""
+    """Qwen3-MoE, DeepSeek-V3: renormalise the top-k weights to sum to one."""
     # Which layers are MoE.
     n_shared_experts: int = 0
-    """DeepSeek-V2: shared experts, fused as one MLP of width ``moe_intermediate_size * n``."""
+    """DeepSeek: shared experts, fused as one MLP of width ``moe_intermediate_size * n``."""
     first_k_dense_replace: int = 0
-    """DeepSeek-V2: the first k layers are dense MLPs."""
+    """DeepSeek: the first k layers are dense MLPs."""
     mlp_only_layers: list[int] = field(default_factory=list)
     """Qwen3-MoE: layers that use a dense MLP."""
     decoder_sparse_step: int = 1
     """Qwen3-MoE: layer i is MoE when ``(i + 1) % decoder_sparse_step == 0``."""
-    # DeepSeek-V2 multi-head latent attention.
+    # DeepSeek multi-head latent attention.
     q_lora_rank: int | None = None
     """MLA: rank of the query compression; None projects queries directly."""
     kv_lora_rank: int = 0
@@ -93,6 +96,9 @@ class ModelConfig:
     """MLA: per-head query/key width with rotary (one shared rotary key)."""
     v_head_dim: int = 0
     """MLA: per-head value width."""
+    rope_interleave: bool = True
+    """DeepSeek-V3 (transformers' ``rope_interleave``): the rotary width holds interleaved
+    pairs, rotated on the even/odd slices; false: rotate-half. (V2 is always interleaved.)"""
     # GPT-OSS.
     sliding_window: int | None = None
     """GPT-OSS: window of the sliding-attention layers."""
@@ -124,9 +130,12 @@ class ModelConfig:
     """Router z-loss coefficient (ST-MoE; 0: off)."""
     expert_bias: bool = False
     """Aux-loss-free balancing: a float32 bias per MoE layer, added to the router's scores to
-    choose experts (``e_score_correction_bias``)."""
+    choose experts (``e_score_correction_bias``). Always on for DeepSeek-V3, whose model it
+    is part of (loaded, used, checkpointed and exported); ``expert_bias_rate = 0`` keeps it
+    fixed."""
     expert_bias_rate: float = 1e-3
-    """How far each optimizer step moves the expert bias (DeepSeek-V3's gamma)."""
+    """How far each optimizer step moves the expert bias (DeepSeek-V3's gamma: 0.001 for
+    most of its pre-training, then 0)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,9 +145,14 @@ class ModelConfig:
     def family(self) -> str:
         return self.model_type
 
+    @property
+    def is_deepseek(self) -> bool:
+        """DeepSeek-V2 or V3: MLA, dense first layers, shared experts, a float32 router."""
+        return self.model_type in DEEPSEEK
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts (else it is a dense MLP)."""
-        if self.model_type == "deepseek_v2":
+        if self.is_deepseek:
             return layer >= self.first_k_dense_replace
         if self.model_type == "qwen3_moe":
             return (
@@ -160,7 +174,7 @@ class ModelConfig:
 
     def balancing(self) -> Balancing:
         """The routing controls this config trains with (`models.network.Balancing`)."""
-        if self.model_type == "deepseek_v2":
+        if self.is_deepseek:
             coef = self.aux_loss_alpha
             family_form = "sequence" if self.seq_aux else "layer"
             family_form = family_form if coef > 0 else "none"
@@ -222,7 +236,22 @@ class ModelConfig:
             )
         if self.topk_method not in TOPK_METHODS:
             raise bad("topk_method", self.topk_method, f"expected one of {TOPK_METHODS}")
-        if self.topk_method == "group_limited_greedy":
+        v3 = self.model_type == "deepseek_v3"
+        if v3 != (self.topk_method == "noaux_tc"):
+            raise bad(
+                "topk_method",
+                self.topk_method,
+                "DeepSeek-V3 routes with 'noaux_tc' only (transformers' DeepseekV3TopkRouter), "
+                "the other families with 'greedy' (DeepSeek-V2 also 'group_limited_greedy')",
+            )
+        if v3 and not self.expert_bias:
+            raise bad(
+                "expert_bias",
+                self.expert_bias,
+                "DeepSeek-V3 chooses experts on scores + e_score_correction_bias, part of the "
+                "model: it is always on (expert_bias_rate = 0 keeps it fixed)",
+            )
+        if self.topk_method in ("group_limited_greedy", "noaux_tc"):
             if not self.n_group or self.num_experts % self.n_group:
                 raise bad(
                     "n_group",
@@ -232,6 +261,13 @@ class ModelConfig:
             if not self.topk_group or self.topk_group > self.n_group:
                 raise bad("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
             per_group = self.num_experts // self.n_group
+            if v3 and per_group < 2:
+                raise bad(
+                    "n_group",
+                    self.n_group,
+                    "noaux_tc scores a group by its two best experts: num_experts / n_group "
+                    f"= {self.num_experts} / {self.n_group} must be at least 2",
+                )
             if self.num_experts_per_tok > self.topk_group * per_group:
                 raise bad(
                     "num_experts_per_tok",
@@ -248,11 +284,11 @@ class ModelConfig:
                 raise bad("rope_scaling.rope_type", rope_type, f"expected one of {ROPE_TYPES}")
             if rope_type == "yarn" and not self.rope_scaling.get("factor", 0) > 0:
                 raise bad("rope_scaling.factor", self.rope_scaling.get("factor"), "yarn needs > 0")
-        if self.model_type == "deepseek_v2":
+        if self.is_deepseek:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 value = getattr(self, name)
                 if not isinstance(value, int) or value <= 0:
-                    raise bad(name, value, "DeepSeek-V2 MLA needs a positive integer")
+                    raise bad(name, value, "DeepSeek's MLA needs a positive integer")
             if self.qk_rope_head_dim % 2:
                 raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "rotary needs an even width")
             if self.q_lora_rank is not None and self.q_lora_rank <= 0:

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 from models.network.balancing import MicroBatchBalance, RouterRecord
 from models.network.config import ModelConfig
 from models.network.host_copy import HostCopy
-from models.network.layers import DenseMLP, Experts, RMSNorm, Router, build_attention
+from models.network.layers import DenseMLP, Experts, RMSNorm, build_attention
+from models.network.router import Router
 
 
 class RoutePlan(NamedTuple):

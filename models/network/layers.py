@@ -1,4 +1,5 @@
-"""Building blocks of the three families: norms, rotary tables, attention, MLPs, routers.
+"""Building blocks of the four families: norms, rotary tables, attention, MLPs (the routers
+are `models.network.router`).
 
 Parameter names and shapes are those of Hugging Face transformers 5's modules
 (in memory), so that a state dict maps onto ours by name; `models.hf.checkpoint`
@@ -8,7 +9,6 @@ converts between that and the on-disk layout.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +83,15 @@ def rope_angles(inv_freq: torch.Tensor, seq_len: int, device: torch.device) -> t
     return positions[:, None] * inv_freq.to(device)[None, :]
 
 
-def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Qwen3, GPT-OSS) on ``x [B, heads, S, D]``; cos/sin ``[S, D/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
+def apply_rotary_half(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate-half RoPE (Qwen3, GPT-OSS) on ``x [B, heads, S, D]``; cos/sin ``[S, D/2]``.
+
+    ``interleaved`` (DeepSeek-V3's ``rope_interleave``): the pairs are ``x``'s even and odd
+    entries, and the result holds the rotated evens, then the rotated odds, as transformers
+    computes it (a fixed permutation of the rotary width, the same for queries and keys)."""
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -152,7 +158,11 @@ def _init_rope_buffer(attention: nn.Module, dim: int) -> None:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """DeepSeek-V2 MLA: low-rank joint KV, optional low-rank Q, one shared rotary key."""
+    """DeepSeek MLA: low-rank joint KV, optional low-rank Q, one shared rotary key.
+
+    The rotary differs by family as in transformers: V2 rotates interleaved pairs as complex
+    numbers in float32; V3 rotates in the model's dtype with cos/sin cast to it, on the
+    even/odd slices (``rope_interleave``) or the two halves."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -177,6 +187,7 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.config = c
+        self.complex_rotary = c.model_type == "deepseek_v2"
         inv_freq, self.rope_scale = rope_frequencies(c, self.rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = qk_dim**-0.5
@@ -201,8 +212,14 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot.view(batch, 1, seq, self.rope)
         angles = rope_angles(self.inv_freq, seq, x.device)
-        q_rot = apply_rotary_interleaved(q_rot, angles, self.rope_scale)
-        k_rot = apply_rotary_interleaved(k_rot, angles, self.rope_scale)
+        if self.complex_rotary:
+            q_rot = apply_rotary_interleaved(q_rot, angles, self.rope_scale)
+            k_rot = apply_rotary_interleaved(k_rot, angles, self.rope_scale)
+        else:
+            cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+            interleaved = self.config.rope_interleave
+            q_rot = apply_rotary_half(q_rot, cos, sin, interleaved)
+            k_rot = apply_rotary_half(k_rot, cos, sin, interleaved)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.num_heads, -1, -1)], dim=-1)
         return self.o_proj(ops.attention(q, k, v, self.scaling))
@@ -257,7 +274,7 @@ class GroupedQueryAttention(nn.Module):
 
 
 def build_attention(config: ModelConfig, layer: int) -> nn.Module:
-    if config.model_type == "deepseek_v2":
+    if config.is_deepseek:
         return MultiHeadLatentAttention(config)
     return GroupedQueryAttention(config, layer)
 
@@ -279,7 +296,7 @@ class DenseMLP(nn.Module):
 class Experts(nn.Module):
     """Routed experts, fused per layer, holding only this rank's expert shard.
 
-    DeepSeek-V2 / Qwen3-MoE: ``gate_up_proj [E, 2I, H]`` (gate first), ``down_proj [E, H, I]``,
+    DeepSeek / Qwen3-MoE: ``gate_up_proj [E, 2I, H]`` (gate first), ``down_proj [E, H, I]``,
     applied as ``x @ W.T``. GPT-OSS: ``gate_up_proj [E, H, 2I]`` (gate/up interleaved),
     ``down_proj [E, I, H]`` with biases, applied as ``x @ W``.
     """
@@ -327,127 +344,3 @@ class OutputLayer(nn.Linear):
     def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, fused) -> torch.Tensor:
         """``fused(hidden, weight, labels)``: the stack's linear + cross-entropy on this weight."""
         return fused(hidden, self.weight, labels)
-
-
-def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``values[t, index[t, j]]``: by indexing, which saves the indices for backward (the
-    ``[T, k]`` index and a ``[T, 1]`` row index), not ``values`` as ``gather`` would."""
-    rows = torch.arange(values.shape[0], device=values.device).unsqueeze(1)
-    return values[rows, index]
-
-
-class Routing(NamedTuple):
-    """What a router call gives: ``weights [T, k]`` and ``experts [T, k]`` for the dispatch;
-    for the balancing terms (`models.network.balancing`), when asked, ``logits [T, E]`` and
-    ``probs [T, E]``, the float32 softmax over all experts (None otherwise)."""
-
-    weights: torch.Tensor
-    experts: torch.Tensor
-    logits: torch.Tensor | None = None
-    probs: torch.Tensor | None = None
-
-
-class Router(nn.Module):
-    """Top-k routing of each family. Returns a `Routing`: ``weights [T, k]``, ``experts [T, k]``.
-
-    DeepSeek-V2: float32 softmax over all experts, greedy or group-limited top-k,
-    times ``routed_scaling_factor``. Qwen3-MoE: logits in the model dtype, float32
-    softmax, top-k, optional renormalisation. GPT-OSS: linear with bias, top-k on raw
-    logits, softmax over the k. A routing tape (`models.network.routing`) can record the
-    choices or replay another stack's.
-
-    With ``expert_bias`` (aux-loss-free balancing), ``e_score_correction_bias`` (a float32
-    buffer, training state: checkpointed, never a parameter) is added to what the top-k
-    ranks -- the scores, or GPT-OSS's logits -- and to nothing else: the weights stay the
-    unbiased scores at the chosen experts.
-    """
-
-    FLOAT32_BUFFERS = ("e_score_correction_bias",)
-    """Buffers that stay float32 whatever the model's dtype (`models.network.build_part`)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        c = config
-        self.family = c.model_type
-        self.top_k, self.num_experts = c.num_experts_per_tok, c.num_experts
-        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
-        if self.family == "gpt_oss":
-            self.bias = nn.Parameter(torch.zeros(c.num_experts))
-        if c.expert_bias:
-            bias = torch.zeros(c.num_experts, dtype=torch.float32)
-            self.register_buffer("e_score_correction_bias", bias)
-        else:
-            self.e_score_correction_bias = None
-        self.topk_method, self.n_group, self.topk_group = c.topk_method, c.n_group, c.topk_group
-        self.scale = c.routed_scaling_factor
-        self.norm_topk_prob = c.norm_topk_prob
-        self.tape = None
-        """A `models.network.RoutingTape` recording or replaying the choices (harness, tests)."""
-        self.tape_key = ""
-
-    def _choice(self, values: torch.Tensor) -> torch.Tensor:
-        """What the top-k ranks: ``values`` (detached), plus the expert bias when there is one."""
-        ranked = values.detach()
-        if self.e_score_correction_bias is not None:
-            ranked = ranked.float() + self.e_score_correction_bias
-        return ranked
-
-    def forward(self, x: torch.Tensor, record: bool = False) -> Routing:
-        """The call's `Routing`; ``record``: also the logits and all-expert probabilities.
-        (Called through the module, so that hooks -- FSDP2's gathers, the harness's routing
-        counts -- see every call.)"""
-        biased = self.e_score_correction_bias is not None
-        if self.family == "gpt_oss":
-            logits = F.linear(x, self.weight, self.bias)
-            ranked = self._choice(logits)
-            own = torch.topk(ranked, self.top_k, dim=-1)[1]
-            index = self._routed(own, logits, x, ranked if biased else None)
-            top_values = _at(logits, index)
-            weights = F.softmax(top_values, dim=-1, dtype=top_values.dtype)
-            probs = logits.softmax(dim=-1, dtype=torch.float32) if record else None
-            return Routing(weights, index, logits if record else None, probs)
-        if self.family == "qwen3_moe":  # HF: logits in the model's dtype, softmax in float32
-            logits = F.linear(x, self.weight)
-        else:  # DeepSeek-V2 upcasts input and weight
-            logits = F.linear(x.float(), self.weight.float())
-        scores = logits.softmax(dim=-1, dtype=torch.float32)
-        keep = (logits, scores) if record else (None, None)
-        if self.family == "qwen3_moe":
-            ranked = self._choice(scores)
-            own = torch.topk(ranked, self.top_k, dim=-1)[1]
-            index = self._routed(own, scores, x, ranked if biased else None)
-            weights = _at(scores, index)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return Routing(weights.to(x.dtype), index, *keep)
-        ranked, masked = self._choice(scores), None  # selection only: nothing of it is saved
-        if biased:
-            masked = ranked
-        if self.topk_method == "group_limited_greedy":
-            per_group = self.num_experts // self.n_group
-            group_scores = ranked.view(-1, self.n_group, per_group).max(dim=-1).values
-            groups = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
-            keep_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group)
-            keep_mask = keep_mask.reshape(-1, self.num_experts).bool()
-            # HF masks the dropped groups with 0 (softmax scores are positive); biased
-            # scores can be negative, so they are masked with -inf (as DeepSeek-V3 does).
-            ranked = masked = ranked.masked_fill(~keep_mask, float("-inf") if biased else 0.0)
-        own = torch.topk(ranked, self.top_k, dim=-1, sorted=False)[1]
-        index = self._routed(own, scores, x, masked)
-        return Routing(_at(scores, index) * self.scale, index, *keep)
-
-    def _routed(
-        self, own: torch.Tensor, scores: torch.Tensor, x: torch.Tensor, ranked=None
-    ) -> torch.Tensor:
-        """The expert indices used: this router's own top-k, unless a tape replays others.
-
-        The weights are always this router's scores gathered at the indices used, so the
-        gradient path is the same whether the indices are its own or replayed. ``ranked``:
-        what the top-k ranked, when not ``scores`` (group-limited routing masks groups).
-        """
-        if self.tape is None:
-            return own
-        if self.family == "gpt_oss":  # the tape compares probabilities over all experts
-            scores = scores.detach().float().softmax(dim=-1)
-        return self.tape.route(self.tape_key, scores, own, x.dtype, ranked)

@@ -4,7 +4,8 @@ The published shapes are those of the public ``config.json`` files. ``mid-*`` pr
 keep a published model's widths with 4 layers, 8 or 16 experts and a 32000 vocabulary
 (0.5 to 1.1 B parameters: real-width tensors one machine can hold). Tiny presets keep
 every feature of their family (MLA, a first dense layer, shared experts, group-limited
-routing, YaRN, sinks, sliding windows, biases, q/k norm, normalised top-k) at a size
+routing, sigmoid routing with a corrected bias, YaRN, sinks, sliding windows, biases, q/k
+norm, normalised top-k) at a size
 where a forward and backward of 2 x 64 tokens takes a fraction of a second on one CPU
 core."""
 
@@ -97,6 +98,81 @@ _PRESETS: dict[str, dict] = {
         max_position_embeddings=40960,
         router_aux_loss_coef=0.001,
     ),
+    # DeepSeek-V3 without its multi-token-prediction module (config.json's
+    # num_nextn_predict_layers = 1; twinpipe trains the main model, as transformers builds
+    # it): 671 B parameters.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        head_dim=64,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=163840,
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        expert_bias=True,
+    ),
+    # Moonlight-16B-A3B (moonshotai): DeepSeek-V3's architecture at 16 B, one expert group.
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3",
+        vocab_size=163840,
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="noaux_tc",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.446,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        max_position_embeddings=8192,
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        expert_bias=True,
+    ),
     "tiny-deepseek-v2": dict(
         model_type="deepseek_v2",
         vocab_size=512,
@@ -130,6 +206,44 @@ _PRESETS: dict[str, dict] = {
             mscale_all_dim=0.707,
         ),
         max_position_embeddings=256,
+    ),
+    # Group-limited (4 groups of 4, 2 kept: a group's top-2 sum is not its sum, and the 3
+    # experts a token takes can span both), q_lora, YaRN with DeepSeek-V3's mscale of 1.
+    "tiny-deepseek-v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=256,
+        expert_bias=True,
     ),
     "tiny-gpt-oss": dict(
         model_type="gpt_oss",
@@ -191,6 +305,9 @@ def _mid(published: str, **changes) -> dict:
 _PRESETS["mid-deepseek-v2"] = _mid("deepseek-v2-lite", num_experts=16)  # 0.72 B
 _PRESETS["mid-qwen3-moe"] = _mid("qwen3-30b-a3b", num_experts=16)  # 0.51 B
 _PRESETS["mid-gpt-oss"] = _mid("gpt-oss-20b", num_experts=8)  # 1.09 B
+# Moonlight's widths with DeepSeek-V3's group-limited routing (16 experts in 4 groups, 2
+# kept), which Moonlight's single group leaves out.
+_PRESETS["mid-deepseek-v3"] = _mid("moonlight-16b-a3b", num_experts=16, n_group=4, topk_group=2)
 
 PRESET_NAMES = tuple(_PRESETS)
 

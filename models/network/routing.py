@@ -31,7 +31,14 @@ A comparison of the arithmetic must therefore hold the discrete choices fixed:
   swap's gap (own top-k sum minus the replayed experts' sum, in the
   candidate's scores) can be at most the summed score difference over the
   experts involved; a larger one means the two select differently (a bug),
-  and scores far apart mean a misaligned replay or a wrong router.
+  and scores far apart mean a misaligned replay or a wrong router;
+- group-limited routing (DeepSeek) first keeps the ``topk_group`` best groups by a group
+  score, then takes the top-k within them. A token whose kept groups differ is judged at
+  that step by the same rule on the group scores (the candidate's kept groups can score
+  above the replayed ones by at most the group scores' difference on the groups that
+  changed), and the group scores must agree like the scores do; a token with the same kept
+  groups is judged on what its top-k ranked (the biased scores, the dropped groups at
+  -inf).
 
 Replay is per router in call order: both stacks run the same DualPipeV
 schedule, so a layer sees the same micro-batches in the same order; a count or
@@ -82,7 +89,9 @@ class _Call:
     index: np.ndarray
     scores: np.ndarray
     ranked: np.ndarray | None
-    """What the top-k ranked, when it is not ``scores`` (group-limited routers)."""
+    """What the top-k ranked, when it is not ``scores`` (biased or group-limited routers)."""
+    groups: np.ndarray | None = None
+    """The group scores that chose the kept groups (group-limited routers with a bias)."""
 
 
 @dataclass
@@ -119,12 +128,14 @@ class RoutingTape:
         own: torch.Tensor,
         dtype: torch.dtype,
         ranked: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The indices a router uses: its own (recorded) or the recorded ones (replayed).
 
         ``scores [T, E]`` are the router's probabilities over all experts, ``own [T, k]``
         its own top-k indices, ``dtype`` the dtype its input was computed in, ``ranked``
-        what its top-k ranked when that is not ``scores`` (group-limited routing).
+        what its top-k ranked when that is not ``scores`` (biased scores, dropped groups at
+        -inf), ``groups [T, G]`` the group scores that chose the kept groups.
         """
         if self.mode == "record":
             # .numpy() is no aten op: the copies are invisible to the memory tracker.
@@ -133,6 +144,7 @@ class RoutingTape:
                 own.detach().cpu().numpy().astype(small),
                 _floats(scores),
                 None if ranked is None else _floats(ranked),
+                None if groups is None else _floats(groups),
             )
             self.calls.setdefault(key, []).append(call)
             return own
@@ -155,28 +167,52 @@ class RoutingTape:
         self.choices += own.numel()
         mine = scores.detach().float().cpu()
         theirs = torch.from_numpy(call.scores)
-        drift = float((mine - theirs).norm() / theirs.norm().clamp_min(1e-30))
+        drift, where = _relative(mine, theirs), key
+        pair = None
+        if groups is not None and call.groups is not None:
+            pair = (groups.detach().float().cpu(), torch.from_numpy(call.groups))
+            if _relative(*pair) > drift:
+                drift, where = _relative(*pair), f"{key} (its group scores)"
         if drift > self.worst_drift[0]:
-            self.worst_drift = (drift, key, number)
+            self.worst_drift = (drift, where, number)
         self.router_drift[key] = max(drift, self.router_drift.get(key, 0.0))
         if ranked is not None:
             mine = ranked.detach().float().cpu()
             theirs = torch.from_numpy(call.ranked if call.ranked is not None else call.scores)
-        self._count_swaps(key, number, mine, theirs, own.cpu(), replayed.cpu())
+        self._count_swaps(key, number, mine, theirs, own.cpu(), replayed.cpu(), pair)
         return replayed
 
-    def _count_swaps(self, key, number, mine, theirs, own, replayed) -> None:
+    def _count_swaps(self, key, number, mine, theirs, own, replayed, groups=None) -> None:
         """Each token whose choice differs. Both stacks take the top-k of their own scores,
         so ``mine(own) - mine(replayed) <= sum over own and replayed of |mine - theirs|``:
-        a swap can only be as large as the scores' difference (a near-tie)."""
+        a swap can only be as large as the scores' difference (a near-tie). ``groups``
+        (mine, theirs): where the kept groups differ, the same rule on the group scores."""
         differ = (own.sort(dim=-1).values != replayed.sort(dim=-1).values).any(dim=-1)
         for token in differ.nonzero().flatten().tolist():
+            if groups is not None and self._group_swap(key, number, token, mine, theirs, groups):
+                continue
             ours, recorded = own[token], replayed[token]
             total = mine[token, ours].abs().sum().clamp_min(1e-30)  # biased logits: any sign
             gap = float((mine[token, ours].sum() - mine[token, recorded].sum()) / total)
             involved = torch.unique(torch.cat([ours, recorded]))
             drift = mine[token, involved] - theirs[token, involved]
             self.swaps.append(Swap(key, number, token, gap, float(drift.abs().sum() / total)))
+
+    def _group_swap(self, key, number, token, mine, theirs, groups) -> bool:
+        """Judge ``token`` on the group scores if its kept groups (the finite entries of what
+        the top-k ranked) differ; False when they are the same."""
+        width = groups[0].shape[-1]
+        kept = torch.isfinite(mine[token]).view(width, -1).any(dim=-1)
+        recorded = torch.isfinite(theirs[token]).view(width, -1).any(dim=-1)
+        if torch.equal(kept, recorded):
+            return False
+        own_scores, their_scores = groups[0][token], groups[1][token]
+        total = own_scores[kept].abs().sum().clamp_min(1e-30)
+        gap = float((own_scores[kept].sum() - own_scores[recorded].sum()) / total)
+        changed = kept ^ recorded
+        drift = (own_scores[changed] - their_scores[changed]).abs().sum() / total
+        self.swaps.append(Swap(key, number, token, gap, float(drift)))
+        return True
 
     def unreplayed(self) -> dict[str, int]:
         """Recorded calls no router replayed: ``{router: count}`` (empty when all were)."""
@@ -203,6 +239,11 @@ class RoutingTape:
 
 def _floats(values: torch.Tensor) -> np.ndarray:
     return values.detach().float().cpu().numpy().copy()
+
+
+def _relative(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Relative L2 difference of two calls' scores (against the recorded ones)."""
+    return float((mine - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
 @dataclass
@@ -295,6 +336,7 @@ class BalancedRouting:
         own: torch.Tensor,
         dtype: torch.dtype,
         ranked: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tokens, k = own.shape
         experts = scores.shape[-1]
@@ -304,7 +346,7 @@ class BalancedRouting:
 
 def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | None) -> int:
     """Route every router of ``part`` through ``tape`` (``None`` detaches). Returns how many."""
-    from models.network.layers import Router  # noqa: PLC0415 (layers imports nothing from here)
+    from models.network.router import Router  # noqa: PLC0415 (router imports nothing from here)
 
     count = 0
     for name, module in part.named_modules():

@@ -71,7 +71,7 @@ def attention_saved(config: EstimateConfig, layer: int) -> list[Saved]:
     heads = m.num_attention_heads // config.tp
     hidden = m.hidden_size
     saved = _norm("input_layernorm", tokens, hidden, b, True, m.model_type == "gpt_oss")
-    if m.model_type == "deepseek_v2":
+    if m.is_deepseek:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is not None:
             saved += _norm("q_a_layernorm", tokens, m.q_lora_rank, b, True)
@@ -83,7 +83,13 @@ def attention_saved(config: EstimateConfig, layer: int) -> list[Saved]:
             Saved("kv_a_layernorm.rsqrt", tokens * F32),
             Saved("kv_a_layernorm.normalized", tokens * m.kv_lora_rank * b),
             Saved("kv_a_layernorm.output", tokens * m.kv_lora_rank * b, weight_input=True),
-            Saved("rotary.rotation", 2 * seq * (m.qk_rope_head_dim // 2) * COMPLEX64),
+        ]
+        if m.model_type == "deepseek_v2":  # complex rotation in float32
+            saved.append(Saved("rotary.rotation", 2 * seq * (m.qk_rope_head_dim // 2) * COMPLEX64))
+        else:  # V3: cos/sin cast to the run dtype per call: shared by q and k only in float32
+            tables = 2 if b == F32 else 4
+            saved.append(Saved("rotary.cos_sin", tables * seq * (m.qk_rope_head_dim // 2) * b))
+        saved += [
             Saved("attention.q", tokens * heads * qk * b),
             Saved("attention.k", tokens * heads * qk * b),
         ]
@@ -223,7 +229,7 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     rows = routed(config)
     sent, grouped, received = rows.sent, rows.grouped, rows.received
     saved: list[Saved] = []
-    # The weights are the scores indexed at the chosen experts (models.network.layers._at): the
+    # The weights are the scores indexed at the chosen experts (models.network.router._at): the
     # ``[T, k]`` expert index and a ``[T, 1]`` row index are saved; the selection is detached.
     routed_index = [
         Saved("router.topk_indices", tokens * top_k * I64),
@@ -232,15 +238,16 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
     if m.model_type == "gpt_oss":
         saved += routed_index + [Saved("router.softmax", tokens * top_k * b)]
     else:
-        if b != F32 and m.model_type == "deepseek_v2":
+        if b != F32 and m.is_deepseek:
             # linear(x.float(), weight.float()): both copies are saved. Qwen3-MoE's router
             # runs in the model dtype (as HF's) and saves the norm's output itself.
             saved += [
                 Saved("router.float_input", tokens * hidden * F32, weight_input=True),
                 Saved("router.float_weight", experts * hidden * F32),
             ]
+        # The softmax (DeepSeek-V3: the sigmoid) keeps its float32 result.
         saved += [Saved("router.softmax", tokens * experts * F32)] + routed_index
-        if m.model_type == "qwen3_moe" and m.norm_topk_prob:
+        if m.model_type in ("qwen3_moe", "deepseek_v3") and m.norm_topk_prob:
             saved += [
                 Saved("router.topk_weights", tokens * top_k * F32),
                 Saved("router.topk_sum", tokens * F32),
@@ -307,11 +314,9 @@ def layer_saved(config: EstimateConfig, layer: int, is_moe: bool | None = None) 
         is_moe = config.moe_layers()[layer]
     saved = attention_saved(config, layer)
     # The post-attention norm's output is saved by the dense MLP, the shared experts or a
-    # router in the model dtype (GPT-OSS, Qwen3-MoE); DeepSeek-V2's float32 router saves its
+    # router in the model dtype (GPT-OSS, Qwen3-MoE); DeepSeek's float32 router saves its
     # own float copy in 16-bit runs.
-    output_saved = (
-        b == F32 or not is_moe or m.model_type != "deepseek_v2" or bool(config.shared_expert_width)
-    )
+    output_saved = b == F32 or not is_moe or not m.is_deepseek or bool(config.shared_expert_width)
     saved += _norm(
         "post_attention_layernorm",
         tokens,

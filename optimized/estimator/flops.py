@@ -122,7 +122,7 @@ def layer_flops(
 ) -> ForwardFlops:
     """One decoder layer's forward FLOPs per token (see the module docstring)."""
     c, hidden, heads = model, model.hidden_size, model.num_attention_heads
-    if c.model_type == "deepseek_v2":
+    if c.is_deepseek:
         qk, v_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
         if c.q_lora_rank is None:
             query = hidden * heads * qk

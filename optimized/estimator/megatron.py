@@ -401,7 +401,7 @@ def report_theoretical_memory(
 def megatron_args(config: EstimateConfig) -> MegatronArgs:
     """Megatron's fields for twinpipe's model and layout (what a user would pass it)."""
     m = config.model
-    mla = m.model_type == "deepseek_v2"
+    mla = m.is_deepseek
     has_moe = any(config.moe_layers()) and m.num_experts > 0
     shared = config.shared_expert_width
     return MegatronArgs(

@@ -319,7 +319,7 @@ def buffer_bytes(config: EstimateConfig, layers) -> int:
     keeps it (`models.network.layers._init_rope_buffer`), and with the expert bias on each
     MoE router's float32 ``e_score_correction_bias``."""
     m, layers = config.model, list(layers)
-    rotary = m.qk_rope_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    rotary = m.qk_rope_head_dim if m.is_deepseek else m.head_dim
     return len(layers) * (rotary // 2) * F32 + bias_buffer_bytes(config, layers)
 
 

@@ -68,7 +68,7 @@ def attention_params(model: ModelConfig) -> ParamCount:
     """One layer's attention: projections (sharded), sinks (sharded by head), q/k norms."""
     c, count = model, ParamCount()
     hidden, heads, bias = c.hidden_size, c.num_attention_heads, c.attention_bias
-    if c.model_type == "deepseek_v2":
+    if c.is_deepseek:
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         if c.q_lora_rank is None:
             count.add("tensor_sharded", hidden * heads * qk)

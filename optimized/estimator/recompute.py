@@ -61,7 +61,7 @@ def _shapes(config: EstimateConfig) -> tuple[int, int, int, int]:
     """(query heads, key/value heads, query/key width, value width) of the fused attention."""
     m = config.model
     heads = m.num_attention_heads // config.tp
-    if m.model_type == "deepseek_v2":
+    if m.is_deepseek:
         return heads, heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     return heads, m.num_key_value_heads // config.tp, m.head_dim, m.head_dim
 
@@ -93,7 +93,7 @@ def recomputed_block(config: EstimateConfig, layer: int) -> tuple[list[Saved], l
     heads, kv_heads, qk_dim, v_dim = _shapes(config)
     m, rows = config.model, config.tokens
     # The values are a view of their projection: MLA's holds the keys' no-rope part too.
-    v_storage = m.qk_nope_head_dim + v_dim if m.model_type == "deepseek_v2" else v_dim
+    v_storage = m.qk_nope_head_dim + v_dim if m.is_deepseek else v_dim
     fused = [
         Saved("q", rows * heads * qk_dim * b),
         Saved("k", rows * kv_heads * qk_dim * b),

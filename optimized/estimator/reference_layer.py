@@ -59,7 +59,7 @@ def attention_backward_peak(config: EstimateConfig, items: list[Saved]) -> int:
     batch, seq = config.micro_batch_size, config.seq_len
     columns = seq + 1 if m.model_type == "gpt_oss" else seq
     scores = batch * heads * seq * columns
-    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    v_dim = m.v_head_dim if m.is_deepseek else m.head_dim
     grad_v = config.tokens * heads * v_dim * b
     # Float32 gradient of the probabilities (cast back from the run dtype's in 16-bit) and
     # the scores' gradient in the run dtype (GPT-OSS: its float max-subtracted scores).

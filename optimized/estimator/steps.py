@@ -170,9 +170,9 @@ def dense_grads_before_attention(
 
     m = config.model
     late = shard(attention_params(m), config)
-    v_dim = m.v_head_dim if m.model_type == "deepseek_v2" else m.head_dim
+    v_dim = m.v_head_dim if m.is_deepseek else m.head_dim
     output = m.num_attention_heads * v_dim * m.hidden_size // config.tp
-    output += m.hidden_size if m.attention_bias and m.model_type != "deepseek_v2" else 0
+    output += m.hidden_size if m.attention_bias and not m.is_deepseek else 0
     unmade = sum(late.values()) - (output if output_made else 0) + m.hidden_size
     dense = layer_profile(config, layer).dense_grad
     return max(dense - unmade * config.grad_bytes, 0)
