@@ -219,8 +219,9 @@ def test_export_command_says_what_it_wrote(qwen_checkpoint, tmp_path, capsys):
     message, exported = _export_command(qwen_checkpoint, out, capsys)
     said = re.fullmatch(
         rf"exported \S+step-00000001 to {re.escape(str(out))}: (\d+) tensors in (\d+) shard\(s\), "
-        r"\d+\.\d\d GB, every weight in bfloat16 \(unquantised: GPT-OSS experts read from "
-        r"MXFP4 are written in bfloat16\); largest tensor \d+\.\d\d GB\n",
+        r"\d+\.\d\d GB, every weight in bfloat16 \(unquantised: GPT-OSS's MXFP4 experts and "
+        r"DeepSeek-V3's FP8 weights are written in bfloat16; expert biases in float32\); "
+        r"largest tensor \d+\.\d\d GB\n",
         message,
     )
     assert said is not None, message

@@ -141,7 +141,7 @@ def test_the_expert_bias_recovers_through_twinpipe_train(tmp_path):
          "--steps", str(STEPS), "--lr", str(LR), "--warmup-steps", "0", "--lr-schedule",
          "constant", "--seq-len", str(BATCH["seq_len"]), "--micro-batch-size",
          str(BATCH["micro_batch_size"]), "--micro-batches", str(BATCH["micro_batches"]),
-         "--expert-bias", "--expert-bias-rate", "0.01", "--metrics-file", str(metrics),
+         "--expert-bias", "on", "--expert-bias-rate", "0.01", "--metrics-file", str(metrics),
          "--nproc", "1", "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
         env={**os.environ, "TWINPIPE_RUNNER": "reference.pipeline:ReferencePipeline"},

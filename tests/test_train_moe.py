@@ -36,7 +36,7 @@ def test_the_moe_section_reads_from_toml_set_and_flags(tmp_path):
     path.write_text("[moe]\naux_loss = 'pooled'\naux_loss_coef = 0.01\nexpert_bias = true\n")
     cfg = validate_config(load_config(path))
     assert (cfg.moe.aux_loss, cfg.moe.aux_loss_coef, cfg.moe.expert_bias) == ("pooled", 0.01, True)
-    assert (cfg.moe.z_loss_coef, cfg.moe.expert_bias_rate) == (0.0, 1e-3)  # the defaults
+    assert (cfg.moe.z_loss_coef, cfg.moe.expert_bias_rate) == (0.0, None)  # the defaults
     cfg = apply_overrides(cfg, ["moe.z_loss_coef=1e-3", "moe.expert_bias=off",
                                 "moe.expert_bias_rate=0.01", "moe.aux_loss_coef="])  # fmt: skip
     assert cfg.moe.z_loss_coef == 1e-3 and cfg.moe.expert_bias is False
@@ -52,8 +52,8 @@ def test_the_moe_section_reads_from_toml_set_and_flags(tmp_path):
                                 "pooled, layer, sequence"),
         ("moe.aux_loss_coef=-1", "moe.aux_loss_coef = -1.0 is invalid: must be a finite number"),
         ("moe.z_loss_coef=nan", "moe.z_loss_coef = nan is invalid"),
-        ("moe.expert_bias_rate=0", "moe.expert_bias_rate = 0.0 is invalid: must be a finite "
-                                   "number > 0"),
+        ("moe.expert_bias_rate=-0.1", "moe.expert_bias_rate = -0.1 is invalid: must be a "
+                                      "finite number >= 0"),
     ],
 )  # fmt: skip
 def test_bad_moe_values_name_the_key_the_value_and_what_is_valid(override, message):
@@ -82,6 +82,13 @@ def test_the_section_is_set_on_the_model_and_checked_against_it():
         with_moe(moe("moe.aux_loss_coef=0.1"), preset("tiny-qwen3-moe"))
     plan = plan_run(moe("model.name=tiny-deepseek-v2", "moe.expert_bias=on"))
     assert plan.model.expert_bias and plan.model.balancing().expert_bias
+    # Unset keys keep the model's own: DeepSeek-V3 routes on its bias; a rate of 0 freezes it.
+    v3 = with_moe(moe(), preset("tiny-deepseek-v3"))
+    assert (v3.expert_bias, v3.expert_bias_rate) == (True, 1e-3)
+    assert with_moe(moe("moe.expert_bias_rate=0"), preset("tiny-deepseek-v3")).expert_bias_rate == 0
+    assert not with_moe(moe(), preset("tiny-qwen3-moe")).expert_bias
+    with pytest.raises(BadInput, match=r"moe.expert_bias = False.*always on"):
+        with_moe(moe("moe.expert_bias=off"), preset("tiny-deepseek-v3"))
 
 
 def test_a_bad_moe_choice_exits_2_before_any_rank_starts():
@@ -98,7 +105,7 @@ def test_help_and_print_config_show_the_section():
     assert "[moe]" in done.stdout and "expert_bias = true" in done.stdout
     assert "# aux_loss_coef = (unset)" in done.stdout
     shown = _cli("--help").stdout
-    assert "--expert-bias-rate" in shown and "[moe.expert_bias_rate; default: 0.001]" in shown
+    assert "--expert-bias-rate" in shown and "[moe.expert_bias_rate; default: unset]" in shown
 
 
 # ------------------------------------------------------------------ pieces
@@ -317,3 +324,29 @@ def test_a_training_checkpoint_without_a_bias_starts_it_at_zero(tmp_path):
     assert [n for n, b in state_buffers(model) if b.abs().sum() == 0] == [
         f"model.layers.{i}.mlp.gate.{BIAS}" for i in (1, 2, 3)
     ]
+
+
+@pytest.mark.multiprocess
+def test_deepseek_v3_trains_on_its_own_bias_and_exports_it_in_float32(tmp_path):
+    """tiny DeepSeek-V3 with the ``[moe]`` section left alone routes on its native bias and
+    moves it (a V3 run needs no flag); the export, cast to bfloat16, writes the trained bias
+    under its HF name in float32, equal to the checkpoint's."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    cfg = config("model.name=tiny-deepseek-v3", "steps=2", "optim.warmup_steps=0",
+                 f"checkpoint.dir={tmp_path / 'ckpt'}")  # fmt: skip
+    launch(_rank_main, 1, (cfg,))
+    model = preset("tiny-deepseek-v3")
+    source = TrainingCheckpointWeights(tmp_path / "ckpt" / "step-00000002")
+    report = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", "bfloat16")
+    assert report.dropped == ()
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    layers = [i for i in range(model.num_hidden_layers) if model.is_moe_layer(i)]
+    for layer in layers:
+        name = f"model.layers.{layer}.mlp.gate.{BIAS}"
+        trained = torch.empty(model.num_experts)
+        source.fill(name, trained)
+        assert trained.abs().max() > 0, name  # moved by the run
+        with safe_open(str(tmp_path / "hf" / index["weight_map"][name]), "pt") as f:
+            written = f.get_tensor(name)
+        assert written.dtype == torch.float32 and torch.equal(written, trained), name

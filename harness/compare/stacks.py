@@ -20,9 +20,8 @@ too, and each stack keeps its own: the candidate takes the baseline's before eac
 
 The truth of a bfloat16 comparison is the reference stack in float32, loaded from the
 baseline's parameters before each step (`load_parameters`).
-
-Training-state buffers (`models.network.state_buffers`: an expert bias, which chooses
-experts; DeepSeek-V3's is native) go with the parameters every way: shared, copied, loaded.
+The float32 truth takes the baseline's biases with its parameters (`load_parameters`).
+DeepSeek-V3's bias is native to the family and goes the same ways.
 """
 
 from __future__ import annotations
@@ -101,8 +100,9 @@ def shares_state(baseline: Any, candidate: Any) -> bool:
 
 
 def share_parameters(baseline: Any, candidate: Any) -> None:
-    """Make ``candidate`` run on ``baseline``'s parameters, training-state buffers and
-    optimizer (see the module docstring). The candidate's own parameters are dropped."""
+    """Make ``candidate`` run on ``baseline``'s parameters and optimizer (see the module
+    docstring). The candidate's own parameters are dropped; its training-state buffers stay
+    its own (the candidate moves its bias, and the verdict compares the two moves)."""
     theirs = dict(baseline.part.named_parameters(remove_duplicate=False))
     owners = dict(candidate.part.named_modules())
     for name, mine in list(candidate.part.named_parameters(remove_duplicate=False)):
@@ -118,10 +118,6 @@ def share_parameters(baseline: Any, candidate: Any) -> None:
         setattr(owners[prefix], attribute, other)
     if set(theirs) != set(dict(candidate.part.named_parameters(remove_duplicate=False))):
         raise RuntimeError("the two stacks hold different parameters on this rank")
-    buffers = dict(state_buffers(baseline.part))
-    for name, _ in state_buffers(candidate.part):
-        prefix, _, attribute = name.rpartition(".")
-        owners[prefix]._buffers[attribute] = buffers[name]
     candidate.optimizer = baseline.optimizer
 
 

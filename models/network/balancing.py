@@ -26,7 +26,7 @@ them (`Balancing` names the run's choice):
 ``coef x`` the mean over its micro-batches (M per DP rank, DP ranks) of each micro-batch's
 balancing terms: what gradient accumulation over micro-batches and data parallelism does
 to transformers' per-forward loss. So one micro-batch's terms enter with weight
-``1 / (M x DP)`` (`MicroBatchBalance.scale`), the same at every layout.
+``1 / (M x DP)`` (`StepBalance.scale`), the same at every layout.
 
 **Gradients without a second backward.** The terms are functions of router outputs only,
 and the local ones (``layer``, ``sequence``, z-loss) are known when the router runs. Each

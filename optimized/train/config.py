@@ -152,7 +152,7 @@ class MoeSection:
 
     aux_loss: str = "auto"
     """Load-balancing loss: ``auto`` (what the model's config.json asks: Qwen3-MoE and GPT-OSS
-    with output_router_logits pool every layer, DeepSeek-V2 with aux_loss_alpha per
+    with output_router_logits pool every layer, DeepSeek-V2 and V3 with aux_loss_alpha per
     sequence), ``none``, ``pooled`` (transformers' loss over all layers), ``layer`` or
     ``sequence`` (DeepSeek-V2's, per layer)."""
     aux_loss_coef: float | None = None
@@ -161,12 +161,14 @@ class MoeSection:
     z_loss_coef: float = 0.0
     """Router z-loss coefficient (ST-MoE: ``coef * mean(logsumexp(router logits)**2)`` per
     MoE layer); 0 turns it off. Not ``loss.z_loss``, which acts on the output logits."""
-    expert_bias: bool = False
+    expert_bias: bool | None = None
     """Aux-loss-free balancing (DeepSeek-V3): a float32 bias per MoE layer, added to the
     router's scores to choose experts only, moved once per optimizer step by
-    ``expert_bias_rate * sign(mean load - load)``; checkpointed."""
-    expert_bias_rate: float = 1e-3
-    """How far one optimizer step moves each expert's bias."""
+    ``expert_bias_rate * sign(mean load - load)``; checkpointed. Unset: the model's own
+    (on for DeepSeek-V3, whose routing includes it; off for the other families)."""
+    expert_bias_rate: float | None = None
+    """How far one optimizer step moves each expert's bias (0 keeps it fixed); unset: the
+    model's own (0.001)."""
 
 
 @dataclass(slots=True)
@@ -419,8 +421,10 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     )
     check(finite(moe.z_loss_coef) and moe.z_loss_coef >= 0, "moe.z_loss_coef",
           "must be a finite number >= 0 (0 turns the router z-loss off)")  # fmt: skip
-    check(finite(moe.expert_bias_rate) and moe.expert_bias_rate > 0, "moe.expert_bias_rate",
-          "must be a finite number > 0 (moe.expert_bias = false turns the bias off)")  # fmt: skip
+    rate = moe.expert_bias_rate
+    check(rate is None or (finite(rate) and rate >= 0), "moe.expert_bias_rate",
+          "must be a finite number >= 0 (0 keeps the bias fixed; moe.expert_bias = off "
+          "turns it off), or unset for the model's own")  # fmt: skip
 
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")

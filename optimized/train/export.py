@@ -238,7 +238,12 @@ def export_checkpoint(
     for disk, tensor in to_hf_state_dict(meta, config).items():
         if disk not in on_disk:  # DeepSeek-V2's zero-width shared experts, as transformers
             plan.append((None, disk, tensor.shape, ()))
-    planned = [Planned(disk, tuple(shape), target) for _, disk, shape, _ in plan]
+    # An expert bias stays float32 (the published layout's dtype, and the training state's).
+    dtypes = [
+        torch.float32 if name is not None and is_state_buffer(name) else target
+        for name, _, _, _ in plan
+    ]
+    planned = [Planned(p[1], tuple(p[2]), dt) for p, dt in zip(plan, dtypes, strict=True)]
     writer = ShardWriter(out, plan_shards(planned, max_shard_bytes), single=False)
     hf_config = config_to_hf(config)
     hf_config["dtype"] = str(target).removeprefix("torch.")
@@ -246,11 +251,11 @@ def export_checkpoint(
     line = ProgressLine(
         f"exporting {folder}", len(plan), sum(p.nbytes for p in planned), enabled=progress
     )
-    for name, disk, shape, region in plan:
+    for (name, disk, shape, region), dt in zip(plan, dtypes, strict=True):
         if name is None:
-            tensor = torch.empty(shape, dtype=target)
+            tensor = torch.empty(shape, dtype=dt)
         else:
-            tensor = source.piece(f"model.{name}", shape, region, target)
+            tensor = source.piece(f"model.{name}", shape, region, dt)
         writer.write(disk, tensor)
         line(disk, tensor.numel() * tensor.element_size())
         del tensor  # a copy when cast or assembled: gone before the next is made
@@ -337,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"exported {report.folder} to {args.out}: {report.tensors} tensors in {report.shards} "
         f"shard(s), {report.total_bytes / 1e9:.2f} GB, every weight in {dtype} (unquantised: "
-        f"GPT-OSS experts read from MXFP4 are written in {dtype}); largest tensor "
+        f"GPT-OSS's MXFP4 experts and DeepSeek-V3's FP8 weights are written in {dtype}; expert "
+        f"biases in float32); largest tensor "
         f"{report.largest_tensor_bytes / 1e9:.2f} GB"
         + (f"; left out: {len(report.dropped)} expert biases (see the warning)"
            if report.dropped else "")

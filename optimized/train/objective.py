@@ -60,7 +60,11 @@ def with_moe(cfg: TrainConfig, model: ModelConfig) -> ModelConfig:
     coefficient, a coefficient for a loss that is off, any control on a model without MoE
     layers."""
     moe = cfg.moe
-    changes = {field: getattr(moe, key) for key, field in MOE_FIELDS.items()}
+    changes = {  # unset: the model's own
+        field: getattr(moe, key)
+        for key, field in MOE_FIELDS.items()
+        if getattr(moe, key) is not None
+    }
     default = type(moe)()
     asked = [key for key in MOE_FIELDS if getattr(moe, key) != getattr(default, key)]
     if asked and model.moe_layers == 0:
