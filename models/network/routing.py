@@ -109,6 +109,8 @@ class RoutingTape:
     """The largest relative L2 score difference of one call, with its router and call."""
     router_drift: dict[str, float] = field(default_factory=dict)
     """The largest relative L2 score difference of each router's calls."""
+    router_where: dict[str, str] = field(default_factory=dict)
+    """Where each router's largest difference was (`ReplayResult.router_where`)."""
     dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -175,7 +177,9 @@ class RoutingTape:
                 drift, where = _relative(*pair), f"{key} (its group scores)"
         if drift > self.worst_drift[0]:
             self.worst_drift = (drift, where, number)
-        self.router_drift[key] = max(drift, self.router_drift.get(key, 0.0))
+        if drift >= self.router_drift.get(key, 0.0):
+            self.router_drift[key] = drift
+            self.router_where[key] = where
         if ranked is not None:
             mine = ranked.detach().float().cpu()
             theirs = torch.from_numpy(call.ranked if call.ranked is not None else call.scores)
@@ -234,6 +238,7 @@ class RoutingTape:
             self.worst_drift,
             limit,
             dict(self.router_drift),
+            dict(self.router_where),
         )
 
 
@@ -258,6 +263,9 @@ class ReplayResult:
     drift_limit: float
     router_drift: dict[str, float] = field(default_factory=dict)
     """Each router's largest score difference over its calls (relative L2)."""
+    router_where: dict[str, str] = field(default_factory=dict)
+    """Where each router's largest difference was: its key, or ``key (its group scores)``
+    when the group scores that chose the kept groups differed more than the scores."""
 
     def max_gap(self) -> float:
         return max((s.gap for s in self.swaps), default=0.0)
@@ -295,7 +303,7 @@ class ReplayResult:
             if drift > limit:
                 found.append(
                     f"router scores differ from the recorded ones by {drift:.3g} (relative "
-                    f"L2) at router {name}; the limit is {limit:.3g}"
+                    f"L2) at router {self.router_where.get(name, name)}; the limit is {limit:.3g}"
                 )
         far = [s for s in self.swaps if not -TIE_SLACK <= s.gap <= s.drift + TIE_SLACK]
         if far:
