@@ -66,19 +66,24 @@ def read_until(stream, prefix: str) -> list[str]:
     raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(seen)}")
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    with suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with suppress(FileNotFoundError):
+                found += Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+    return [int(child) for child in found]
+
+
 def rank_pids(launcher: subprocess.Popen) -> list[int]:
-    """The pids of the ranks ``launcher`` (from `started`) spawned, rank 0 first:
-    `models.runtime.spawn` starts them in rank order, and its one other child is
-    multiprocessing's resource tracker."""
-    children = []
-    for task in os.listdir(f"/proc/{launcher.pid}/task"):
-        with suppress(FileNotFoundError):
-            children += Path(f"/proc/{launcher.pid}/task/{task}/children").read_text().split()
-    started_at = {int(pid): _start_time(int(pid)) for pid in children}
-    ranks = sorted(
-        (pid for pid in started_at if "spawn_main" in _command_line(pid)),
-        key=lambda pid: (int(started_at[pid] or 0), pid),
-    )
+    """The pids of the ranks ``launcher`` (from `started`) started, rank 0 first:
+    `models.runtime.spawn` forks them, in rank order, from its rank server (a child of the
+    launcher, as is multiprocessing's resource tracker)."""
+    servers = [
+        pid for pid in _children(launcher.pid) if "multiprocessing.forkserver" in _command_line(pid)
+    ]
+    started_at = {pid: _start_time(pid) for server in servers for pid in _children(server)}
+    ranks = sorted(started_at, key=lambda pid: (int(started_at[pid] or 0), pid))
     launcher.ranks.update({pid: started_at[pid] for pid in ranks})
     return ranks
 

@@ -29,7 +29,9 @@ of live tensors, and four ranks did not fit in 24 GiB. `MALLOC_ENV` fixes the th
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -77,15 +79,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+START_METHOD = "forkserver"
+"""How ranks start: forked from a server process that has imported torch once
+(`PRELOADED`), rather than spawned afresh, each importing torch itself (seconds per rank on
+a small host: the whole test suite launches ranks some hundreds of times). The server is
+started by the first launch of a process and serves every later one."""
+PRELOADED = ["torch", "torch.distributed", "numpy", "models.runtime"]
+"""What the rank server imports once: torch and this package (FSDP2 and DTensor included),
+nothing that reads the environment at import time. ``triton`` (whose interpreter switch a
+rank's environment sets) and the stacks' kernels are imported by each rank after it takes
+its launcher's environment at the start of `_worker`. (`models.choose_triton_mode` runs in
+the server too, on the server's own environment, which no rank keeps.)"""
+
+
 def _worker(
     local_rank: int,
-    fn: Callable,
-    args: tuple,
+    payload: bytes,
+    environment: dict[str, str],
     world_size: int,
     port: int,
     result_dir: str,
     timeout_s: float,
 ) -> None:
+    # The launcher's environment as it was at the launch (the rank server's is its own from
+    # when it started), then the function and its arguments: unpickling them imports their
+    # modules, which may read it.
+    os.environ.clear()
+    os.environ.update(environment)
+    fn, args = pickle.loads(payload)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -218,13 +239,16 @@ def launch(
     for key, value in MALLOC_ENV.items():  # read by each spawned rank's glibc at start
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
+        payload = pickle.dumps((fn, args))
+        multiprocessing.set_forkserver_preload(PRELOADED)
         with _environment(device.rank_environment()):  # each rank's, before it imports
+            environment = dict(os.environ)
             context = mp.start_processes(
                 _worker,
-                args=(fn, args, world_size, _free_port(), result_dir, timeout_s),
+                args=(payload, environment, world_size, _free_port(), result_dir, timeout_s),
                 nprocs=world_size,
                 join=False,
-                start_method="spawn",
+                start_method=START_METHOD,
             )
         processes = context.processes
         received: list[int] = []
