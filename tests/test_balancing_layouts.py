@@ -69,54 +69,71 @@ def _rows(oracle_param: torch.Tensor, module, name: str, local: torch.Tensor) ->
     return oracle_param[first : first + local.shape[0]]
 
 
-def _worker(cases, parallel, stacks, steps):
-    """Each case's oracle and pipelines on this rank; per step: losses, balancing values,
-    the worst gradient difference, the load and the biases after the step."""
+def _oracle_steps(case: str, layers: int | None, parallel: ParallelConfig, steps: int) -> list:
+    """The oracle's trajectory of ``case``, run once here in the test process (every rank
+    and both stacks are held against it): per step the loss, the balancing values, every
+    gradient, the load of every MoE layer and the biases after the step."""
+    cfg = _config(case, layers)
+    oracle = Oracle(cfg, SeededWeights(cfg, seed=7), OPTIMIZER, micro_batch_size=1)
+    out = []
+    for step in range(steps):
+        ids, labels = synthetic_batch(cfg, parallel, step)
+        loss = oracle.forward_backward(ids, labels)
+        grads = {n: p.grad.detach().clone() for n, p in oracle.model.named_parameters()}
+        values, load = oracle.balancing_values().tolist(), oracle.step_load()
+        oracle.optimizer_step()
+        biases = {
+            i: r.e_score_correction_bias.clone()
+            for i, r in moe_routers(oracle.model).items()
+            if r.e_score_correction_bias is not None
+        }
+        out.append(dict(loss=loss, values=values, grads=grads, load=load, biases=biases))
+    return out
+
+
+def _worker(cases, parallel, stacks, oracles):
+    """Each case's pipelines on this rank, against the oracle's trajectory; per step: losses,
+    balancing values, the worst gradient difference, the load and the biases after the step."""
     layout = make_layout(parallel)
     out = []
-    for case, layers in cases:
+    for (case, layers), trajectory in zip(cases, oracles, strict=True):
         cfg = _config(case, layers)
         weights = SeededWeights(cfg, seed=7)
         for stack in stacks:
             cls = ReferencePipeline if stack == "reference" else OptimizedPipeline
-            oracle = Oracle(cfg, weights, OPTIMIZER, micro_batch_size=1)
             pipe = cls(cfg, parallel, layout, weights, OPTIMIZER)
             owners = {
                 f"{prefix}.{p}" if prefix else p: module
                 for prefix, module in pipe.part.named_modules()
                 for p, _ in module.named_parameters(recurse=False)
             }
-            oracle_params = dict(oracle.model.named_parameters())
-            for step in range(steps):
+            for step, oracle in enumerate(trajectory):
                 ids, labels = synthetic_batch(cfg, parallel, step)
-                loss_oracle = oracle.forward_backward(ids, labels)
                 loss_pipe = pipe.forward_backward(ids, labels)
-                values = (oracle.balancing_values(), pipe.balancing_values())
+                values = pipe.balancing_values()
                 worst = (0.0, "")
                 for name, param in pipe.part.named_parameters():
-                    theirs = _rows(oracle_params[name].grad, owners[name], name, param)
+                    theirs = _rows(oracle["grads"][name], owners[name], name, param)
                     rel = float((param.grad - theirs).norm() / theirs.norm().clamp_min(1e-30))
                     worst = max(worst, (rel, name))
                 routers = moe_routers(pipe.part)
                 load = pipe.step_load()
-                expected_load = oracle.step_load()[[_moe_index(cfg, i) for i in routers]]
+                expected_load = oracle["load"][[_moe_index(cfg, i) for i in routers]]
                 before = {
                     i: r.e_score_correction_bias.clone()
                     for i, r in routers.items()
                     if r.e_score_correction_bias is not None
                 }
-                oracle.optimizer_step()
                 pipe.optimizer_step()
-                oracle_routers = moe_routers(oracle.model)
                 bias_diff = max(
                     (
-                        float((r.e_score_correction_bias
-                               - oracle_routers[i].e_score_correction_bias).abs().max())
-                        for i, r in routers.items()
-                        if r.e_score_correction_bias is not None
+                        float(
+                            (routers[i].e_score_correction_bias - oracle["biases"][i]).abs().max()
+                        )
+                        for i in before
                     ),
                     default=0.0,
-                )  # fmt: skip
+                )
                 # This step's move (a sign update can undo the last one: +rate, then -rate).
                 moved = max(
                     (
@@ -127,8 +144,8 @@ def _worker(cases, parallel, stacks, steps):
                 )
                 out.append(
                     dict(
-                        case=case, stack=stack, step=step, loss=(loss_oracle, loss_pipe),
-                        values=(values[0].tolist(), values[1].tolist()), worst=worst,
+                        case=case, stack=stack, step=step, loss=(oracle["loss"], loss_pipe),
+                        values=(oracle["values"], values.tolist()), worst=worst,
                         load_equal=bool(torch.equal(load.cpu(), expected_load.cpu())),
                         layers=list(routers), bias_diff=bias_diff, bias_moved=moved,
                     )
@@ -139,6 +156,13 @@ def _worker(cases, parallel, stacks, steps):
 def _moe_index(cfg, layer: int) -> int:
     """Row of ``layer`` in the oracle's load (its MoE layers in order)."""
     return [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)].index(layer)
+
+
+def _run(cases, parallel, steps):
+    """The oracle once per case here, then both stacks on every rank against it."""
+    oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers in cases]
+    stacks = ("reference", "optimized")
+    return launch(_worker, parallel.world_size, (cases, parallel, stacks, oracles))
 
 
 def _check(results, cases):
@@ -185,7 +209,7 @@ def test_every_form_matches_the_oracle(pp, dp, ep, m):
     parallel = ParallelConfig(
         pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=m, seq_len=16, seed=3
     )
-    results = launch(_worker, parallel.world_size, (ALL, parallel, ("reference", "optimized"), 2))
+    results = _run(ALL, parallel, 2)
     for rank_results in results:
         _check(rank_results, ALL)
 
@@ -197,6 +221,6 @@ def test_every_form_matches_the_oracle_at_pp4():
         pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8, seq_len=8, seed=5
     )
     cases = [(case, 8) for case in CASES]
-    results = launch(_worker, 4, (cases, parallel, ("reference", "optimized"), 1))
+    results = _run(cases, parallel, 1)
     for rank_results in results:
         _check(rank_results, cases)
