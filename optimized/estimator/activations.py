@@ -285,7 +285,8 @@ def moe_saved(config: EstimateConfig) -> list[Saved]:
 def balancing_saved(config: EstimateConfig) -> list[Saved]:
     """What the routing controls' terms save in a MoE layer (`models.network.balancing`), named
     as the router's (made with it, freed with it): GPT-OSS's float32 softmax over every
-    expert when a load-balancing loss is on (the other families' router saves its own);
+    expert when a load-balancing loss is on (the other families' router saves its own;
+    DeepSeek-V3's loss divides the saved sigmoid scores by their sum, which it saves);
     the z-loss's ``logsumexp`` input (float32 logits, or their float copy) and output;
     the ``layer`` form's ``[E]`` load share, the ``sequence`` form's ``[B, E]``. The pooled
     form saves nothing (`optimized.estimator.balancing`)."""
@@ -294,6 +295,8 @@ def balancing_saved(config: EstimateConfig) -> list[Saved]:
     saved = []
     if controls.aux and m.model_type == "gpt_oss":
         saved.append(Saved("router.balance.probs", tokens * experts * F32))
+    if controls.aux and m.model_type == "deepseek_v3":  # scores / their sum: the [T, 1] sum
+        saved.append(Saved("router.balance.score_sum", tokens * F32))
     if controls.aux and controls.aux_form == "layer":
         saved.append(Saved("router.balance.layer_share", experts * F32))
     if controls.aux and controls.aux_form == "sequence":
