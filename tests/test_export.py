@@ -241,7 +241,7 @@ def test_gpt_oss_trained_from_mxfp4_is_exported_unquantised(tmp_path, capsys):
     train(config(f"model.name={name}", *steps, f"model.init_from={tmp_path / 'mxfp4'}",
                  f"checkpoint.dir={tmp_path / 'ck'}"))  # fmt: skip
     message, exported = _export_command(tmp_path / "ck", tmp_path / "hf", capsys)
-    assert "every weight in bfloat16 (unquantised: GPT-OSS experts read from MXFP4" in message
+    assert "every weight in bfloat16 (unquantised: GPT-OSS's MXFP4 experts" in message
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     assert "model.layers.0.mlp.experts.gate_up_proj" in exported
     assert not [n for n in exported if n.endswith(("_blocks", "_scales"))]
