@@ -29,6 +29,7 @@ of live tensors, and four ranks did not fit in 24 GiB. `MALLOC_ENV` fixes the th
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import pickle
@@ -115,6 +116,12 @@ def _worker(
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    # What the imports made lives as long as the rank: moved out of the cyclic collector's
+    # reach, each collection (the memory tracker runs one per measured step) walks only what
+    # the work made since, not the ~300,000 objects of torch, triton and the project (about
+    # 0.25 s a collection, 10-15% of a measured compare on CPU). Garbage is still freed as
+    # soon as it is made.
+    gc.freeze()
     try:
         # Inside the try: a rank that cannot take its GPU reports why, with its traceback.
         init_process_group(timeout_s)
@@ -125,6 +132,9 @@ def _worker(
         # root cause, rather than whichever secondary failure it happens to see first.
         with open(os.path.join(result_dir, f"error{local_rank}.txt"), "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        # This rank ends through the interpreter's finalization, which collects only what
+        # is not frozen: left frozen, triton's bindings report their objects as leaked.
+        gc.unfreeze()
         raise
     torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
     dist.destroy_process_group()
