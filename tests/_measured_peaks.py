@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.compare.estimates import stack_estimate
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
 from models.network import SeededWeights
@@ -81,16 +82,15 @@ def peak_steps(per_rank: list[dict], stack: str) -> list[int]:
 
 
 def observed_estimates(model, parallel, per_rank: list[dict], stack: str) -> dict[int, dict]:
-    """Per global rank, the estimate of the step it peaked in from the routing that step saw."""
+    """Per global rank, the estimate of the step it peaked in from the routing that step saw,
+    as `twinpipe compare` estimates ``stack`` (any compare side, ``optimized-fsdp`` too)."""
     steps = peak_steps(per_rank, stack)
     observed = {}
     for step in set(steps):
         counts = {rank: r[stack]["routing_counts"][step] for rank, r in enumerate(per_rank)}
         loads = received_loads(counts, parallel.dp, parallel.ep, model.num_experts)
         mine = {rank: loads[rank] for rank in range(len(per_rank)) if steps[rank] == step}
-        report = estimate_for_compare(
-            model, layout_fields(parallel), stack, routing=mine, first_step=step == 0
-        )
+        report = stack_estimate(model, layout_fields(parallel), stack, parallel, step == 0, mine)
         observed.update(report["observed_ranks"])
     return observed
 

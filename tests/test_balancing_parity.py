@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-from models.hf import config_to_hf, from_pretrained
+from models.hf import from_pretrained
 from models.network import (
     IGNORE_INDEX,
     SeededWeights,
@@ -27,22 +26,9 @@ from models.network import (
 from models.runtime import OptimizerConfig
 from reference.ops import ReferenceOps
 from reference.oracle import Oracle
+from tests._hf import hf_model
 
 BATCH, SEQ = 2, 24
-
-
-def _hf_model(config, seed: int = 0):
-    """A transformers model of ``config`` in float64, eager, noise on every parameter."""
-    torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
-    model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model.double().eval()
 
 
 def _pipeline_way(model, ids: torch.Tensor) -> tuple[torch.Tensor, StepBalance]:
@@ -84,7 +70,7 @@ def test_pooled_loss_and_gradients_match_transformers(case, dtype, tmp_path):
     config = preset(
         name, output_router_logits=True, router_aux_loss_coef=coef, **OVERRIDES.get(case, {})
     )
-    hf = _hf_model(config)
+    hf = hf_model(config, dtype=torch.float64)
     hf.save_pretrained(tmp_path)
     ours = from_pretrained(tmp_path, ops=ReferenceOps(), dtype=dtype)
     assert ours.config.balancing().pooled

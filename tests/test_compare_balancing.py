@@ -24,6 +24,7 @@ from harness.compare.verdict import build_report
 from harness.report import load_report, plot_expert_load, render_markdown, write_report
 from models.network import SeededWeights, preset
 from models.runtime import OptimizerConfig, ParallelConfig, launch
+from tests._compare import compare_in_one_launch
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -212,21 +213,13 @@ def _plans() -> list[RankPlan]:
     return plans
 
 
-def _worker(plans):
-    from harness.compare.lockstep import run_rank  # noqa: PLC0415
-
-    return [run_rank(plan) for plan in plans]
-
-
 _REPORTS: dict = {}
 
 
 def _reports() -> dict[str, dict]:
     if not _REPORTS:
-        plans = _plans()
-        per_rank = launch(_worker, LAYOUT.world_size, (plans,))
-        for i, (name, plan) in enumerate(zip(RUNS, plans, strict=True)):
-            _REPORTS[name] = build_report(plan, [r[i] for r in per_rank], RUNS[name][0])
+        reports = compare_in_one_launch(_plans(), [run[0] for run in RUNS.values()])
+        _REPORTS.update(zip(RUNS, reports, strict=True))
     return _REPORTS
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare.lockstep import run_rank
-from harness.compare.rank import RankPlan
-from harness.compare.verdict import build_report
-from models.network import SeededWeights, preset
-from models.runtime import OptimizerConfig, ParallelConfig, launch
+from models.network import preset
+from models.runtime import ParallelConfig
+from tests._compare import planted_reports
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -25,34 +23,10 @@ PARALLEL = ParallelConfig(
 PLANT = "group-score-from-max"
 
 
-def _worker(plans):
-    return [run_rank(plan) for plan in plans]
-
-
 @pytest.fixture(scope="module")
 def reports():
     model = preset("tiny-deepseek-v3")
-    plans = [
-        RankPlan(
-            model,
-            PARALLEL,
-            SeededWeights(model),
-            "reference",
-            "optimized",
-            1,
-            OptimizerConfig(),
-            noise_floor=True,
-            track_memory=False,
-            progress=False,
-            plant=plant,
-        )  # fmt: skip
-        for plant in (None, PLANT)
-    ]
-    per_rank = launch(_worker, PARALLEL.world_size, (plans,))
-    return {
-        plan.plant: build_report(plan, [r[i] for r in per_rank], "tiny-deepseek-v3")
-        for i, plan in enumerate(plans)
-    }
+    return planted_reports(model, PARALLEL, (PLANT,), "tiny-deepseek-v3", noise_floor=True)
 
 
 def test_the_correct_stack_passes(reports):

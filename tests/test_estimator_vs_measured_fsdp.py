@@ -21,12 +21,11 @@ import contextlib
 import pytest
 
 import harness.compare.meter as meter
-from harness.compare.estimates import stack_estimate
 from harness.compare.lockstep import run_rank
 from harness.compare.rank import RankPlan
 from models.network import SeededWeights, preset
 from models.runtime import OptimizerConfig, ParallelConfig, launch
-from optimized.estimator.routing import received_loads
+from tests._measured_peaks import observed_estimates, peak_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -75,16 +74,6 @@ def _rank(model, parallel, state, optimizer):
     return result
 
 
-def _estimate(model, parallel, first_step, routing=None):
-    layout = dict(
-        pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
-        micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
-        num_microbatches=parallel.micro_batches, dtype=parallel.dtype,
-    )  # fmt: skip
-    # The estimate `twinpipe compare` reports beside the FSDP runner's measured peak.
-    return stack_estimate(model, layout, "optimized-fsdp", parallel, first_step, routing)
-
-
 @pytest.mark.parametrize(
     ("name", "layout", "dtype"), CASES, ids=[f"{n}-{lay}-{d}" for n, lay, d in CASES]
 )
@@ -99,16 +88,8 @@ def test_fsdp_estimate_matches_measured_peak(name, layout, dtype):
     per_rank = launch(
         _rank, parallel.world_size, (model, parallel, SeededWeights(model), OptimizerConfig())
     )
-    steps = [
-        max(range(len(r[STACK]["memory"])), key=lambda s: r[STACK]["memory"][s]["total"])
-        for r in per_rank
-    ]
-    observed = {}
-    for step in set(steps):
-        counts = {rank: r[STACK]["routing_counts"][step] for rank, r in enumerate(per_rank)}
-        loads = received_loads(counts, dp, ep, model.num_experts)
-        mine = {rank: loads[rank] for rank in range(len(per_rank)) if steps[rank] == step}
-        observed.update(_estimate(model, parallel, step == 0, mine)["observed_ranks"])
+    steps = peak_steps(per_rank, STACK)
+    observed = observed_estimates(model, parallel, per_rank, STACK)
     rows, failures = [], []
     for rank, result in enumerate(per_rank):
         measured = result[STACK]["memory"][steps[rank]]

@@ -17,12 +17,10 @@ import dataclasses
 import pytest
 import torch
 
-from harness.compare.lockstep import run_rank
 from harness.compare.planted import round_toward_zero
-from harness.compare.rank import RankPlan
-from harness.compare.verdict import build_report
-from models.network import SeededWeights, preset
-from models.runtime import OptimizerConfig, ParallelConfig, launch
+from models.network import preset
+from models.runtime import ParallelConfig
+from tests._compare import planted_reports
 from tests._nonfinite import NONFINITE
 
 PARALLEL = ParallelConfig(
@@ -54,39 +52,13 @@ RUNS = {
 """One launch per run: the correct stack and each bug, planted and removed in the ranks."""
 
 
-def _worker(plans):
-    return [run_rank(plan) for plan in plans]
-
-
 _REPORTS: dict = {}
 
 
 def _reports(run: str) -> dict:
     if run not in _REPORTS:
         name, parallel, plants = RUNS[run]
-        model = preset(name)
-        state = SeededWeights(model)
-        plans = [
-            RankPlan(
-                model,
-                parallel,
-                state,
-                "reference",
-                "optimized",
-                1,
-                OptimizerConfig(),
-                noise_floor=True,
-                track_memory=False,
-                progress=False,
-                plant=plant,
-            )  # fmt: skip
-            for plant in (None, *plants)
-        ]
-        per_rank = launch(_worker, parallel.world_size, (plans,))
-        _REPORTS[run] = {
-            plan.plant: build_report(plan, [r[i] for r in per_rank], name)
-            for i, plan in enumerate(plans)
-        }
+        _REPORTS[run] = planted_reports(preset(name), parallel, plants, name, noise_floor=True)
     return _REPORTS[run]
 
 
@@ -160,23 +132,8 @@ def test_a_scaled_cross_entropy_gradient_fails_in_float32():
     gradient scaled as a whole keeps 1 - cos at rounding level."""
     model = preset("tiny-qwen3-moe")
     parallel = dataclasses.replace(PARALLEL, dtype="float32")
-    plans = [
-        RankPlan(
-            model,
-            parallel,
-            SeededWeights(model),
-            "reference",
-            "optimized",
-            1,
-            OptimizerConfig(),
-            track_memory=False,
-            progress=False,
-            plant=plant,
-        )  # fmt: skip
-        for plant in (None, "cross-entropy-grad-1.01")
-    ]
-    per_rank = launch(_worker, parallel.world_size, (plans,))
-    right, planted = (build_report(p, [r[i] for r in per_rank]) for i, p in enumerate(plans))
+    reports = planted_reports(model, parallel, ("cross-entropy-grad-1.01",))
+    right, planted = reports[None], reports["cross-entropy-grad-1.01"]
     assert right["passed"], right["problems"]
     assert not planted["passed"]
     assert max(planted["grads"]["max_one_minus_cos"]) <= planted["tolerance"]["grad_one_minus_cos"]
@@ -206,15 +163,6 @@ BALANCING_LAYOUT = ParallelConfig(
 )
 """`twinpipe compare`'s default layout with sequences of 128 tokens: 512 copies per expert
 and step on average (bfloat16 holds integers exactly to 256), over two DP ranks."""
-BALANCING_PLANTS = (
-    "bias-every-micro-batch",
-    "bias-counts-not-summed-over-dp",
-    "bias-counts-bf16",
-    "aux-grad-scaled-by-1/M-twice",
-    "aux-grad-scaled-by-dp",
-    "bias-skipped-on-stage-without-moe",
-    "forward-only-updates-bias",
-)
 CAUGHT_BY = {
     "bias-every-micro-batch": "expert bias of layer",
     "bias-counts-not-summed-over-dp": "expert load differs",
@@ -224,7 +172,9 @@ CAUGHT_BY = {
     "bias-skipped-on-stage-without-moe": "expert bias of layer 3",
     "forward-only-updates-bias": "the forward-only pass moved the candidate's expert bias",
 }
-"""What names each bug in the verdict's problems."""
+"""What names each bug in the verdict's problems; its keys are the bugs this test expects
+`harness.compare.planted_balancing` to plant (checked against its list below)."""
+BALANCING_PLANTS = tuple(CAUGHT_BY)
 
 _BALANCING_REPORTS: dict = {}
 
@@ -232,33 +182,19 @@ _BALANCING_REPORTS: dict = {}
 def _balancing_reports() -> dict:
     """One launch: the correct stack, then each plant, one step each."""
     if not _BALANCING_REPORTS:
-        plans = [
-            RankPlan(
-                BALANCING_MODEL,
-                BALANCING_LAYOUT,
-                SeededWeights(BALANCING_MODEL),
-                "reference",
-                "optimized",
-                1,
-                OptimizerConfig(),
-                track_memory=False,
-                progress=False,
-                plant=plant,
-            )  # fmt: skip
-            for plant in (None, *BALANCING_PLANTS)
-        ]
-        per_rank = launch(_worker, BALANCING_LAYOUT.world_size, (plans,))
-        for i, plan in enumerate(plans):
-            report = build_report(plan, [r[i] for r in per_rank], "tiny-deepseek-v2")
-            _BALANCING_REPORTS[plan.plant] = report
+        _BALANCING_REPORTS.update(
+            planted_reports(BALANCING_MODEL, BALANCING_LAYOUT, BALANCING_PLANTS, "tiny-deepseek-v2")
+        )
     return _BALANCING_REPORTS
 
 
 def test_every_balancing_plant_is_listed_and_shows_at_the_test_s_settings():
+    from harness.compare import planted_balancing
     from harness.compare.planted import PLANTS
     from harness.compare.planted_balancing import plant_problem
 
     assert set(BALANCING_PLANTS) <= set(PLANTS)
+    assert set(BALANCING_PLANTS) == set(planted_balancing.BALANCING_PLANTS)
     for plant in BALANCING_PLANTS:
         assert plant_problem(plant, BALANCING_MODEL, BALANCING_LAYOUT, None) is None, plant
 

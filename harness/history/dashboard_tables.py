@@ -74,6 +74,19 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "op"
 
 
+def _figures(point: OpPoint) -> list[str]:
+    """A point's cells: optimized and plain time, speed-up, optimized and plain peak, and
+    memory ratio."""
+    return [
+        format_time(point.optimized_time),
+        format_time(point.plain_time),
+        format_speedup(point.speedup, point.interpreted),
+        format_bytes(point.optimized_peak),
+        format_bytes(point.plain_peak),
+        format_ratio(point.memory_ratio, good_below=True),
+    ]
+
+
 def ops_summary(ops: dict[str, dict[str, list[OpPoint]]]) -> str:
     """The latest run of each op variant, optimized against plain (and any further
     implementation beside the pair)."""
@@ -84,17 +97,7 @@ def ops_summary(ops: dict[str, dict[str, list[OpPoint]]]) -> str:
             latest = series[-1]
             interpreted |= latest.interpreted
             rows.append(
-                [
-                    link,
-                    html.escape(variant or "-"),
-                    format_time(latest.optimized_time),
-                    format_time(latest.plain_time),
-                    format_speedup(latest.speedup, latest.interpreted),
-                    format_bytes(latest.optimized_peak),
-                    format_bytes(latest.plain_peak),
-                    format_ratio(latest.memory_ratio, good_below=True),
-                    html.escape(latest.commit),
-                ]
+                [link, html.escape(variant or "-"), *_figures(latest), html.escape(latest.commit)]
             )
             for name, figures in sorted(latest.others.items()):
                 is_plain = figures["role"] == "plain"
@@ -150,12 +153,7 @@ def op_history_table(variants: dict[str, list[OpPoint]]) -> str:
                     html.escape(point.commit),
                     html.escape(point.date),
                     html.escape(variant or "-"),
-                    format_time(point.optimized_time),
-                    format_time(point.plain_time),
-                    format_speedup(point.speedup, point.interpreted),
-                    format_bytes(point.optimized_peak),
-                    format_bytes(point.plain_peak),
-                    format_ratio(point.memory_ratio, good_below=True),
+                    *_figures(point),
                 ]
             )
     header = [
