@@ -41,6 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: pathlib.Path):
+    """``bench_*.py`` under a folder pytest was given. A file named on the command line is
+    collected by pytest itself (collected here too, each benchmark ran twice)."""
+    if parent.session.isinitpath(file_path):
+        return None
     if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
         return pytest.Module.from_parent(parent, path=file_path)
     return None

@@ -10,6 +10,7 @@ each CPU rank interprets whatever this process chose. Tests marked ``gpu`` need 
 are skipped, with the reason, where there is none.
 """
 
+import os
 import pathlib
 import sys
 
@@ -54,3 +55,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist a worker's environment names it (``PYTEST_XDIST_WORKER`` and the
+    rest). What a test starts is not a worker of this run: `twinpipe bench` runs
+    pytest-benchmark, which turns itself off when it sees those names."""
+    for key in [key for key in os.environ if key.startswith("PYTEST_XDIST_")]:
+        del os.environ[key]

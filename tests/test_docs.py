@@ -57,6 +57,9 @@ def test_every_named_file_and_module_exists(page):
     assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
 
 
+TEST_COMMAND = "python -m pytest -q -n 2 --dist worksteal"
+
+
 def test_readme_installs_as_ci_does_and_names_its_test_command():
     readme, ci = README.read_text(), (ROOT / ".ci" / "run").read_text()
     assert install_commands(readme) == [
@@ -64,8 +67,8 @@ def test_readme_installs_as_ci_does_and_names_its_test_command():
         "python -m pip install -e .[test]",
     ]
     assert install_commands(readme) == ci_install_commands(ci)
-    assert "```bash\npython -m pytest -q\n```" in section(readme, "Tests")
-    assert re.search(r"^python -m pytest -q( |$)", ci, re.M), "CI runs another test command"
+    assert f"```bash\n{TEST_COMMAND}\n```" in section(readme, "Tests")
+    assert re.search(rf"^{TEST_COMMAND}( |$)", ci, re.M), "CI runs another test command"
 
 
 def test_pages_keep_their_size_and_the_readme_links_every_page():
