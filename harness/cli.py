@@ -120,5 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CRASH
 
 
+def entry() -> int:
+    """The `twinpipe` command: `main` in a process of its own, which may fork its ranks
+    (`models.runtime.fork_is_safe`). A caller of `main` in its own process (a test) keeps
+    the rank server."""
+    from models.runtime import allow_forked_ranks  # noqa: PLC0415  (torch: not for --help)
+
+    allow_forked_ranks()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -77,12 +77,15 @@ def _children(pid: int) -> list[int]:
 
 def rank_pids(launcher: subprocess.Popen) -> list[int]:
     """The pids of the ranks ``launcher`` (from `started`) started, rank 0 first:
-    `models.runtime.spawn` forks them, in rank order, from its rank server (a child of the
+    `models.runtime.spawn` forks them in rank order, from the launcher itself (the `twinpipe`
+    command: a rank's command line is the launcher's) or from its rank server (a child of the
     launcher, as is multiprocessing's resource tracker)."""
-    servers = [
-        pid for pid in _children(launcher.pid) if "multiprocessing.forkserver" in _command_line(pid)
-    ]
-    started_at = {pid: _start_time(pid) for server in servers for pid in _children(server)}
+    own = _command_line(launcher.pid)
+    children = _children(launcher.pid)
+    servers = [pid for pid in children if "multiprocessing.forkserver" in _command_line(pid)]
+    forked = [pid for pid in children if _command_line(pid) == own]
+    started_at = {pid: _start_time(pid) for pid in forked}
+    started_at.update({pid: _start_time(pid) for server in servers for pid in _children(server)})
     ranks = sorted(started_at, key=lambda pid: (int(started_at[pid] or 0), pid))
     launcher.ranks.update({pid: started_at[pid] for pid in ranks})
     return ranks

@@ -77,7 +77,13 @@ from models.runtime.p2p import (
     stream_name,
 )
 from models.runtime.progress import ProgressLine
-from models.runtime.spawn import RankFailed, describe_failure, init_process_group, launch
+from models.runtime.spawn import (
+    RankFailed,
+    allow_forked_ranks,
+    describe_failure,
+    init_process_group,
+    launch,
+)
 from models.runtime.training import (
     OptimizerConfig,
     PipelineRunner,
@@ -118,6 +124,7 @@ __all__ = [
     "PointToPoint",
     "ProgressLine",
     "RankFailed",
+    "allow_forked_ranks",
     "SYNC_KINDS",
     "StreamGroups",
     "TorchPointToPoint",

@@ -28,6 +28,7 @@ of live tensors, and four ranks did not fit in 24 GiB. `MALLOC_ENV` fixes the th
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import multiprocessing
@@ -37,6 +38,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -84,13 +86,70 @@ START_METHOD = "forkserver"
 """How ranks start: forked from a server process that has imported torch once
 (`PRELOADED`), rather than spawned afresh, each importing torch itself (seconds per rank on
 a small host: the whole test suite launches ranks some hundreds of times). The server is
-started by the first launch of a process and serves every later one."""
+started by the first launch of a process and serves every later one. The `twinpipe` command
+forks its ranks from itself instead, where that is sound (`fork_is_safe`): it has imported
+all of that already, and would wait seconds for a server to import it again."""
+_FORK_ALLOWED = False
+"""Set by `allow_forked_ranks`: this process is the `twinpipe` command."""
+
+
+def allow_forked_ranks() -> None:
+    """Let this process's launches fork their ranks from it where that is sound
+    (`fork_is_safe`). The `twinpipe` command's entry point calls it; a process that calls
+    `harness.cli.main` itself (a test) does not: its patches and threads are its own, and
+    its ranks come from the rank server."""
+    global _FORK_ALLOWED
+    _FORK_ALLOWED = True
+
+
 PRELOADED = ["torch", "torch.distributed", "numpy", "models.runtime"]
 """What the rank server imports once: torch and this package (FSDP2 and DTensor included),
 nothing that reads the environment at import time. ``triton`` (whose interpreter switch a
 rank's environment sets) and the stacks' kernels are imported by each rank after it takes
 its launcher's environment at the start of `_worker`. (`models.choose_triton_mode` runs in
 the server too, on the server's own environment, which no rank keeps.)"""
+
+
+def fork_is_safe(rank_environment: dict[str, str]) -> tuple[bool, str]:
+    """(whether this process may fork its ranks, why not). The `twinpipe` command has
+    imported torch and the stacks already; forked from it, the ranks skip the rank server's
+    start (its own imports: about 4 s of a 2-core machine's CPU per command). Only where
+    forking is sound: this process asked for it (`allow_forked_ranks`), it runs one Python
+    thread (another one's locks would be copied held) and no process group, no CUDA context
+    exists (CUDA does not survive a fork), and ``triton``, if imported, was imported in the
+    ranks' own Triton mode. An OpenMP pool the launcher's own torch work started is left
+    behind, as for torch's DataLoader workers: a rank sets one intra-op thread before its
+    first op, and one thread runs no parallel region."""
+    if not _FORK_ALLOWED:
+        return False, "this process is not the twinpipe command"
+    if threading.active_count() != 1:
+        return False, f"this process runs {threading.active_count()} Python threads"
+    if dist.is_available() and dist.is_initialized():
+        return False, "this process is in a process group (its threads and sockets)"
+    if torch.cuda.is_initialized():
+        return False, "this process holds a CUDA context"
+    wanted = rank_environment.get("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET"))
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != wanted:
+        return False, "triton was imported in another mode than the ranks'"
+    return True, ""
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _apply_malloc_settings() -> None:
+    """`MALLOC_ENV` (as the rank's environment has it) set through ``mallopt``, as glibc
+    sets it from the environment at a process's start: a forked rank started long ago, in
+    its launcher. No-op where glibc is not the allocator."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    for parameter, key in ((_M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"),
+                           (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_")):  # fmt: skip
+        value = os.environ.get(key)
+        if value is not None and value.isdigit():
+            libc.mallopt(parameter, int(value))
 
 
 def _worker(
@@ -105,8 +164,10 @@ def _worker(
     # The launcher's environment as it was at the launch (the rank server's is its own from
     # when it started), then the function and its arguments: unpickling them imports their
     # modules, which may read it.
+    torch.set_num_threads(1)  # first: a forked rank must run no parallel region (fork_is_safe)
     os.environ.clear()
     os.environ.update(environment)
+    _apply_malloc_settings()  # a forked rank's glibc read its environment long ago
     fn, args = pickle.loads(payload)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -115,7 +176,6 @@ def _worker(
         LOCAL_RANK=str(local_rank),
         WORLD_SIZE=str(world_size),
     )
-    torch.set_num_threads(1)
     # What the imports made lives as long as the rank: moved out of the cyclic collector's
     # reach, each collection (the memory tracker runs one per measured step) walks only what
     # the work made since, not the ~300,000 objects of torch, triton and the project (about
@@ -250,7 +310,9 @@ def launch(
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
         payload = pickle.dumps((fn, args))
-        multiprocessing.set_forkserver_preload(PRELOADED)
+        forked, _ = fork_is_safe(device.rank_environment())
+        if not forked:
+            multiprocessing.set_forkserver_preload(PRELOADED)
         with _environment(device.rank_environment()):  # each rank's, before it imports
             environment = dict(os.environ)
             context = mp.start_processes(
@@ -258,7 +320,7 @@ def launch(
                 args=(payload, environment, world_size, _free_port(), result_dir, timeout_s),
                 nprocs=world_size,
                 join=False,
-                start_method=START_METHOD,
+                start_method="fork" if forked else START_METHOD,
             )
         processes = context.processes
         received: list[int] = []
