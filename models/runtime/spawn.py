@@ -134,7 +134,9 @@ def fork_is_safe(rank_environment: dict[str, str]) -> tuple[bool, str]:
     return True, ""
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+"""glibc's ``mallopt`` parameter of each `MALLOC_ENV` setting (M_MMAP_THRESHOLD,
+M_TRIM_THRESHOLD)."""
 
 
 def _apply_malloc_settings() -> None:
@@ -145,11 +147,10 @@ def _apply_malloc_settings() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    for parameter, key in ((_M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"),
-                           (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_")):  # fmt: skip
+    for key in MALLOC_ENV:
         value = os.environ.get(key)
         if value is not None and value.isdigit():
-            libc.mallopt(parameter, int(value))
+            libc.mallopt(_MALLOPT[key], int(value))
 
 
 def _worker(
@@ -310,10 +311,11 @@ def launch(
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="twinpipe-") as result_dir:
         payload = pickle.dumps((fn, args))
-        forked, _ = fork_is_safe(device.rank_environment())
+        rank_environment = device.rank_environment()
+        forked, _ = fork_is_safe(rank_environment)
         if not forked:
             multiprocessing.set_forkserver_preload(PRELOADED)
-        with _environment(device.rank_environment()):  # each rank's, before it imports
+        with _environment(rank_environment):  # each rank's, before it imports
             environment = dict(os.environ)
             context = mp.start_processes(
                 _worker,
