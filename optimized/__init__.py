@@ -1,4 +1,4 @@
-"""The production stack, in four subpackages that import one way (each may use the ones
+"""The production stack, in five subpackages that import one way (each may use the ones
 above it, and `models`; none imports `reference` or `harness`):
 
 - `optimized.ops`: kernels and their autograd Functions, one unit per op;
@@ -6,6 +6,8 @@ above it, and `models`; none imports `reference` or `harness`):
   Megatron's formulas, ``twinpipe estimate``;
 - `optimized.pipeline`: the overlapped DualPipeV, its execution context (early frees,
   exchanges), layer profiles, the estimator-chosen partition, FSDP2 sharding;
+- `optimized.data`: training data: corpus readers, tokenization, Megatron-Core's indexed
+  dataset, blends, splits and the loader (``twinpipe prepare-data``);
 - `optimized.train`: the product around the engine -- trainer, config, data, optimizer,
   checkpoints, export, and the ``train`` / ``prepare-data`` / ``export`` commands.
 

@@ -1,7 +1,7 @@
 """The training product around the engine: config, data, optimizer, checkpoints, export.
 
 - `config` (dataclasses, fields, validation) and `config_io` (TOML, ``--set``, flags);
-- `tokenizers`, `preparation` (the memory-mapped token format, the default data set)
+- `preparation` (the memory-mapped token format, the default data set)
   and `loader` (windows, the resumable DP-sharded sampler, and the copy of each batch to
   the device through buffers allocated once);
 - `optimizer`: AdamW over sharded parameters with float32 state;
@@ -24,7 +24,8 @@
 - `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
   (``twinpipe export``).
 
-May import `models`, `optimized.ops`, `optimized.estimator` and `optimized.pipeline`;
+May import `models`, `optimized.ops`, `optimized.estimator`, `optimized.pipeline` and
+`optimized.data`;
 never `reference` or `harness`.
 """
 
@@ -61,7 +62,7 @@ from optimized.train.preparation import (
 )
 from optimized.train.profiling import StepProfiler, profile_region, top_ops_table
 from optimized.train.sizing import estimate_config, training_run
-from optimized.train.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.trainer import runner_class, train
 
 __all__ = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models.runtime import BadInput, check_output_dir
 from optimized.train.preparation import prepare_data, resolve_inputs
-from optimized.train.tokenizers import load_tokenizer
+from optimized.data.tokenizers import load_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

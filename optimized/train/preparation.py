@@ -44,7 +44,7 @@ from typing import IO
 import numpy as np
 
 from models.runtime import read_json
-from optimized.train.tokenizers import ByteTokenizer, Tokenizer
+from optimized.data.tokenizers import ByteTokenizer, Tokenizer
 
 FORMAT_NAME = "twinpipe-tokens"
 FORMAT_VERSION = 1

@@ -1,0 +1,8 @@
+"""Training data as the ecosystem ships and stores it: readers of what corpora ship as,
+tokenization, Megatron-Core's indexed dataset on disk, weighted blends, splits, and the
+loader that turns them into each step's batch.
+
+- `tokenizers`: UTF-8 bytes, or a Hugging Face ``tokenizer.json``.
+
+May import `models` only; never `reference` or `harness`.
+"""
