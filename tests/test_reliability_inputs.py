@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from harness.cli import main
 from models.hf import save_pretrained
 from models.network import build_model, preset
+from optimized.data.tokenizers import ByteTokenizer
 from optimized.train import TrainConfig
 from optimized.train.preparation import prepare_data
-from optimized.data.tokenizers import ByteTokenizer
 
 TRAIN = ["train", "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
          "--steps", "2"]  # fmt: skip

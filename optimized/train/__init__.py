@@ -29,6 +29,7 @@ May import `models`, `optimized.ops`, `optimized.estimator`, `optimized.pipeline
 never `reference` or `harness`.
 """
 
+from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.checkpointing import (
     list_checkpoints,
     load_checkpoint,
@@ -62,7 +63,6 @@ from optimized.train.preparation import (
 )
 from optimized.train.profiling import StepProfiler, profile_region, top_ops_table
 from optimized.train.sizing import estimate_config, training_run
-from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.trainer import runner_class, train
 
 __all__ = [

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from models.runtime import BadInput, check_output_dir
-from optimized.train.preparation import prepare_data, resolve_inputs
 from optimized.data.tokenizers import load_tokenizer
+from optimized.train.preparation import prepare_data, resolve_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
