@@ -51,7 +51,14 @@ from models.network import (
     build_part,
     preset,
 )
-from models.runtime import Layout, StreamGroups, even_partition, rank_chunks, token_count
+from models.runtime import (
+    Layout,
+    StreamGroups,
+    even_partition,
+    modelled_syncs,
+    rank_chunks,
+    token_count,
+)
 from optimized.ops import OptimizedOps
 from optimized.pipeline.dualpipev import OptimizedDualPipeV
 from reference.dualpipev import ReferenceDualPipeV
@@ -92,6 +99,13 @@ class FifoNetwork:
     done: set = field(default_factory=set)
     failure: str | None = None
     lock: threading.Condition = field(default_factory=threading.Condition)
+    actions: dict = field(default_factory=dict)
+    """rank -> the schedule action it is in (the schedules' ``observer``)."""
+    syncs: list = field(default_factory=list)
+    """(rank, action, reason) of every device-wide sync a step asked for."""
+    connected: bool = False
+    """Every pair's communicators made before the step (`models.runtime.warmup`): a pair's
+    first operation waits for nobody. False: NCCL's lazy creation, inside the step."""
 
     def endpoint(self, rank: int) -> _Endpoint:
         return _Endpoint(self, rank)
@@ -137,8 +151,33 @@ class FifoNetwork:
             self.blocked.pop(rank, None)
         self.blocked.pop(rank, None)
 
+    def device_sync(self, rank: int, reason: str) -> None:
+        """NCCL's second rule: a device-wide sync waits for every send and receive ``rank``
+        has posted; a send completes only once the peer has posted its receive (the receive
+        runs when posted), a receive once its send exists."""
+        with self.lock:
+            action = self.actions.get(rank, "?")
+            self.syncs.append((rank, action, reason))
+
+            def open_ops() -> list[str]:
+                out = []
+                for key, sent in self.sends.items():
+                    if key[1] == rank and self.receives[key] < len(sent):
+                        out.append(f"send #{self.receives[key]} on {_name(key)}")
+                for key, n in self.receives.items():
+                    if key[2] == rank and len(self.sends[key]) < n:
+                        out.append(f"receive #{len(self.sends[key])} on {_name(key)}")
+                return out
+
+            what = _Lazy(
+                lambda: f"device sync ({reason}) at {action} waits {', '.join(open_ops())}"
+            )
+            self.wait_until(rank, what, lambda: not open_ops())
+
     def join(self, rank: int, peer: int, group) -> None:
         """A pair's first operation on ``group`` waits for the peer's (NCCL's lazy init)."""
+        if self.connected:
+            return
         key = (group, frozenset((rank, peer)))
         self.joined[key].add(rank)
         self.lock.notify_all()
@@ -146,6 +185,16 @@ class FifoNetwork:
             rank, f"creates the {group} communicator with rank {peer}",
             lambda: peer in self.joined[key],
         )  # fmt: skip
+
+
+class _Lazy:
+    """A description made when printed (what a rank waits for changes while it waits)."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
 
 
 def _name(key) -> str:
@@ -257,11 +306,16 @@ def build_schedules(stack: str, config, pp: int, weights: dict) -> list:
     return schedules
 
 
-def run_pipeline(schedules: list, batches, mode: str, tokens: int | None = None) -> list[dict]:
+def run_pipeline(
+    schedules: list, batches, mode: str, tokens: int | None = None, plant=None, network=None
+) -> list[dict]:
     """Every pp-rank's ``step()`` as a thread on one `FifoNetwork`; per rank its loss share
-    and gradients (``mode``: ``dualpipev``, ``sequential`` or ``forward-only``)."""
+    and gradients (``mode``: ``dualpipev``, ``sequential`` or ``forward-only``). A device-wide
+    sync inside a step (`models.runtime.device_sync`) is modelled as NCCL runs it (it waits
+    for the rank's posted sends and receives) and fails the run even where it does not hang.
+    ``plant(rank, action)``, when given, is called at every action (a planted sync)."""
     pp = len(schedules)
-    network = FifoNetwork(pp)
+    network = network or FifoNetwork(pp)
     results: list[dict | None] = [None] * pp
     if tokens is None:
         tokens = token_count(torch.stack([labels for _, labels in batches]))
@@ -272,7 +326,15 @@ def run_pipeline(schedules: list, batches, mode: str, tokens: int | None = None)
         if isinstance(schedule, ReferenceDualPipeV):  # the optimized stack has no such mode
             schedule.sequential = mode == "sequential"
         schedule.part.zero_grad(set_to_none=True)
-        with network.lock:  # one rank computes at a time; it lets go only while it waits
+
+        def observe(moment: str, micro_batch) -> None:
+            network.actions[r] = f"{moment} micro-batch {micro_batch}"
+            if plant is not None:
+                plant(r, moment)
+
+        schedule.observer = observe
+        model = modelled_syncs(lambda reason: network.device_sync(r, reason))
+        with network.lock, model:  # one rank computes at a time; it lets go only to wait
             try:
                 loss = schedule.step(batches, tokens, forward_only=mode == "forward-only")
                 grads = {n: p.grad.clone() for n, p in schedule.part.named_parameters()
@@ -293,6 +355,8 @@ def run_pipeline(schedules: list, batches, mode: str, tokens: int | None = None)
         raise P2PFailure(f"{stack} {mode} PP={pp} M={len(batches)}: {network.failure}")
     assert not any(t.is_alive() for t in threads), "a rank is still running"
     assert network.leftovers() == [], network.leftovers()
+    if network.syncs and plant is None:
+        raise P2PFailure(f"device-wide syncs inside the step: {network.syncs}")
     return results
 
 

@@ -13,6 +13,9 @@ Modules:
   correctness rests on tags NCCL ignores;
 - `communication`: every collective and point-to-point call counted per rank and step;
 - `host_sync`: every host synchronisation a step makes, counted;
+- `device_sync`: no device-wide synchronisation inside a scheduled step (the guard, the
+  one way to sync);
+- `warmup`: every communicator up, and the collective limits, before the first step;
 - `cpu_gemm`: bfloat16 matrix products on CPUs without native bf16 GEMM;
 - `progress`: one progress line on a terminal for long reads and writes;
 - `inputs`: bad input caught before work (outputs checked first), rescue folders;
@@ -48,6 +51,15 @@ from models.runtime.device import (
     rank_device,
     resolve_device,
     triton_device,
+)
+from models.runtime.device_sync import (
+    SyncInStep,
+    device_sync,
+    guard_torch_syncs,
+    in_scheduled_step,
+    modelled_syncs,
+    refuse_in_step,
+    scheduled_step,
 )
 from models.runtime.distributed import (
     DTYPES,
@@ -102,6 +114,13 @@ from models.runtime.training import (
 )
 
 __all__ = [
+    "SyncInStep",
+    "device_sync",
+    "guard_torch_syncs",
+    "in_scheduled_step",
+    "modelled_syncs",
+    "refuse_in_step",
+    "scheduled_step",
     "BACKWARD",
     "BadInput",
     "Bf16Gemm",

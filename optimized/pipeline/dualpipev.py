@@ -52,6 +52,7 @@ from models.runtime import (
     Layout,
     PointToPoint,
     TorchPointToPoint,
+    scheduled_step,
     step_balance,
 )
 from optimized.estimator.schedule import send_completions
@@ -156,6 +157,12 @@ class OptimizedDualPipeV:
 
     # ------------------------------------------------------------------ step
     def step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
+        """Run all micro-batches; return this rank's share of the mean loss (0 off rank 0).
+        A device-wide synchronisation inside is refused (`models.runtime.device_sync`)."""
+        with scheduled_step():
+            return self._step(micro_batches, token_count, forward_only)
+
+    def _step(self, micro_batches, token_count: int, forward_only: bool = False) -> torch.Tensor:
         """Run all micro-batches; return this rank's share of the mean loss (0 off rank 0)."""
         self._begin(micro_batches, token_count, forward_only)
         if forward_only:
