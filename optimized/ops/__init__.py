@@ -11,7 +11,9 @@
 - `gather`: row gather and scatter-add that save only the index;
 - `expert_order`: token rows grouped by expert, each group padded for the grouped GEMM;
 - `grouped_linear`: the grouped expert linear, its weight gradient deferrable to a W step;
-- `optimized_ops`: `OptimizedOps`, the stack's `models.network.Ops`.
+- `optimized_ops`: `OptimizedOps`, the stack's `models.network.Ops`;
+- `tuning`: every autotuned kernel tuned before the first step (`pretune`), its choices kept
+  in a JSON file (`TuningCache`).
 
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.

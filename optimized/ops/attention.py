@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from optimized.ops._triton import INTERPRETED, INTERPRETER_ELEMENTS, launch, triton
 from optimized.ops.attention_blocks import (
+    AUTOTUNED,
     FLOAT32_BLOCKS,
     PREPROCESS_ROWS,
     Blocks,
@@ -102,7 +103,7 @@ class FlashAttention(torch.autograd.Function):
     output and the float32 log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, shape: _Shape, blocks: Blocks | None):
+    def forward(ctx, q, k, v, sinks, shape: _Shape, blocks: Blocks | str | None):
         s = shape
         out = q.new_empty((s.batch, s.seq_len, s.heads * s.v_dim))
         lse = torch.empty((s.batch, s.heads, s.seq_len), dtype=torch.float32, device=q.device)
@@ -194,7 +195,7 @@ def _check(q, k, v, window, sinks, blocks) -> None:
             f"flash_attention: sinks of shape {tuple(sinks.shape)} is invalid: one per "
             f"query head, ({heads},)"
         )
-    if blocks is not None:
+    if blocks is not None and blocks != AUTOTUNED:
         blocks.check()
     check_shape(batch, heads, seq)
 
@@ -221,12 +222,13 @@ def flash_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     *,
-    blocks: Blocks | None = None,
+    blocks: Blocks | str | None = None,
 ) -> torch.Tensor:
     """Causal attention ``[B, S, h * Dv]`` of ``q [B, h, S, D]``, ``k``, ``v [B, h_kv, S, Dv]``,
     keys limited to the last ``window`` positions when given, with per-head ``sinks [h]``.
     ``blocks`` fixes the kernels' launch (tests; by default the interpreter's one block,
-    `FLOAT32_BLOCKS` for float32 on GPUs, the autotuner's choice for bfloat16)."""
+    `FLOAT32_BLOCKS` for float32 on GPUs, the autotuner's choice for bfloat16; `AUTOTUNED`:
+    the autotuner's, on the interpreter too)."""
     _check(q, k, v, window, sinks, blocks)
     batch, heads, seq, qk_dim = q.shape
     no_band = window is None or window >= seq

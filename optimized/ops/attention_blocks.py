@@ -15,12 +15,23 @@ Three regimes, one kernel family (`optimized.ops.attention_kernels`):
   memory than an A100 has and take minutes to compile.
 
 Tests fix the blocks (`Blocks`) to run several blocks per sequence on the interpreter.
+
+Autotuning happens before the first scheduled step, never inside one
+(`optimized.ops.tuning.pretune`; `models.runtime.device_sync`): timing a configuration
+synchronises the device, and on NCCL that hangs a pipeline mid-step. The autotuners time
+through `benchmark`, which refuses inside a step and counts what it timed
+(`BENCHMARKS`). They exist on the interpreter too, with two small configurations
+(`INTERPRETER_CONFIGS`), so the pre-tuning path runs and is tested on a CPU: ``blocks=
+AUTOTUNED`` asks for them there (by default the interpreter runs its one fixed block).
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from typing import NamedTuple
 
+from models.runtime import refuse_in_step
 from optimized.ops._triton import INTERPRETED, triton
 from optimized.ops.attention_kernels import (
     attention_backward_kv_kernel,
@@ -105,16 +116,44 @@ FORWARD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), 
 FlashAttention-2's choices for head widths 64 and 128 on an H100, not yet timed here."""
 BACKWARD_KV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (16, 128, 4, 4)])
 BACKWARD_Q_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)])
+INTERPRETER_CONFIGS = _configs([(16, 16, 1, 1), (32, 32, 1, 1)])
+"""The interpreter's candidates (square blocks suit all three kernels): what a CPU tunes when
+``blocks=AUTOTUNED`` asks it to (the pre-tuning path's tests)."""
+AUTOTUNED = "autotuned"
+"""``blocks`` value: the autotuner's choice, on the interpreter too."""
+BENCHMARKS: Counter = Counter()
+"""kernel name -> configurations timed by its autotuner in this process (tests)."""
+
+
+def benchmark(name: str):
+    """The autotuner's timing function for kernel ``name``: refused inside a scheduled step
+    (`models.runtime.refuse_in_step`: it synchronises the device), counted in `BENCHMARKS`;
+    Triton's own benchmarker on GPUs, one timed call on the interpreter."""
+
+    def timed(kernel_call, quantiles):
+        refuse_in_step(f"Triton's autotuner timing a configuration of attention's {name}")
+        BENCHMARKS[name] += 1
+        if not INTERPRETED:
+            return triton.runtime.driver.active.get_benchmarker()(kernel_call, quantiles=quantiles)
+        start = time.perf_counter()
+        kernel_call()
+        elapsed = (time.perf_counter() - start) * 1e3
+        return [elapsed] * len(quantiles)
+
+    return timed
+
+
 TUNED = {
-    name: triton.autotune(configs, key=TUNING_KEY)(KERNELS[name])
+    name: triton.autotune(
+        INTERPRETER_CONFIGS if INTERPRETED else configs, key=TUNING_KEY, do_bench=benchmark(name)
+    )(KERNELS[name])
     for name, configs in (
         ("forward", FORWARD_CONFIGS),
         ("backward_kv", BACKWARD_KV_CONFIGS),
         ("backward_q", BACKWARD_Q_CONFIGS),
     )
-    if not INTERPRETED
 }
-"""name -> the autotuned kernel (GPUs only: the interpreter has no use for an autotuner)."""
+"""name -> the autotuned kernel (bfloat16 on GPUs; on the interpreter only when asked)."""
 
 
 def pack_for(limit: int, pairs: int) -> int:
@@ -154,9 +193,9 @@ def check_shape(batch: int, heads: int, seq_len: int) -> None:
 
 def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
     """(kernel, grid, launch keywords) for kernel ``name`` over ``pairs`` (batch x head)
-    pairs: the fixed ``blocks`` when given, else the autotuner (bfloat16 on GPUs)."""
+    pairs: the fixed ``blocks`` when given, else (None or `AUTOTUNED`) the autotuner."""
     per_program = "BLOCK_N" if name == "backward_kv" else "BLOCK_M"
-    if blocks is None:
+    if blocks is None or blocks == AUTOTUNED:
 
         def grid(meta):
             return attention_grid(seq_len, meta[per_program], pairs)
@@ -172,6 +211,7 @@ def kernel_launch(name: str, blocks: Blocks | None, seq_len: int, pairs: int):
 
 
 __all__ = [
+    "AUTOTUNED", "BENCHMARKS", "INTERPRETER_CONFIGS", "benchmark",
     "BACKWARD_KV_CONFIGS", "BACKWARD_Q_CONFIGS", "FLOAT32_BLOCKS", "FORWARD_CONFIGS",
     "INTERPRETER_ROWS", "MAX_PROGRAMS", "PREPROCESS_ROWS", "SMALLEST_BLOCK", "TUNED",
     "TUNING_KEY", "Blocks", "attention_grid", "check_shape", "interpreter_blocks",

@@ -32,6 +32,10 @@ class OptimizedOps:
     backward (selective recomputation): its projections, rotary copies and q/k/v are the
     largest activations once the fused attention has dropped the ``S x S`` probabilities.
     Costs one more forward of the block per backward."""
+    attention_blocks = None
+    """How attention launches (`flash_attention`'s ``blocks``): None, the default per device;
+    `optimized.ops.attention_blocks.AUTOTUNED` tunes on the interpreter too (tests of the
+    pre-tuning path, `optimized.ops.tuning`)."""
 
     def __init__(
         self, weight_grad_store: WeightGradStore | None = None, recompute_attention: bool = True
@@ -64,7 +68,7 @@ class OptimizedOps:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Fused attention that saves no ``S x S`` probabilities (see `flash_attention`)."""
-        return flash_attention(q, k, v, scaling, window, sinks)
+        return flash_attention(q, k, v, scaling, window, sinks, blocks=self.attention_blocks)
 
     def gather_rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return padded_index_gather(x, index)
