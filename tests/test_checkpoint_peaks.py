@@ -38,7 +38,7 @@ class TrackedPeaks:
         self.peaks: dict[str, int] = {}
         self.source, self.resettable, self._step = "memory-tracker", True, None
 
-    def begin(self) -> None:
+    def begin(self, counted: bool = True) -> None:
         self._step = self.tracker.step()
         self._step.__enter__()
 

@@ -49,7 +49,8 @@ def test_an_untuned_key_refuses_to_tune_inside_a_step():
         _restore(saved)
 
 
-def test_pretuned_step_runs_what_was_tuned_and_an_untuned_step_fails(tmp_path):
+@pytest.mark.slow
+def test_pretuned_step_runs_what_was_tuned(tmp_path):
     """Pre-tuned on each rank's part: the choices are written to the cache file; a fresh
     process state loads them (nothing timed) and the step runs with nothing timed in it (a
     configuration timed inside would be a device sync, which the NCCL model fails)."""

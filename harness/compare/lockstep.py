@@ -236,6 +236,7 @@ def run_rank(plan: RankPlan) -> dict[str, Any]:
 
     with rank_arithmetic(plan.parallel.torch_dtype) as arithmetic, planted(plan.plant):
         rank = Rank(plan, arithmetic.device)
+        rank.prepare()  # communicators up, kernels tuned: before step 1 (docs/gpus.md)
         with rank.installed():
             return {**_run_steps(plan, rank), "device": arithmetic.section}
 

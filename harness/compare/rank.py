@@ -33,7 +33,7 @@ from harness.compare.stacks import (
     takes_device,
 )
 from models.network import BalancedRouting, ModelConfig, attach_routing_tape
-from models.runtime import OptimizerConfig, ParallelConfig, make_layout
+from models.runtime import OptimizerConfig, ParallelConfig, make_layout, warm_up
 
 
 @dataclass(slots=True)
@@ -165,6 +165,17 @@ class Rank:
             return RoutingTapes(self.baseline, {"candidate": self.candidate}, every)
         replayers = {"candidate": self.candidate, "baseline": self.baseline}
         return RoutingTapes(self.truth, replayers, every)
+
+    def prepare(self) -> dict[str, Any]:
+        """Before the first step, before any instrument counts: every communicator up
+        (`models.runtime.warm_up`) and each stack's kernels tuned (its ``prepare``), so no
+        step creates one or tunes, and no step's peak holds the tuner's buffers."""
+        done: dict[str, Any] = {"connect": warm_up(self.layout, self.device)}
+        for key in ("baseline", "candidate", "truth"):
+            prepare = getattr(getattr(self, key), "prepare", None)
+            if prepare is not None:
+                done[key] = prepare()
+        return done
 
     # ------------------------------------------------------------------ instruments
     @contextmanager

@@ -112,8 +112,22 @@ from models.runtime.training import (
     token_count,
     update_expert_biases,
 )
+from models.runtime.warmup import (
+    SETUP_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    PhaseTimeout,
+    phase_limit,
+    tighten,
+    warm_up,
+)
 
 __all__ = [
+    "PhaseTimeout",
+    "SETUP_TIMEOUT_S",
+    "STEP_TIMEOUT_S",
+    "phase_limit",
+    "tighten",
+    "warm_up",
     "SyncInStep",
     "device_sync",
     "guard_torch_syncs",

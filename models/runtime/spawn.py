@@ -51,8 +51,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from models.runtime.device import DevicePlan, rank_device, resolve_device
+from models.runtime.device_sync import guard_torch_syncs
 
 DEFAULT_TIMEOUT_S = 120.0
+"""The collective timeout a launch gives its ranks; a run that compiles, tunes or loads
+before its first step launches with its longest phase limit and tightens the groups to the
+steps' own after the warm-up (`models.runtime.warmup`)."""
 PEER_GRACE_S = 20.0
 """After the first rank fails, how long its peers get to fail on their own (and write
 their tracebacks) before they are killed."""
@@ -68,11 +72,13 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     device = rank_device()
     if dist.is_initialized():
         return device
-    backend = "gloo"
+    guard_torch_syncs()  # no device-wide sync inside a scheduled step (models.runtime.device_sync)
+    backend, bound = "gloo", {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        bound = {"device_id": device}  # NCCL's communicator made now, bound to this GPU
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
     return device
 
 

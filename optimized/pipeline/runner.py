@@ -14,6 +14,7 @@ from models.network import ModelConfig, WeightSource, build_part
 from models.runtime import Layout, OptimizerConfig, ParallelConfig, PipelineRunner, rank_chunks
 from optimized.estimator.config import EstimateConfig
 from optimized.ops import OptimizedOps
+from optimized.ops.tuning import TuningCache, pretune
 from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
 from optimized.pipeline.partition import choose_partition
 
@@ -70,3 +71,10 @@ class OptimizedPipeline(PipelineRunner):
             recompute_attention=parallel.recompute,
         )
         self.optimizer = optimizer.build(self.part.parameters())
+
+    def prepare(self, cache: TuningCache | None = None) -> dict:
+        """Before the first step: every attention key of this rank's layers tuned and
+        compiled on dummy tensors of the run's shapes, the choices loaded from and saved to
+        ``cache`` when given (`optimized.ops.tuning.pretune`); what it did."""
+        parallel = self.parallel
+        return pretune(self.part, parallel.micro_batch_size, parallel.seq_len, cache)

@@ -141,15 +141,16 @@ def run(args: argparse.Namespace) -> int:
             print(device.note, file=sys.stderr, flush=True)
     from models.runtime import RankFailed, init_process_group, launch  # noqa: PLC0415
 
+    limit = max(cfg.timeout, cfg.setup_timeout)  # tightened to cfg.timeout after the warm-up
     if under_torchrun:
-        init_process_group()
+        init_process_group(limit)
         result = _rank_main(cfg, plan)
         import torch.distributed as dist  # noqa: PLC0415
 
         dist.destroy_process_group()
         return _outcome(result, cfg.steps)
     try:
-        results = launch(_rank_main, world, (cfg, plan), device=device)
+        results = launch(_rank_main, world, (cfg, plan), timeout_s=limit, device=device)
     except RankFailed as error:
         print(f"twinpipe train: a rank failed:\n{error}", file=sys.stderr)
         return 128 + error.signal if error.signal else EXIT_CRASH

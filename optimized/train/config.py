@@ -224,6 +224,12 @@ class TrainConfig:
     """Compute dtype of parameters and activations: ``float32`` or ``bfloat16``."""
     device: str = "auto"
     """``cuda`` when available (``auto``), else ``cpu``; or name one."""
+    timeout: float = 120.0
+    """Collective timeout of a training step, seconds, set once the warm-up is done (NCCL's
+    watchdog ends a step that waits longer on a peer)."""
+    setup_timeout: float = 900.0
+    """Limit of each phase before the first step, seconds: loading, tuning and compiling the
+    kernels, connecting (the collective timeout until then)."""
     model: ModelSection = field(default_factory=ModelSection)
     """The network."""
     data: DataSection = field(default_factory=DataSection)
@@ -325,6 +331,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     check(cfg.seed >= 0, "seed", "must be >= 0")
     check(cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
     check(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+    for key in ("timeout", "setup_timeout"):
+        value = getattr(cfg, key)
+        check(finite(value) and value > 0, key, "must be a finite number of seconds > 0")
 
     from models.network import PRESET_NAMES
 

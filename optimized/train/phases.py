@@ -45,13 +45,18 @@ class PhasePeaks:
         self.peaks: dict[str, int] = {}
         self.resettable = True
         self._lifetime = 0
+        self._counted = True
 
     def _current(self) -> int:
         return torch.cuda.max_memory_allocated() if self.cuda else _cpu_peak()
 
-    def begin(self) -> None:
-        """Start a phase: the mark restarts from what is held now."""
-        self._lifetime = max(self._lifetime, self._current())
+    def begin(self, counted: bool = True) -> None:
+        """Start a phase: the mark restarts from what is held now. ``counted=False``: the
+        phase's peak stays out of `lifetime` (the warm-up before step 1: what the autotuner
+        and the communicators allocate is no step's)."""
+        if self._counted:
+            self._lifetime = max(self._lifetime, self._current())
+        self._counted = counted
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -71,7 +76,7 @@ class PhasePeaks:
 
     def lifetime(self) -> int:
         """The peak of the whole run so far (bytes)."""
-        return max(self._lifetime, self._current())
+        return max(self._lifetime, self._current() if self._counted else 0)
 
     @property
     def source(self) -> str:

@@ -61,6 +61,7 @@ from models.runtime import (
     ProgressLine,
     group_names,
     make_layout,
+    phase_limit,
     rank_device,
     rescue_folder,
 )
@@ -84,6 +85,7 @@ from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
 from optimized.train.preflight import RunPlan, claim, plan_run, runner_class
 from optimized.train.profiling import StepProfiler, parse_steps
+from optimized.train.startup import before_first_step, describe
 
 
 class NonFiniteError(RuntimeError):
@@ -172,6 +174,8 @@ def train(
     opt = cfg.optim
     peaks = PhasePeaks(device)
     peaks.begin()  # load: the part built from the checkpoint, the optimizer state read
+    loading = ExitStack()
+    loading.enter_context(phase_limit("load", cfg.setup_timeout))
     resume = plan.resume
     fsdp = cfg.parallel.sharded
     sharded: set[str] = set()
@@ -201,7 +205,13 @@ def train(
     )  # fmt: skip
 
     start = _resume(resume, optimizer, loader, layout)
+    loading.close()
     peaks.end("load")
+    peaks.begin(counted=False)  # connect and tune: no step's peak (optimized.train.startup)
+    prepared = before_first_step(cfg, runner, layout, device)
+    peaks.end("warm-up")
+    if layout.rank == 0:
+        print(describe(prepared), flush=True)
     sink = MetricsSink(cfg, enabled=layout.rank == 0, start=start)
     throughput = Throughput.of(cfg, model_config, device, runner.part.ops.recompute_attention)
     profiler = _profiler(cfg, start, layout, device)
