@@ -116,3 +116,24 @@ def test_warm_up_is_no_steps_peak():
     assert peaks.peaks["warm-up"] >= before
     if peaks.resettable and not peaks.cuda:
         assert peaks.lifetime() < before + 32 * 2**20, (peaks.lifetime(), before)
+
+
+def test_the_trackers_step_peak_excludes_a_warm_up_allocation():
+    """What the warm-up allocates and frees before the step (the autotuner's cache-flush
+    buffer, 256 MiB on a GPU; 8 MiB here) is no part of the step's peak; the same buffer
+    inside a step is (the control)."""
+    from harness.memory import MemoryTracker  # noqa: PLC0415
+
+    size = 8 * 2**20
+
+    def warm_up_buffer() -> None:
+        torch.empty(size, dtype=torch.uint8).fill_(1)
+
+    tracker = MemoryTracker("cpu")
+    warm_up_buffer()
+    with tracker.step():
+        torch.ones(2**16).sum()
+    assert tracker.peak_bytes < size // 4, tracker.peak_bytes
+    with tracker.step():
+        warm_up_buffer()
+    assert tracker.peak_bytes >= size, tracker.peak_bytes
