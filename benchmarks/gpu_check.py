@@ -19,7 +19,10 @@ killed whole at its limit, SIGTERM then SIGKILL, and nothing of it left running 
 5. ``ops``: the op benchmarks at GPU shapes (`benchmarks/`), optimized against plain;
 6. ``multi`` (two GPUs or more): `twinpipe compare` at PP 2, and at DP 2 / EP 2 with FSDP2,
    on NCCL: the p2p stream groups, the asynchronous all-to-all, the count exchange, the DP
-   reductions.
+   reductions;
+7. ``pipeline``: DualPipeV at PP 4 under NCCL's rules (`benchmarks.gpu_check_pipeline`): the
+   CPU model of them always, and with two GPUs or more a training run at PP min(4, GPUs) with
+   the mid preset's activations on NCCL (with one GPU or none the NCCL half is unmeasured).
 
 A pytest part is read from pytest's JUnit file and passes only when at least one test
 passed: skipped and error counts, failures and skip reasons go in the table. On a machine
@@ -45,13 +48,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check_pipeline import check_pipeline
 from benchmarks.gpu_check_runner import pytest_part, run_part
 from benchmarks.gpu_check_table import markdown, result_word
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PARTS = ("probe", "tests", "compare", "train", "ops", "multi")
-BUDGET_S = {"probe": 20, "tests": 120, "compare": 90, "train": 120, "ops": 70, "multi": 60}
+PARTS = ("probe", "tests", "compare", "train", "ops", "multi", "pipeline")
+BUDGET_S = {"probe": 20, "tests": 110, "compare": 80, "train": 110, "ops": 60, "multi": 60,
+            "pipeline": 40}  # fmt: skip
 """Each part's limit on a warm machine (Triton's cache filled), 480 s in all: 8 minutes."""
 TEST_SHARE = {"gpu": 0.4, "kernels": 0.6}
 KERNEL_TESTS = "not multiprocess and not cross_compile"
@@ -301,6 +306,9 @@ def summarize_benchmarks(document: dict) -> list[dict]:
 CHECKS = {
     "probe": check_probe, "tests": check_tests, "compare": check_compare, "train": check_train,
     "ops": check_ops, "multi": check_multi,
+    "pipeline": lambda out, scale, env: check_pipeline(
+        out, BUDGET_S["pipeline"] * scale, env, len(machine()["gpus"])
+    ),
 }  # fmt: skip
 
 

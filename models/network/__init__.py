@@ -51,7 +51,13 @@ from models.network.decoder import (
     SplitSizes,
 )
 from models.network.host_copy import HostCopy, host_side, host_side_depth
-from models.network.layers import RMSNorm, causal_mask, eager_attention
+from models.network.layers import (
+    GroupedQueryAttention,
+    MultiHeadLatentAttention,
+    RMSNorm,
+    causal_mask,
+    eager_attention,
+)
 from models.network.model import (
     IGNORE_INDEX,
     CausalLM,
@@ -76,6 +82,8 @@ from models.network.weights import (
 )
 
 __all__ = [
+    "GroupedQueryAttention",
+    "MultiHeadLatentAttention",
     "AUX_FORMS",
     "AttentionOut",
     "BalanceGradient",

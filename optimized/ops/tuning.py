@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from models.network.layers import GroupedQueryAttention, MultiHeadLatentAttention
+from models.network import GroupedQueryAttention, MultiHeadLatentAttention
 from optimized.ops._triton import INTERPRETED, triton
 from optimized.ops.attention import flash_attention
 from optimized.ops.attention_blocks import AUTOTUNED, BENCHMARKS, TUNED

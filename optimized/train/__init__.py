@@ -17,8 +17,9 @@
   the model; `metrics`: a step's figures, its log line with TFLOP/s and MFU, the
   JSON-lines and TensorBoard sink; `expert_load`: the tokens each expert got, per MoE
   layer and step, gathered in one collective; `phases`: the
-  peak memory of each phase (load, train, save); `profiling`: torch.profiler traces and
-  top-op tables of chosen steps (``--profile``), reusable around any region;
+  peak memory of each phase (load, warm-up, train, save); `profiling`: torch.profiler
+  traces and top-op tables of chosen steps (``--profile``), reusable around any region;
+  `startup`: what runs between loading and step 1 (connect, tune, tighten the timeout);
 - `sizing`: a training config as the memory estimator's question (the defaults of
   ``twinpipe estimate`` and ``twinpipe plan``);
 - `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
