@@ -247,3 +247,26 @@ def test_benchmark_rows_and_train_rates(tmp_path):
     assert rates["steps_measured"] == [3, 4, 5]
     assert rates["tokens_per_second"] == 4000.0 and rates["tflops"] == 104.0
     assert rates["mfu"] is None and rates["peak_memory_bytes"] == 50
+
+
+def test_the_pipeline_part_widens_the_mid_preset_to_two_layers_per_stage(tmp_path):
+    from benchmarks.gpu_check_pipeline import pipeline_config  # noqa: PLC0415
+    from models.hf.hf_config import resolve_model  # noqa: PLC0415
+
+    config = resolve_model(str(pipeline_config(tmp_path, 4)))
+    assert (config.num_hidden_layers, config.hidden_size) == (16, 2048)
+    assert all(config.is_moe_layer(i) for i in range(16))
+
+
+@pytest.mark.slow
+def test_the_pipeline_part_runs_the_cpu_model_at_pp4_without_a_gpu(tmp_path):
+    """No GPU: the CPU model of NCCL's rules at PP 4 runs (and passes), the NCCL half is
+    said to be unmeasured."""
+    from benchmarks.gpu_check_pipeline import check_pipeline  # noqa: PLC0415
+
+    result = check_pipeline(tmp_path, 300, {}, gpus=0)
+    assert result["passed"] and result["model"]["junit"]["passed"] == 1, result
+    assert result["nccl"] == {
+        "measured": False,
+        "why": "not measured: PP >= 2 on NCCL needs one GPU per rank; 0 visible",
+    }
