@@ -174,8 +174,6 @@ def train(
     opt = cfg.optim
     peaks = PhasePeaks(device)
     peaks.begin()  # load: the part built from the checkpoint, the optimizer state read
-    loading = ExitStack()
-    loading.enter_context(phase_limit("load", cfg.setup_timeout))
     resume = plan.resume
     fsdp = cfg.parallel.sharded
     sharded: set[str] = set()
@@ -183,29 +181,29 @@ def train(
     def shard(part: torch.nn.Module) -> None:  # FSDP2 on the meta part: this rank's rows only
         sharded.update(sharding.apply_fsdp(part, layout, device, parallel.reshard_after_forward))
 
-    source = weight_source(cfg, model_config, resume)
-    line = ProgressLine(f"loading {source!r} (rank 0's part)",
-                        enabled=None if layout.rank == 0 else False)  # fmt: skip
-    runner = runner_class()(
-        model_config, parallel, layout, Reporting(source, line),
-        OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
-        device=device, shard=shard if fsdp else None, **objective_options(cfg, runner_class()),
-    )  # fmt: skip
-    line.close()
-    optimizer = ShardedAdamW(
-        runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
-        weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
-        state_dtype=opt.state_dtype, master_weights=opt.master_weights,
-    )  # fmt: skip
-    runner.optimizer = optimizer  # the runner zeroes gradients through it
-    data_dir = plan.data_dir
-    loader = TokenLoader(
-        TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
-        cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
-    )  # fmt: skip
+    with phase_limit("load", cfg.setup_timeout):  # its own limit (optimized.train.startup)
+        source = weight_source(cfg, model_config, resume)
+        line = ProgressLine(f"loading {source!r} (rank 0's part)",
+                            enabled=None if layout.rank == 0 else False)  # fmt: skip
+        runner = runner_class()(
+            model_config, parallel, layout, Reporting(source, line),
+            OptimizerConfig(lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay),
+            device=device, shard=shard if fsdp else None, **objective_options(cfg, runner_class()),
+        )  # fmt: skip
+        line.close()
+        optimizer = ShardedAdamW(
+            runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,
+            weight_decay=opt.weight_decay, shard=cfg.parallel.use_fsdp, fsdp=sharded,
+            state_dtype=opt.state_dtype, master_weights=opt.master_weights,
+        )  # fmt: skip
+        runner.optimizer = optimizer  # the runner zeroes gradients through it
+        data_dir = plan.data_dir
+        loader = TokenLoader(
+            TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
+            cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
+        )  # fmt: skip
 
-    start = _resume(resume, optimizer, loader, layout)
-    loading.close()
+        start = _resume(resume, optimizer, loader, layout)
     peaks.end("load")
     peaks.begin(counted=False)  # connect and tune: no step's peak (optimized.train.startup)
     prepared = before_first_step(cfg, runner, layout, device)
