@@ -86,6 +86,16 @@ def markdown(summary: dict) -> str:
                     _figure(r, "peak_memory_bytes", "peak {:.2e} B"),
                 ) if text)  # fmt: skip
                 lines.append(_row(f"train {preset} 4x4096 bf16", r, figures, None))
+        elif part == "pipeline" and "model" in run:
+            lines.append(_row("pipeline: CPU model of NCCL's rules, PP 4", run["model"],
+                              pytest_figures(run["model"].get("junit")), None))  # fmt: skip
+            notes += _pytest_notes("pipeline model", run["model"])
+            nccl = run.get("nccl", {})
+            if nccl.get("measured"):
+                lines.append(_row(f"pipeline: train PP {nccl.get('pp')} NCCL mid activations",
+                                  nccl, "", None))  # fmt: skip
+            else:
+                lines.append(f"| pipeline on NCCL | {nccl.get('why', 'not measured')} | | |")
         else:
             lines.append(_row(part, run, "", budget.get(part)))
     for part, why in summary.get("not_run", {}).items():

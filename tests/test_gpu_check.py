@@ -270,3 +270,6 @@ def test_the_pipeline_part_runs_the_cpu_model_at_pp4_without_a_gpu(tmp_path):
         "measured": False,
         "why": "not measured: PP >= 2 on NCCL needs one GPU per rank; 0 visible",
     }
+    table = markdown({"machine": gpu_check.machine(), "parts": {"pipeline": result}})
+    assert "| pipeline on NCCL | not measured: PP >= 2 on NCCL" in table
+    assert "| pipeline: CPU model of NCCL's rules, PP 4 | pass |" in table
