@@ -205,14 +205,15 @@ def _data(cfg: TrainConfig, model: ModelConfig) -> str:
             "(parallel.dp x data.micro_batches x data.micro_batch_size); "
             "use more data, a shorter seq_len or smaller batches"
         )
-    vocab = int(index.get("vocab_size", 0))
-    if vocab > model.vocab_size:
+    vocab = index.get("vocab_size")  # None: a Megatron pair without a sidecar
+    if vocab is None or int(vocab) > model.vocab_size:
         largest = _largest_token(Path(folder), index)
         if largest >= model.vocab_size:
             raise BadInput(
                 f"{key} = {folder!r} holds token id {largest}, beyond the model's vocabulary "
                 f"(vocab_size = {model.vocab_size}, ids 0..{model.vocab_size - 1}); its "
-                f"tokenizer has {vocab} ids: prepare the data with the model's tokenizer"
+                f"tokenizer has {vocab if vocab is not None else 'an unknown number of'} ids: "
+                "prepare the data with the model's tokenizer"
             )
     return str(folder)
 
