@@ -33,10 +33,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimized.data.encoding import default_workers
-from optimized.data.indexed import HEADER_BYTES, MAGIC, IndexedReader, dtype_code
-from optimized.data.preparation import prepare_data, read_sidecar
-from optimized.data.tokenizers import load_tokenizer
+from optimized.data import (
+    HEADER_BYTES,
+    MAGIC,
+    IndexedReader,
+    default_workers,
+    dtype_code,
+    load_tokenizer,
+    prepare_data,
+    read_sidecar,
+)
 
 CORPUS_MB = float(os.environ.get("TWINPIPE_BENCH_CORPUS_MB", "4"))
 INDEX_DOCS = int(os.environ.get("TWINPIPE_BENCH_INDEX_DOCS", str(10**6)))
@@ -184,7 +190,7 @@ def write_synthetic_index(prefix: Path, documents: int, length: int = 100) -> No
 
 _RSS_PROBE = """
 import sys, time
-from optimized.data.indexed import IndexedReader
+from optimized.data import IndexedReader
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
