@@ -47,7 +47,7 @@ class DataSection:
 
     path: str | None = field(default=None, metadata={"flag": "data"})
     """Folder written by `twinpipe prepare-data`; unset: the standard library's source,
-    byte-tokenized (`optimized.train.preparation.default_dataset`)."""
+    byte-tokenized (`optimized.data.preparation.default_dataset`)."""
     seq_len: int = 128
     """Tokens per sequence (each sample reads ``seq_len + 1`` for the shifted labels)."""
     micro_batch_size: int = 2

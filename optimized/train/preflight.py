@@ -39,8 +39,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from models.hf import check_hf_checkpoint, config_from_hf, config_to_hf, resolve_model
 from models.network import ModelConfig
 from models.runtime import BadInput, ParallelConfig, check_output_dir, check_output_file, read_text
@@ -187,14 +185,14 @@ def _check_training_checkpoint(folder: Path, model: ModelConfig, key: str) -> No
 
 
 def _data(cfg: TrainConfig, model: ModelConfig) -> str:
-    from optimized.train.preparation import default_dataset, read_index  # noqa: PLC0415
+    from optimized.data.preparation import default_dataset, read_sidecar  # noqa: PLC0415
 
     key = "data.path"
     folder = cfg.data.path
     if folder is None:
         folder = str(default_dataset())
     try:
-        index = read_index(folder)
+        index = read_sidecar(folder)
     except (OSError, ValueError, KeyError) as error:
         raise BadInput(f"{key} = {folder!r}: {error}") from None
     seq_len = cfg.data.seq_len
@@ -207,24 +205,25 @@ def _data(cfg: TrainConfig, model: ModelConfig) -> str:
             "(parallel.dp x data.micro_batches x data.micro_batch_size); "
             "use more data, a shorter seq_len or smaller batches"
         )
-    vocab = int(index.get("vocab_size", 0))
-    if vocab > model.vocab_size:
+    vocab = index.get("vocab_size")  # None: a Megatron pair without a sidecar
+    if vocab is None or int(vocab) > model.vocab_size:
         largest = _largest_token(Path(folder), index)
         if largest >= model.vocab_size:
             raise BadInput(
                 f"{key} = {folder!r} holds token id {largest}, beyond the model's vocabulary "
                 f"(vocab_size = {model.vocab_size}, ids 0..{model.vocab_size - 1}); its "
-                f"tokenizer has {vocab} ids: prepare the data with the model's tokenizer"
+                f"tokenizer has {vocab if vocab is not None else 'an unknown number of'} ids: "
+                "prepare the data with the model's tokenizer"
             )
     return str(folder)
 
 
 def _largest_token(folder: Path, index: dict) -> int:
-    """The largest id in ``tokens.bin``, read in blocks (only when the data's tokenizer
+    """The largest id in the prepared tokens, read in blocks (only when the data's tokenizer
     has more ids than the model)."""
-    from optimized.train.preparation import TOKENS_FILE  # noqa: PLC0415
+    from optimized.data.preparation import open_prepared  # noqa: PLC0415
 
-    tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(index["dtype"]), mode="r")
+    tokens = open_prepared(folder)[1].tokens
     block = 1 << 24
     return max(int(tokens[i : i + block].max()) for i in range(0, len(tokens), block))
 
