@@ -40,6 +40,7 @@ def setup(compute_device):
     return cfg, state, ids, shift_labels(ids)
 
 
+@pytest.mark.slow
 def test_agreeing_stacks_have_no_divergence(setup):
     cfg, state, ids, labels = setup
     assert bisect(cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels) is None
@@ -63,6 +64,7 @@ def test_planted_bug_is_named(setup, ops, stage, direction):
     assert "layer 1" in found.describe()
 
 
+@pytest.mark.slow
 def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
     """Bisected with each stack's own loss stage (the optimized stack's fused output layer
     and cross-entropy), correct stacks agree; a bug planted in that loss is found there."""
