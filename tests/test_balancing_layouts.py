@@ -167,7 +167,14 @@ def _moe_index(cfg, layer: int) -> int:
 def _run(cases, parallel, steps):
     """The oracle once per case here, then the case's stacks on every rank against it
     (``cases``: ``(case, layers, stacks)``)."""
-    oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers, _ in cases]
+    threads = torch.get_num_threads()
+    # One intra-op thread, as each rank runs: these ops are tiny, and with two threads a
+    # pytest process on a busy 2-core machine spent 4.0 s of CPU a case, with one 0.3 s.
+    torch.set_num_threads(1)
+    try:
+        oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers, _ in cases]
+    finally:
+        torch.set_num_threads(threads)
     return launch(_worker, parallel.world_size, (cases, parallel, oracles))
 
 
