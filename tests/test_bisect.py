@@ -31,6 +31,16 @@ class WrongBackward(OptimizedOps):
         return out + (out * 1e-3 - (out * 1e-3).detach())
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread, as the ranks run: the tiny model's ops gain nothing from a
+    second thread per pytest process (two workers on two cores) but OpenMP's waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def setup(compute_device):
     cfg = preset("tiny-deepseek-v2")
