@@ -1,8 +1,9 @@
 """The memory estimator held against the harness's measured per-rank peaks (shared by
-tests/test_estimator_vs_measured.py and tests/test_estimator_vs_measured_balancing.py).
+the tests/test_estimator_vs_measured*.py files).
 
-`measure_launch` runs both stacks as `twinpipe compare` measures them (lockstep, pinned
-routing, each router call's choices counted) on one set of gloo ranks; `check_estimates`
+`measure_cases` (and `measure_launch`, its one-model-set form) runs both stacks as
+`twinpipe compare` measures them (lockstep, pinned routing, each router call's choices
+counted) on one set of gloo ranks, several cases a launch; `check_estimates`
 holds, per rank, the estimate of the step with the higher peak, from the routing that step
 saw, against the measured peak (within ``tolerance``), and its weights (parameters and
 buffers), optimizer state and every gradient against the tracker's figures exactly.
@@ -23,40 +24,58 @@ from optimized.estimator.routing import received_loads
 STACKS = ("reference", "optimized")
 
 
-def _rank_all(models, parallels, states, optimizer):
-    """Both stacks on the models, for each of ``parallels`` (a list of ``(parallel config,
-    model names)``; one launch for all: starting the ranks costs more than a tiny model's
-    steps). The ops audit runs with recompute on only: it is not in the measured peak
-    (`harness.compare.ops_audit`), and recompute off changes none of the ops it checks."""
-    return [
-        {
-            name: run_rank(
-                RankPlan(
-                    model,
-                    parallel,
-                    states[name],
-                    *STACKS,
-                    2 if parallel.recompute else 1,
-                    optimizer,
-                    progress=False,
-                    count_routing=True,
-                    ops_audit=parallel.recompute,
-                )
+def _rank_cases(cases, states, optimizer):
+    """Each of ``cases`` (``(key, model, parallel)``) in turn on this rank, both stacks (one
+    launch for all: starting the ranks costs more than a tiny model's steps), two steps
+    with recompute on, one with it off. The ops audit runs with recompute on only: it is
+    not in the measured peak (`harness.compare.ops_audit`), and recompute off changes none
+    of the ops it checks."""
+    return {
+        key: run_rank(
+            RankPlan(
+                model,
+                parallel,
+                states[key],
+                *STACKS,
+                2 if parallel.recompute else 1,
+                optimizer,
+                progress=False,
+                count_routing=True,
+                ops_audit=parallel.recompute,
             )
-            for name, model in models.items()
-            if name in names
-        }
-        for parallel, names in parallels
-    ]
+        )
+        for key, model, parallel in cases
+    }
+
+
+def measure_cases(cases: list) -> dict:
+    """``{key: per rank run_rank's result}`` for ``cases`` (``(key, model config,
+    ParallelConfig)``, all of one world size, each its own model and layout), one launch
+    in the order given."""
+    worlds = {parallel.world_size for _, _, parallel in cases}
+    assert len(worlds) == 1, f"one launch runs one world size, not {sorted(worlds)}"
+    states = {key: SeededWeights(model) for key, model, _ in cases}
+    per_rank = launch(_rank_cases, worlds.pop(), (cases, states, OptimizerConfig()))
+    return {key: [result[key] for result in per_rank] for key, _, _ in cases}
 
 
 def measure_launch(models: dict, parallels: list) -> list[list[dict]]:
     """Per entry of ``parallels`` (``(ParallelConfig, model names)``, all of one world size),
-    per rank, ``{model name: run_rank's result}``."""
-    states = {name: SeededWeights(model) for name, model in models.items()}
-    args = (models, parallels, states, OptimizerConfig())
-    per_rank = launch(_rank_all, parallels[0][0].world_size, args)
-    return [[result[index] for result in per_rank] for index in range(len(parallels))]
+    per rank, ``{model name: run_rank's result}``: `measure_cases` of every model named."""
+    cases = [
+        ((index, name), model, parallel)
+        for index, (parallel, names) in enumerate(parallels)
+        for name, model in models.items()
+        if name in names
+    ]
+    results = measure_cases(cases)
+    return [
+        [
+            {name: per_rank[rank] for (i, name), per_rank in results.items() if i == index}
+            for rank in range(parallel.world_size)
+        ]
+        for index, (parallel, _) in enumerate(parallels)
+    ]
 
 
 def _element_size(dtype: str) -> int:

@@ -1,7 +1,13 @@
 """The routing controls at every layout: each load-balancing form, the router z-loss and the
 expert bias give the same loss, gradients, balancing values, load and bias updates in both
 pipeline stacks as in the single-process oracle, which computes them plainly from their
-sources' formulas (`reference.oracle`), at PP 1/2/4, DP 1/2, EP 1/2 and several M."""
+sources' formulas (`reference.oracle`), at PP 1/2/4, DP 1/2, EP 1/2 and several M.
+
+Every form runs at every layout (`LAYOUTS`), in one stack or both: both at PP2 DP2 EP2, where
+the layout can break what a single rank gets right; elsewhere the optimized stack (the
+Triton kernels, interpreted on a CPU: the costly one) for some forms and the reference for
+the rest, so that each form and each layout meets each stack (docs/testing.md, "The case
+table")."""
 
 from __future__ import annotations
 
@@ -91,12 +97,12 @@ def _oracle_steps(case: str, layers: int | None, parallel: ParallelConfig, steps
     return out
 
 
-def _worker(cases, parallel, stacks, oracles):
+def _worker(cases, parallel, oracles):
     """Each case's pipelines on this rank, against the oracle's trajectory; per step: losses,
     balancing values, the worst gradient difference, the load and the biases after the step."""
     layout = make_layout(parallel)
     out = []
-    for (case, layers), trajectory in zip(cases, oracles, strict=True):
+    for (case, layers, stacks), trajectory in zip(cases, oracles, strict=True):
         cfg = _config(case, layers)
         weights = SeededWeights(cfg, seed=7)
         for stack in stacks:
@@ -159,17 +165,25 @@ def _moe_index(cfg, layer: int) -> int:
 
 
 def _run(cases, parallel, steps):
-    """The oracle once per case here, then both stacks on every rank against it."""
-    oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers in cases]
-    stacks = ("reference", "optimized")
-    return launch(_worker, parallel.world_size, (cases, parallel, stacks, oracles))
+    """The oracle once per case here, then the case's stacks on every rank against it
+    (``cases``: ``(case, layers, stacks)``)."""
+    threads = torch.get_num_threads()
+    # One intra-op thread, as each rank runs: these ops are tiny, and with two threads a
+    # pytest process on a busy 2-core machine spent 4.0 s of CPU a case, with one 0.3 s.
+    torch.set_num_threads(1)
+    try:
+        oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers, _ in cases]
+    finally:
+        torch.set_num_threads(threads)
+    return launch(_worker, parallel.world_size, (cases, parallel, oracles))
 
 
 def _check(results, cases):
     seen = set()
+    expected = {(case, stack) for case, _, stacks in cases for stack in stacks}
     moved: dict[tuple[str, str], float] = {}
     for r in results:
-        seen.add(r["case"])
+        seen.add((r["case"], r["stack"]))
         where = (r["case"], r["stack"], r["step"])
         oracle, pipe = r["loss"]
         assert abs(pipe - oracle) <= LOSS_REL * abs(oracle), (where, oracle, pipe)
@@ -191,27 +205,48 @@ def _check(results, cases):
         if fields.get("expert_bias") and r["layers"]:
             key = (r["case"], r["stack"])
             moved[key] = max(moved.get(key, 0.0), r["bias_moved"])
-    assert seen == {case for case, _ in cases}
+    assert seen == expected
     # A balanced step leaves the bias where it was; some step must move it.
     for key, most in moved.items():
         assert most > 0, (key, "the expert bias never moved")
 
 
-ALL = [(case, None) for case in CASES]
+BOTH, OPTIMIZED, REFERENCE = ("reference", "optimized"), ("optimized",), ("reference",)
+LAYOUTS = {
+    # (pp, dp, ep, M): the stacks each form runs in (M = 5: not a multiple of 2 * PP)
+    (1, 1, 1, 2): dict(qwen3_pooled_z_bias=OPTIMIZED),
+    (2, 1, 1, 5): dict(gpt_oss_pooled_bias=OPTIMIZED, deepseek_layer_z=OPTIMIZED),
+    (1, 2, 1, 3): dict(deepseek_sequence_bias=OPTIMIZED, deepseek_pooled=OPTIMIZED),
+    (2, 2, 2, 4): {case: BOTH for case in CASES},
+}
+"""Per layout, the forms run in the optimized stack (``case`` with ``_`` for ``-``); the
+others run in the reference."""
+
+
+def _cases(stacks: dict, layers: int | None = None) -> list:
+    named = {name.replace("_", "-"): chosen for name, chosen in stacks.items()}
+    assert set(named) <= set(CASES)
+    return [(case, layers, named.get(case, REFERENCE)) for case in CASES]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "pp,dp,ep,m",
-    [(1, 1, 1, 2), (2, 1, 1, 5), (1, 2, 1, 3), (2, 2, 2, 4)],
+    "pp,dp,ep,m", list(LAYOUTS), ids=[f"pp{p}-dp{d}-ep{e}-m{m}" for p, d, e, m in LAYOUTS]
 )
 def test_every_form_matches_the_oracle(pp, dp, ep, m):
     parallel = ParallelConfig(
         pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=m, seq_len=16, seed=3
     )
-    results = _run(ALL, parallel, 2)
+    cases = _cases(LAYOUTS[pp, dp, ep, m])
+    results = _run(cases, parallel, 2)
     for rank_results in results:
-        _check(rank_results, ALL)
+        _check(rank_results, cases)
+
+
+PP4 = dict(qwen3_pooled_z_bias=OPTIMIZED, deepseek_sequence_bias=OPTIMIZED,
+           deepseek_layer_z=OPTIMIZED)  # fmt: skip
+"""At PP 4 (8 layers): the forms in the optimized stack, the others in the reference."""
 
 
 @pytest.mark.multiprocess
@@ -220,7 +255,18 @@ def test_every_form_matches_the_oracle_at_pp4():
     parallel = ParallelConfig(
         pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8, seq_len=8, seed=5
     )
-    cases = [(case, 8) for case in CASES]
+    cases = _cases(PP4, 8)
     results = _run(cases, parallel, 1)
     for rank_results in results:
         _check(rank_results, cases)
+
+
+def test_each_form_and_each_layout_meets_each_stack():
+    """The pairs the layouts' table must hold: every form in both stacks somewhere, every
+    layout with both stacks, and both stacks for every form at PP2 DP2 EP2."""
+    tables = [*(_cases(t) for t in LAYOUTS.values()), _cases(PP4, 8)]
+    for table in tables:
+        assert {s for _, _, stacks in table for s in stacks} == set(BOTH), table
+    for case in CASES:
+        assert {s for t in tables for c, _, stacks in t if c == case for s in stacks} == set(BOTH)
+    assert all(stacks == BOTH for _, _, stacks in _cases(LAYOUTS[2, 2, 2, 4]))

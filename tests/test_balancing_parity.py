@@ -31,6 +31,16 @@ from tests._hf import hf_model
 BATCH, SEQ = 2, 24
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread, as the ranks run: these ops are tiny, and a second thread per
+    pytest process (two workers on two cores) spends its CPU waiting in OpenMP."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _pipeline_way(model, ids: torch.Tensor) -> tuple[torch.Tensor, StepBalance]:
     """CE with the balancing terms attached as a pipeline attaches them, one micro-batch;
     backward run; returns the CE and the step (its ``aux`` and ``z`` hold the values)."""

@@ -31,6 +31,16 @@ class WrongBackward(OptimizedOps):
         return out + (out * 1e-3 - (out * 1e-3).detach())
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread, as the ranks run: the tiny model's ops gain nothing from a
+    second thread per pytest process (two workers on two cores) but OpenMP's waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def setup(compute_device):
     cfg = preset("tiny-deepseek-v2")
@@ -40,6 +50,7 @@ def setup(compute_device):
     return cfg, state, ids, shift_labels(ids)
 
 
+@pytest.mark.slow
 def test_agreeing_stacks_have_no_divergence(setup):
     cfg, state, ids, labels = setup
     assert bisect(cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels) is None
@@ -63,6 +74,7 @@ def test_planted_bug_is_named(setup, ops, stage, direction):
     assert "layer 1" in found.describe()
 
 
+@pytest.mark.slow
 def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
     """Bisected with each stack's own loss stage (the optimized stack's fused output layer
     and cross-entropy), correct stacks agree; a bug planted in that loss is found there."""

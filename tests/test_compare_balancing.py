@@ -299,6 +299,7 @@ def _bias_copy_worker(plan: RankPlan) -> list[bool]:
     return equal
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_lockstep_hands_the_candidate_the_baseline_s_expert_biases():
     model = dataclasses.replace(preset("tiny-deepseek-v2"), expert_bias=True)

@@ -104,6 +104,7 @@ def _compare(tmp_path, *argv) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_compare_reports_every_ranks_communication_exactly_with_balanced_routing(tmp_path):
     """PP=2 DP=2 EP=2 (p2p, all-to-all, FSDP and plain reductions), reference against the
@@ -132,6 +133,7 @@ def test_compare_reports_every_ranks_communication_exactly_with_balanced_routing
     assert section["exact"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_observed_routing_predicts_real_routing_to_the_byte(tmp_path):
     """Real routing (the candidate replays the baseline's choices), PP=1 DP=2 EP=2, with

@@ -87,17 +87,27 @@ def _balance_bytes(balance) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
+CASES = [
+    ("float32", False, (2, 1, 1)),
+    ("bfloat16", False, (1, 2, 2)),
+    ("bfloat16", True, (2, 2, 2)),
+]
+"""(dtype, noise floor, (pp, dp, ep)): each dtype and noise-floor setting once, each at a
+layout of its own (pairwise: the three settings, the three layouts), the hardest (the float32
+truth beside two bfloat16 stacks) at PP2 DP2 EP2."""
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("dtype", "noise_floor"), [("float32", False), ("bfloat16", False), ("bfloat16", True)]
-)
-def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor):
+@pytest.mark.parametrize(("dtype", "noise_floor", "layout"), CASES)
+def test_the_harness_adds_at_most_one_copy_of_the_parameters(dtype, noise_floor, layout):
     model = preset("tiny-deepseek-v2")
+    pp, dp, ep = layout
     parallel = ParallelConfig(
-        pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=2, seq_len=64, dtype=dtype
+        pp=pp, dp=dp, ep=ep, micro_batches=2 * pp, micro_batch_size=2, seq_len=64, dtype=dtype
     )
     state = SeededWeights(model)
-    results = launch(_overhead_worker, 4, (model, parallel, state, noise_floor))
+    results = launch(_overhead_worker, parallel.world_size, (model, parallel, state, noise_floor))
     for rank, r in enumerate(results):
         added = r["harness"] - max(r["alone"].values())
         # While the candidate runs, everything it does not own is the harness's.

@@ -21,6 +21,7 @@ with torch's own bfloat16 matmul on an AVX2-only CPU the test took 109 s, with t
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -71,6 +72,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.slow
 def test_bfloat16_forward_is_as_close_to_float32_as_transformers(tmp_path):
     _write_checkpoint(tmp_path)
     ids = torch.randint(0, 1024, (1, SEQ), generator=torch.Generator().manual_seed(2))

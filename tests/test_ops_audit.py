@@ -3,7 +3,10 @@ bugs that pass the step verdict at mid width (an activation stored toward zero, 
 computed by the wrong expert) fail it, by name and by the figure that gives them away.
 
 Shapes are mid-qwen3-moe's (hidden 2048, expert width 768, 128-dim heads, 32 query heads
-over 4 key/value heads) with a few hundred rows, so the op runs as at real width. The ops
+over 4 key/value heads) with a few hundred rows, so the op runs as at real width. The planted
+bugs need no such width: what gives them away is per row (the wrong expert's row) or per
+activation element (the bias, over 256 x 768 of them), so they run with hidden 256 (an
+eighth of the grouped products' work; each still fails at it, as its test asserts). The ops
 run on `compute_device` (compiled on a GPU, interpreted on the CPU), from inputs drawn on
 the CPU."""
 
@@ -21,6 +24,8 @@ from harness.compare.record import StepRecord
 from optimized.ops import OptimizedOps
 
 HIDDEN, INNER, ROWS = 2048, 768, 256
+PLANT_HIDDEN = 256
+"""The planted bugs' hidden size (their figures do not depend on it)."""
 
 
 def _audited(plant: str | None, calls) -> list[dict]:
@@ -36,12 +41,12 @@ def _audited(plant: str | None, calls) -> list[dict]:
         return record.ops_audit
 
 
-def _moe(ops, device: torch.device) -> None:
+def _moe(ops, device: torch.device, hidden: int = HIDDEN) -> None:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randn(ROWS, HIDDEN, generator=g).to(device, torch.bfloat16)
+    tokens = torch.randn(ROWS, hidden, generator=g).to(device, torch.bfloat16)
     expert_ids = torch.randint(0, 4, (ROWS,), generator=g).to(device)
     grouped, layout = ops.to_expert_order(tokens, expert_ids, 4)
-    weight = torch.randn(4, HIDDEN, 2 * INNER, generator=g) / math.sqrt(HIDDEN)
+    weight = torch.randn(4, hidden, 2 * INNER, generator=g) / math.sqrt(hidden)
     h = ops.grouped_linear(grouped, weight.to(device, torch.bfloat16), layout.offsets)
     a = ops.silu_and_mul(h)
     ops.from_expert_order(a, layout)
@@ -60,6 +65,7 @@ def _by_op(rows: list[dict]) -> dict[str, dict]:
     return {row["op"]: row for row in rows}
 
 
+@pytest.mark.slow
 def test_the_optimized_ops_pass_at_real_width(compute_device):
     rows = _audited(None, lambda ops: (_moe(ops, compute_device), _attention(ops, compute_device)))
     ops = _by_op(rows)
@@ -73,8 +79,10 @@ def test_the_optimized_ops_pass_at_real_width(compute_device):
     assert abs(ops["silu_and_mul"]["bias"]) < 6 / math.sqrt(ops["silu_and_mul"]["elements"])
 
 
+@pytest.mark.slow
 def test_an_activation_stored_toward_zero_fails_by_its_bias(compute_device):
-    ops = _by_op(_audited("activation-round-to-zero", lambda ops: _moe(ops, compute_device)))
+    moe = lambda ops: _moe(ops, compute_device, PLANT_HIDDEN)  # noqa: E731
+    ops = _by_op(_audited("activation-round-to-zero", moe))
     row = ops["silu_and_mul"]
     assert not row["passed"]
     assert "biased" in row["problem"]
@@ -82,8 +90,10 @@ def test_an_activation_stored_toward_zero_fails_by_its_bias(compute_device):
     assert ops["grouped_linear"]["passed"]
 
 
+@pytest.mark.slow
 def test_one_token_sent_to_the_wrong_expert_fails_exactly(compute_device):
-    ops = _by_op(_audited("dispatch-wrong-expert", lambda ops: _moe(ops, compute_device)))
+    moe = lambda ops: _moe(ops, compute_device, PLANT_HIDDEN)  # noqa: E731
+    ops = _by_op(_audited("dispatch-wrong-expert", moe))
     row = ops["to_expert_order"]
     assert not row["passed"]
     assert row["problem"].startswith(f"1 of {ROWS} rows in another expert's group")
