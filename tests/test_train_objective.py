@@ -20,7 +20,7 @@ from models.network import IGNORE_INDEX, build_model
 from models.runtime import BadInput, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
-from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.data.loader import TokenDataset, TokenLoader
 from optimized.train.metrics import StepMetrics
 from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run

@@ -49,7 +49,7 @@ from optimized.train.config_io import (
 )
 from optimized.train.expert_load import ExpertLoad
 from optimized.train.export import export, export_checkpoint
-from optimized.train.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
+from optimized.data.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.train.metrics import LoggedScalars
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 from optimized.train.preparation import (

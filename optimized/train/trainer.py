@@ -70,7 +70,7 @@ from optimized.train.checkpoint_weights import TrainingCheckpointWeights
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
 from optimized.train.expert_load import ExpertLoad
-from optimized.train.loader import BatchToDevice, TokenDataset, TokenLoader
+from optimized.data.loader import BatchToDevice, TokenDataset, TokenLoader
 from optimized.train.metrics import (
     LoggedScalars,
     MetricsSink,
