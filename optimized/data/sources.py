@@ -71,7 +71,8 @@ class Source:
 
 def open_source(path: str | os.PathLike) -> Source:
     """The source ``path`` names; `ValueError` (or `OSError`) saying why it is none."""
-    from optimized.data import indexed, preparation  # noqa: PLC0415
+    from optimized.data import indexed  # noqa: PLC0415
+    from optimized.train import preparation  # noqa: PLC0415  TEMPORARY until data-prep's move
 
     folder = Path(path)
     if folder.is_dir() and (folder / indexed.SIDECAR_FILE).is_file():
@@ -90,7 +91,8 @@ def open_source(path: str | os.PathLike) -> Source:
     if folder.is_dir():
         raise ValueError(
             f"{str(path)!r} is a folder but not a prepared one: it holds no "
-            f"{indexed.SIDECAR_FILE} (write it with `twinpipe prepare-data`)"
+            f"{indexed.SIDECAR_FILE} (nor the first format's {preparation.INDEX_FILE}); "
+            "write it with `twinpipe prepare-data`"
         )
     raise ValueError(
         f"{str(path)!r} is neither a prepared folder nor a Megatron prefix (no "

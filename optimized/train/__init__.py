@@ -29,6 +29,7 @@ May import `models`, `optimized.ops`, `optimized.estimator`, `optimized.pipeline
 never `reference` or `harness`.
 """
 
+from optimized.data.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.checkpointing import (
     list_checkpoints,
@@ -49,7 +50,6 @@ from optimized.train.config_io import (
 )
 from optimized.train.expert_load import ExpertLoad
 from optimized.train.export import export, export_checkpoint
-from optimized.data.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.train.metrics import LoggedScalars
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 from optimized.train.preparation import (

@@ -467,13 +467,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "data.eval_every",
         "needs held-out data: --eval-data, or --split TRAIN,EVAL",
     )
-    if data.split is not None:
-        from optimized.data.splits import parse_split  # noqa: PLC0415
+    from optimized.data.corpus import config_problems  # noqa: PLC0415
 
-        try:
-            parse_split(data.split)
-        except ValueError as error:
-            problems.append(f"data.split = {data.split!r} is invalid: {error}")
+    problems += config_problems(data.path, data.eval_path, data.split)
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")
     check(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
