@@ -41,11 +41,11 @@ def parse_split(text: str) -> list[float]:
 
 def split_documents(num_documents: int, fractions: list[float]) -> list[int]:
     """Document boundaries ``[0, b1, ..., num_documents]`` of the parts: part ``i`` holds
-    documents ``[b_i, b_(i+1))``. Megatron's rule (``get_split_indices``): each boundary
-    adds ``round(fraction * num_documents)``, the last one clamped to the end."""
-    bounds = [0]
+    documents ``[b_i, b_(i+1))``. Megatron-Core's rule (``convert_split_vector_to_split_matrix``
+    and the builder's ``round(bookend * num_documents)``): each boundary is the running sum
+    of the fractions times the documents, rounded."""
+    bounds, running = [0], 0.0
     for fraction in fractions:
-        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
-    return [min(max(b, 0), num_documents) for b in bounds]
+        running += fraction
+        bounds.append(min(int(round(running * float(num_documents))), num_documents))
+    return bounds
