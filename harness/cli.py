@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("optimized.estimator.cli", "estimate per-rank memory from the configs alone"),
     "plan": ("optimized.estimator.plan_cli", "list the DualPipeV layouts that fit the GPUs"),
     "train": ("optimized.train.cli", "train a model on the optimized stack"),
-    "prepare-data": ("optimized.train.data_cli", "turn text files into a memory-mapped token file"),
+    "prepare-data": ("optimized.data.data_cli", "tokenize a corpus into Megatron .bin/.idx"),
     "export": (
         "optimized.train.export",
         "export a training checkpoint as a Hugging Face checkpoint",

@@ -119,8 +119,8 @@ def alive(pid: int) -> bool:
 
 def small_data(root: Path) -> str:
     """A prepared byte-token folder of a few thousand tokens under ``root``."""
+    from optimized.data.preparation import prepare_data  # noqa: PLC0415
     from optimized.data.tokenizers import ByteTokenizer  # noqa: PLC0415
-    from optimized.train.preparation import prepare_data  # noqa: PLC0415
 
     (root / "text.txt").write_text("a few words of text to train on, again and again. " * 300)
     prepare_data([root / "text.txt"], ByteTokenizer(), root / "data", progress=False)

@@ -5,7 +5,7 @@ Each reader gets real binary bytes (a PNG header, random bytes, bytes that are n
 UTF-8) and is run as a user runs it, ``python -m harness.cli ...`` in a subprocess:
 train configs (``--config`` TOML; a model config JSON by ``--model``, ``--set`` and
 ``estimate --model``), a Hugging Face checkpoint's index, a prepared data folder's
-``index.json``, a tokenizer.json, an existing metrics file (read back on resume: it was a
+sidecar, a tokenizer.json, an existing metrics file (read back on resume: it was a
 traceback from inside rank 0), and a training checkpoint's ``run.json``, ``manifest.json``
 and ``config.json``. (prepare-data's own inputs, skipped as binary, are
 tests/test_reliability_reports.py's.)
@@ -103,7 +103,7 @@ def test_a_binary_checkpoint_index(tmp_path):
 
 def test_a_binary_data_index(tmp_path):
     data = small_data(tmp_path)
-    index = binary(tmp_path / "data" / "index.json")
+    index = binary(tmp_path / "data" / "twinpipe-data.json")
     refused(twinpipe(*TRAIN, "--data", data), "data.path", index, "twinpipe prepare-data")
 
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from harness.cli import main as cli_main
+from optimized.data.indexed import IndexedReader
 from optimized.train import (
-    INDEX_FILE,
-    TOKENS_FILE,
     ByteTokenizer,
     HFTokenizer,
     ShardedSampler,
@@ -23,11 +22,12 @@ from optimized.train import (
     default_dataset,
     load_tokenizer,
     prepare_data,
-    read_index,
+    read_sidecar,
     resolve_inputs,
     token_dtype,
 )
 
+SIDECAR = "twinpipe-data.json"
 TEXTS = {
     "a.txt": "hello world\n",
     "b.txt": "héllo — ünïcode 🚀\r\nsecond line\n",
@@ -106,12 +106,13 @@ def test_hf_tokenizer_prepare_and_round_trip(tmp_path, corpus):
         assert tok.decode(tok.encode(text)) == text
 
     summary = prepare_data([corpus], tok, tmp_path / "out", progress=False)
-    index = read_index(tmp_path / "out")
+    index = read_sidecar(tmp_path / "out")
     assert index["tokenizer"]["kind"] == "hf"
     assert index["tokenizer"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert index["dtype"] == "uint16" and index["eod_id"] == tok.eod_id
-    tokens = np.fromfile(tmp_path / "out" / TOKENS_FILE, dtype=np.uint16)
-    offsets = index["document_offsets"]
+    reader = IndexedReader(tmp_path / "out" / "tokens")
+    tokens = reader.tokens
+    offsets = np.concatenate([[0], np.cumsum(reader.sequence_lengths)])
     expected = [tok.encode(TEXTS[name]) for name in sorted(TEXTS)]  # a, b, sub/c
     assert summary.num_tokens == sum(len(e) + 1 for e in expected) == tokens.size
     for i, ids in enumerate(expected):
@@ -142,14 +143,14 @@ def test_prepare_data_exact_tokens_and_boundaries(tmp_path, corpus):
     assert summary.num_files == summary.num_documents == 3
     assert summary.num_tokens == sum(len(r) + 1 for r in raw)
     assert summary.bytes_read == sum(len(r) for r in raw)
-    assert sorted(p.name for p in out.iterdir()) == [INDEX_FILE, TOKENS_FILE]  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == ["tokens.bin", "tokens.idx", SIDECAR]
 
-    index = json.loads((out / INDEX_FILE).read_text())
+    index = json.loads((out / SIDECAR).read_text())
     assert index["dtype"] == "uint16" and index["num_tokens"] == summary.num_tokens
-    assert index["num_documents"] == 3
-    tokens = np.fromfile(out / TOKENS_FILE, dtype=np.uint16)
+    assert index["num_documents"] == 3 and index["prefix"] == "tokens"
+    tokens = np.fromfile(out / "tokens.bin", dtype=np.uint16)
     assert tokens.size == summary.num_tokens
-    offsets = index["document_offsets"]
+    offsets = np.concatenate([[0], np.cumsum(IndexedReader(out / "tokens").sequence_lengths)])
     assert offsets[0] == 0 and offsets[-1] == tokens.size and len(offsets) == 4
     for i, data in enumerate(raw):
         document = tokens[offsets[i] : offsets[i + 1]]
@@ -158,6 +159,7 @@ def test_prepare_data_exact_tokens_and_boundaries(tmp_path, corpus):
         source = index["sources"][i]
         assert source["path"] == str((corpus / names[i]).resolve())
         assert source["size"] == len(data) and source["tokens"] == len(data) + 1
+        assert source["documents"] == 1
         assert source["sha256"] == hashlib.sha256(data).hexdigest()
         assert source["mtime"] == (corpus / names[i]).stat().st_mtime
 
@@ -176,9 +178,12 @@ def test_resolve_inputs_globs_order_and_errors(tmp_path, corpus):
         resolve_inputs([str(tmp_path / "*.md")])
 
 
-def test_prepare_data_is_atomic(tmp_path, corpus):
+def test_prepare_data_is_atomic_and_never_overwrites(tmp_path, corpus):
     out = tmp_path / "prepared"
     first = prepare_data([corpus / "a.txt"], ByteTokenizer(), out, progress=False)
+    with pytest.raises(FileExistsError, match="not empty"):
+        prepare_data([corpus], ByteTokenizer(), out, progress=False)
+    assert read_sidecar(out)["num_tokens"] == first.num_tokens
 
     class Failing(ByteTokenizer):
         def encode(self, text):
@@ -186,21 +191,17 @@ def test_prepare_data_is_atomic(tmp_path, corpus):
                 raise RuntimeError("tokenizer crashed")
             return super().encode(text)
 
-    with pytest.raises(RuntimeError, match="crashed"):
-        prepare_data([corpus], Failing(), out, progress=False)
-    # The earlier complete output is untouched and no temporary files are left behind.
-    assert sorted(p.name for p in out.iterdir()) == [INDEX_FILE, TOKENS_FILE]
-    assert read_index(out)["num_tokens"] == first.num_tokens
-
-    fresh = tmp_path / "fresh"
-    with pytest.raises(RuntimeError):
-        prepare_data([corpus], Failing(), fresh, progress=False)
-    assert list(fresh.iterdir()) == []
+    fresh, empty = tmp_path / "fresh", tmp_path / "empty"
+    empty.mkdir()
+    for target in (fresh, empty):
+        with pytest.raises(RuntimeError, match="crashed"):
+            prepare_data([corpus], Failing(), target, progress=False)
+    assert not fresh.exists() and list(empty.iterdir()) == []  # left as found
     with pytest.raises(FileNotFoundError, match="not a prepared data folder"):
-        TokenDataset(fresh, seq_len=4)
+        TokenDataset(empty, seq_len=4)
 
 
-def test_wide_vocabulary_uses_uint32(tmp_path, corpus):
+def test_wide_vocabulary_uses_int32(tmp_path, corpus):
     class Wide(ByteTokenizer):
         vocab_size = 70_000
         eod_id = 69_999
@@ -208,23 +209,18 @@ def test_wide_vocabulary_uses_uint32(tmp_path, corpus):
         def encode(self, text):
             return super().encode(text) * 200  # ids up to 51000
 
-    assert token_dtype(65_536) == np.uint16 and token_dtype(65_537) == np.uint32
+    assert token_dtype(65_499) == np.uint16 and token_dtype(65_500) == np.int32  # Megatron's
     prepare_data([corpus / "a.txt"], Wide(), tmp_path / "wide", progress=False)
     dataset = TokenDataset(tmp_path / "wide", seq_len=4)
-    assert dataset.tokens.dtype == np.uint32
+    assert dataset.tokens.dtype == np.int32
     expected = [b * 200 for b in TEXTS["a.txt"].encode()] + [69_999]
     assert dataset.tokens.tolist() == expected
 
 
-def test_progress_lines(tmp_path, corpus, capsys, monkeypatch):
-    from optimized.train import preparation as data
-
-    clock = iter(range(0, 1000, 2))  # every call is two seconds later
-    monkeypatch.setattr(data.time, "monotonic", lambda: next(clock))
+def test_progress_bar(tmp_path, corpus, capsys):
     prepare_data([corpus], ByteTokenizer(), tmp_path / "out", progress=True)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[0].startswith("prepare-data: 1/3 files")
-    assert lines[-1].startswith("prepare-data: 3/3 files")
+    err = capsys.readouterr().err
+    assert "prepare-data" in err and "docs/s" in err and "tok/s" in err and "100%" in err
 
 
 # --------------------------------------------------------------------------- dataset
@@ -244,7 +240,7 @@ def prepared(tmp_path):
 def test_dataset_windows(prepared):
     seq_len = 16
     dataset = TokenDataset(prepared, seq_len)
-    tokens = np.fromfile(prepared / TOKENS_FILE, dtype=np.uint16).astype(np.int64)
+    tokens = np.fromfile(prepared / "tokens.bin", dtype=np.uint16).astype(np.int64)
     assert len(dataset) == (tokens.size - 1) // seq_len
     assert dataset.vocab_size == 257 and dataset.eod_id == 256
     for i in (0, 1, len(dataset) - 1):
@@ -381,18 +377,18 @@ def test_default_dataset_builds_once_and_is_python_source(tmp_path, monkeypatch)
     folder = tmp_path / "cache" / "data" / "stdlib-byte"
     assert results == [folder] * 3
     assert sorted(p.name for p in folder.parent.iterdir()) == ["stdlib-byte", "stdlib-byte.lock"]
-    index = read_index(folder)
+    index = read_sidecar(folder)
     assert 0 < sum(s["size"] for s in index["sources"]) <= 300_000
     assert all(s["path"].endswith(".py") for s in index["sources"])
     assert index["recipe"]["max_bytes"] == 300_000
     text = ByteTokenizer().decode(TokenDataset(folder, seq_len=64).tokens[:20_000])
     assert "import" in text or "def " in text
 
-    built = (folder / TOKENS_FILE).stat().st_mtime_ns
+    built = (folder / "tokens.bin").stat().st_mtime_ns
     assert default_dataset(max_bytes=300_000) == folder
-    assert (folder / TOKENS_FILE).stat().st_mtime_ns == built  # cached, not rebuilt
+    assert (folder / "tokens.bin").stat().st_mtime_ns == built  # cached, not rebuilt
     default_dataset(max_bytes=150_000)  # another recipe rebuilds in place
-    assert read_index(folder)["recipe"]["max_bytes"] == 150_000
+    assert read_sidecar(folder)["recipe"]["max_bytes"] == 150_000
     assert sorted(p.name for p in folder.parent.iterdir()) == ["stdlib-byte", "stdlib-byte.lock"]
 
 
@@ -402,16 +398,21 @@ def test_default_dataset_builds_once_and_is_python_source(tmp_path, monkeypatch)
 def test_cli_prepare_data(tmp_path, corpus, capsys):
     out = tmp_path / "out"
     assert cli_main(["prepare-data", "--input", str(corpus), "--out", str(out), "--quiet"]) == 0
-    assert read_index(out)["num_documents"] == 3
+    assert read_sidecar(out)["num_documents"] == 3
     assert "tokens" in capsys.readouterr().out
 
     missing = str(tmp_path / "missing.txt")
     assert cli_main(["prepare-data", "--input", str(corpus), missing, "--out", str(out)]) == 2
     assert f"--input {missing!r}" in capsys.readouterr().err
 
+    code = cli_main(["prepare-data", "--input", str(corpus), "--out", str(out)])
+    assert code == 2 and "not empty" in capsys.readouterr().err  # never overwritten
+    assert read_sidecar(out)["num_documents"] == 3
+
+    fresh = str(tmp_path / "fresh")
     bad_tok = str(corpus / "a.txt")
     code = cli_main(
-        ["prepare-data", "--input", str(corpus), "--tokenizer", bad_tok, "--out", str(out)]
+        ["prepare-data", "--input", str(corpus), "--tokenizer", bad_tok, "--out", fresh]
     )
     assert code == 2 and f"--tokenizer {bad_tok!r}" in capsys.readouterr().err
 
@@ -419,7 +420,7 @@ def test_cli_prepare_data(tmp_path, corpus, capsys):
     assert cli_main(["prepare-data", "--input", str(corpus), "--out", file_out]) == 2
     assert "--out" in capsys.readouterr().err
 
-    code = cli_main(["prepare-data", "--input", str(corpus), "--eod-token", "x", "--out", str(out)])
+    code = cli_main(["prepare-data", "--input", str(corpus), "--eod-token", "x", "--out", fresh])
     assert code == 2 and "--eod-token" in capsys.readouterr().err
 
     with pytest.raises(SystemExit) as exit_info:

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from harness.cli import main
 from models.hf import save_pretrained
 from models.network import build_model, preset
+from optimized.data.preparation import prepare_data
 from optimized.data.tokenizers import ByteTokenizer
 from optimized.train import TrainConfig
-from optimized.train.preparation import prepare_data
 
 TRAIN = ["train", "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
          "--steps", "2"]  # fmt: skip
@@ -68,9 +68,8 @@ def files(tmp_path_factory):
     (root / "no-config").mkdir()
     (root / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     prepare_data([root / "text.txt"], ByteTokenizer(), root / "data", progress=False)
-    (root / "empty.txt").write_text("")
-    prepare_data([root / "empty.txt"], ByteTokenizer(), root / "data-1", progress=False,
-                 skip_empty=False)  # fmt: skip
+    (root / "one.txt").write_text("x")  # one byte and the end-of-document id
+    prepare_data([root / "one.txt"], ByteTokenizer(), root / "data-1", progress=False)
     (root / "data-empty").mkdir()
 
     class Wide(ByteTokenizer):  # a tokenizer with more ids than the tiny model's 512
@@ -163,8 +162,8 @@ def test_a_checkpoint_of_another_family_is_named(files, capsys):
         (["--seq-len", "300"], ["data.seq_len = 300", "max_position_embeddings=256"]),
         (["--pp", "3", "--micro-batches", "6"], ["parallel.pp = 3", "4 layers cannot fill"]),
         (["--ep", "3", "--dp", "3"], ["parallel.ep = 3", "num_experts=8"]),
-        (["--data-key", "data-empty"], ["data.path", "data-empty", "no index.json"]),
-        (["--data-key", "data-1"], ["data.path", "holds 1 tokens", "fewer than one global batch"]),
+        (["--data-key", "data-empty"], ["data.path", "data-empty", "no twinpipe-data.json"]),
+        (["--data-key", "data-1"], ["data.path", "holds 2 tokens", "fewer than one global batch"]),
         (
             ["--data-key", "data-wide"],
             ["data.path", "beyond the model's vocabulary", "vocab_size = 512"],

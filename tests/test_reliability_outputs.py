@@ -17,8 +17,8 @@ import pytest
 
 from harness.cli import main
 from models.runtime import BadInput, check_output_dir, check_output_file, write_or_rescue
+from optimized.data.preparation import prepare_data
 from optimized.data.tokenizers import ByteTokenizer
-from optimized.train.preparation import prepare_data
 
 TRAIN = ["train", "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
          "--steps", "2"]  # fmt: skip

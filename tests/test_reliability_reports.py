@@ -14,7 +14,7 @@ import pytest
 
 import harness.cli
 from harness.cli import SUBCOMMANDS, main
-from optimized.train.preparation import read_index
+from optimized.data.preparation import read_sidecar
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = json.loads((ROOT / "tests" / "data" / "compare_report.json").read_text())
@@ -105,21 +105,24 @@ def test_prepare_data_says_what_it_replaced_and_skipped(tmp_path, capsys):
     (corpus / "c.txt").write_text("")
     (corpus / "d.txt").write_text("fine text")
     out = corpus / "out"  # inside --input: never read back as input
-    for _ in range(2):
-        assert main(["prepare-data", "--input", str(corpus), "--out", str(out), "--quiet"]) == 0
-        err = capsys.readouterr().err
-        assert re.search(r"a\.txt: 3 bytes of invalid UTF-8 became U\+FFFD", err), err
-        assert "skipped " + str(corpus / "b.bin") + ": binary" in err
-        assert "skipped " + str(corpus / "c.txt") + ": empty" in err
-        index = read_index(out)
-        assert [Path(s["path"]).name for s in index["sources"]] == ["a.txt", "d.txt"]
-        assert index["num_documents"] == 2
+    assert main(["prepare-data", "--input", str(corpus), "--out", str(out), "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert re.search(r"a\.txt: 3 bytes of invalid UTF-8 became U\+FFFD", said.err), said.err
+    assert "skipped " + str(corpus / "b.bin") + ": binary" in said.err
+    assert "1 empty documents" in said.out
+    index = read_sidecar(out)
+    documents = {Path(s["path"]).name: s["documents"] for s in index["sources"]}
+    assert documents == {"a.txt": 1, "b.bin": 0, "c.txt": 0, "d.txt": 1}
+    assert index["num_documents"] == 2
+    assert index["skipped"] == {"empty": 1, "bad": 0, "binary": 1}
+    assert main(["prepare-data", "--input", str(corpus), "--out", str(out), "--quiet"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err  # never overwritten
     (tmp_path / "x.bin").write_bytes(b"\0\0\0")
     only_binary = str(tmp_path / "x.bin")
     assert main(["prepare-data", "--input", only_binary, "--out", str(tmp_path / "o")]) == 2
     assert "no text to prepare" in capsys.readouterr().err
-    assert not (tmp_path / "o" / "index.json").exists()
-    inside = str(out / "index.json")  # a file of --out named as input is refused
+    assert not (tmp_path / "o").exists()
+    inside = str(out / "twinpipe-data.json")  # a file of --out named as input is refused
     assert main(["prepare-data", "--input", inside, "--out", str(out)]) == 2
     assert "lies in the output folder" in capsys.readouterr().err
     assert main(["prepare-data", "--input", str(out), "--out", str(out)]) == 2

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models.hf import resolve_model
 from models.network import build_model
+from optimized.data.preparation import open_prepared
 from optimized.train import (
     TrainConfig,
     apply_overrides,
@@ -65,8 +66,7 @@ def schedule(step: int) -> float:
 def samples(cfg: TrainConfig, step: int) -> torch.Tensor:
     """The global batch of ``step``: ``[dp * M * mbs, seq_len + 1]`` token windows."""
     folder = default_dataset()
-    index = json.loads((folder / "index.json").read_text())
-    tokens = np.memmap(folder / "tokens.bin", dtype=np.dtype(index["dtype"]), mode="r")
+    tokens = open_prepared(folder)[1].tokens
     length = cfg.data.seq_len
     count = (len(tokens) - 1) // length
     size = cfg.parallel.dp * cfg.data.micro_batches * cfg.data.micro_batch_size

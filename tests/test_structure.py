@@ -64,7 +64,7 @@ def test_the_network_loads_neither_checkpoints_nor_runtime():
 def test_optimized_does_not_import_reference_or_harness():
     loaded = _loaded_after(
         "import optimized.ops, optimized.estimator, optimized.pipeline, optimized.train; "
-        "import optimized.estimator.cli, optimized.train.cli, optimized.train.data_cli"
+        "import optimized.estimator.cli, optimized.train.cli, optimized.data.data_cli"
     )
     assert loaded == {"models", "optimized"}
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from optimized.train.preparation import TOKENS_FILE, read_index
+from optimized.data.preparation import open_prepared
 
 
 class TokenDataset:
@@ -27,17 +27,12 @@ class TokenDataset:
         if seq_len < 1:
             raise ValueError(f"seq_len = {seq_len} is invalid: must be >= 1")
         self.data_dir = Path(data_dir)
-        self.index = read_index(self.data_dir)
+        self.index, self.reader = open_prepared(self.data_dir)
         self.seq_len = seq_len
         self.num_tokens = int(self.index["num_tokens"])
         self.vocab_size = int(self.index["vocab_size"])
         self.eod_id = int(self.index["eod_id"])
-        self.tokens = np.memmap(
-            self.data_dir / TOKENS_FILE,
-            dtype=np.dtype(self.index["dtype"]),
-            mode="r",
-            shape=(self.num_tokens,),
-        )
+        self.tokens = self.reader.tokens
         self.num_samples = max(0, (self.num_tokens - 1) // seq_len)
         if self.num_samples == 0:
             raise ValueError(
@@ -46,9 +41,9 @@ class TokenDataset:
             )
 
     @property
-    def document_offsets(self) -> list[int]:
+    def document_offsets(self) -> np.ndarray:
         """Start of each document, and the total token count at the end."""
-        return self.index["document_offsets"]
+        return np.concatenate([[0], np.cumsum(self.reader.sequence_lengths, dtype=np.int64)])
 
     def __len__(self) -> int:
         return self.num_samples

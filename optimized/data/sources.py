@@ -1,5 +1,5 @@
-"""What a blend's paths name, opened for training: a prepared folder, a bare Megatron prefix,
-or a folder of the first format; and `Windows`, a source's samples.
+"""What a blend's paths name, opened for training: a prepared folder or a bare Megatron
+prefix; and `Windows`, a source's samples.
 
 A path of ``--data`` is one of:
 
@@ -8,8 +8,10 @@ A path of ``--data`` is one of:
   (tokenizer, vocabulary, end-of-document id; `optimized.data.preparation`);
 - a bare Megatron prefix ``path/prefix`` (``prefix.bin`` + ``prefix.idx``, as
   megatron-core's ``IndexedDatasetBuilder`` writes them), no sidecar: its tokenizer is
-  unknown, its ids are held against the model's vocabulary instead;
-- a folder of twinpipe's first format (``tokens.bin`` + ``index.json``), read as it is.
+  unknown, its ids are held against the model's vocabulary instead.
+
+(A folder of twinpipe's first format, ``tokens.bin`` + ``index.json``, is refused with the
+command that converts it: `optimized.data.preparation.open_prepared`.)
 
 Every array is a memory map (the index included): opening a source parses nothing per
 document. A sample is a window of ``seq_len + 1`` tokens: window ``i`` of a token range
@@ -42,12 +44,12 @@ class Source:
     tokenizer: dict | None
     """The tokenizer's description (its ``describe()``); None: unknown."""
     document_starts: np.ndarray
-    """A memory-mapped array from which `document_start` reads (format-dependent)."""
+    """The index's sequence pointers (memory-mapped): where each sequence starts, in bytes."""
     starts_scale: int = 1
-    """``document_starts`` values per token (the index's byte pointers: the itemsize)."""
+    """``document_starts`` values per token (the pointers are bytes: the itemsize)."""
     document_sequences: np.ndarray | None = None
-    """A Megatron index's document indices (document -> first sequence); None: the starts
-    are per document already."""
+    """The index's document indices (document -> its first sequence); None: one sequence
+    per document."""
 
     @property
     def num_tokens(self) -> int:
@@ -72,28 +74,14 @@ class Source:
 def open_source(path: str | os.PathLike) -> Source:
     """The source ``path`` names; `ValueError` (or `OSError`) saying why it is none."""
     from optimized.data import indexed  # noqa: PLC0415
-    from optimized.train import preparation  # noqa: PLC0415  TEMPORARY until data-prep's move
+    from optimized.data.preparation import open_prepared  # noqa: PLC0415
 
     folder = Path(path)
-    if folder.is_dir() and (folder / indexed.SIDECAR_FILE).is_file():
-        sidecar = preparation.read_sidecar(folder)
-        reader = indexed.IndexedReader(folder / sidecar.get("prefix", indexed.DEFAULT_PREFIX))
+    if folder.is_dir():  # a prepared folder (an old-format one is named, with its command)
+        sidecar, reader = open_prepared(folder)
         return _indexed(str(path), reader, sidecar)
-    if folder.is_dir() and (folder / preparation.INDEX_FILE).is_file():
-        index = preparation.read_index(folder)
-        tokens = np.memmap(folder / preparation.TOKENS_FILE, dtype=np.dtype(index["dtype"]),
-                           mode="r", shape=(int(index["num_tokens"]),))  # fmt: skip
-        offsets = np.asarray(index["document_offsets"], dtype=np.int64)
-        return Source(str(path), tokens, max(0, len(offsets) - 1), int(index["vocab_size"]),
-                      int(index["eod_id"]), index.get("tokenizer"), offsets)  # fmt: skip
     if indexed.idx_path(folder).is_file() or indexed.bin_path(folder).is_file():
         return _indexed(str(path), indexed.IndexedReader(folder), None)
-    if folder.is_dir():
-        raise ValueError(
-            f"{str(path)!r} is a folder but not a prepared one: it holds no "
-            f"{indexed.SIDECAR_FILE} (nor the first format's {preparation.INDEX_FILE}); "
-            "write it with `twinpipe prepare-data`"
-        )
     raise ValueError(
         f"{str(path)!r} is neither a prepared folder nor a Megatron prefix (no "
         f"{indexed.idx_path(folder).name} beside it)"

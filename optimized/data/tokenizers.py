@@ -23,11 +23,14 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text``, without any special tokens added."""
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text, in order (one call: the batch path of a fast tokenizer)."""
+
     def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
         """Text of ``ids``; end-of-document ids are dropped."""
 
     def describe(self) -> dict:
-        """JSON-able description recorded in ``index.json``."""
+        """JSON-able description recorded in the prepared folder's sidecar."""
 
 
 class ByteTokenizer:
@@ -43,6 +46,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
         array = _as_int_array(ids)
@@ -99,6 +105,13 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ``tokenizers`` package's batch encoding (Rust; threads across the batch
+        unless ``TOKENIZERS_PARALLELISM=false``)."""
+        batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        encodings = batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
     def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
         array = _as_int_array(ids)

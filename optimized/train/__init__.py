@@ -1,9 +1,10 @@
 """The training product around the engine: config, data, optimizer, checkpoints, export.
 
 - `config` (dataclasses, fields, validation) and `config_io` (TOML, ``--set``, flags);
-- `preparation` (the memory-mapped token format, the default data set)
-  and `loader` (windows, the resumable DP-sharded sampler, and the copy of each batch to
-  the device through buffers allocated once);
+  `schedule`: the learning rate of each step (warmup, cosine, constant, WSD) and the rule
+  for extending a WSD run on resume;
+- the data each step reads is `optimized.data`'s (blends, splits, the loader);
+  `evaluation`: the held-out loss and perplexity, forward only;
 - `optimizer`: AdamW over sharded parameters with float32 state;
 - `checkpointing`: DCP checkpoints, atomic, layout-free, each rank's own piece written
   as an explicit DCP chunk (`chunks`, which `export` reads too), the expert biases with
@@ -21,15 +22,17 @@
   top-op tables of chosen steps (``--profile``), reusable around any region;
 - `sizing`: a training config as the memory estimator's question (the defaults of
   ``twinpipe estimate`` and ``twinpipe plan``);
-- `cli` (``twinpipe train``), `data_cli` (``twinpipe prepare-data``), `export`
-  (``twinpipe export``).
+- `cli` (``twinpipe train``), `export` (``twinpipe export``).
 
 May import `models`, `optimized.ops`, `optimized.estimator`, `optimized.pipeline` and
 `optimized.data`;
 never `reference` or `harness`.
 """
 
+from optimized.data.indexed import token_dtype
 from optimized.data.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
+from optimized.data.preparation import default_dataset, prepare_data, read_sidecar
+from optimized.data.readers import resolve_inputs
 from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from optimized.train.checkpointing import (
     list_checkpoints,
@@ -52,23 +55,12 @@ from optimized.train.expert_load import ExpertLoad
 from optimized.train.export import export, export_checkpoint
 from optimized.train.metrics import LoggedScalars
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
-from optimized.train.preparation import (
-    INDEX_FILE,
-    TOKENS_FILE,
-    default_dataset,
-    prepare_data,
-    read_index,
-    resolve_inputs,
-    token_dtype,
-)
 from optimized.train.profiling import StepProfiler, profile_region, top_ops_table
 from optimized.train.sizing import estimate_config, training_run
 from optimized.train.trainer import runner_class, train
 
 __all__ = [
     "FIELDS",
-    "INDEX_FILE",
-    "TOKENS_FILE",
     "add_config_arguments",
     "print_config",
     "resolve_inputs",
@@ -100,7 +92,7 @@ __all__ = [
     "lr_at",
     "newest_valid",
     "prepare_data",
-    "read_index",
+    "read_sidecar",
     "runner_class",
     "StepProfiler",
     "estimate_config",

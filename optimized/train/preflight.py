@@ -188,7 +188,7 @@ def _data(cfg: TrainConfig, model: ModelConfig) -> str:
     """The training blend (``data.path``, or the default data set), its held-out data, each
     source opened and held against the others and the model (`optimized.data.corpus`)."""
     from optimized.data import corpus  # noqa: PLC0415
-    from optimized.train.preparation import default_dataset  # noqa: PLC0415
+    from optimized.data.preparation import default_dataset  # noqa: PLC0415
 
     data = cfg.data
     spec = data.path if data.path is not None else str(default_dataset())

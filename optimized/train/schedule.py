@@ -30,10 +30,10 @@ why a resume is refused otherwise (the trainer's preflight exits 2 with it).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from optimized.train.config import TrainConfig
+TrainConfig = Any
+"""`optimized.train.config.TrainConfig` (not imported: that module imports this one)."""
 
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 DEFAULT_WARMUP_STEPS = 10
