@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _cli import REFERENCE_RUNNER, twinpipe
 from test_blend import documents, megatron_prefix
@@ -137,3 +139,50 @@ def test_held_out_loss_and_resume_at_another_layout(tmp_path):
     for run, folder in ((a, tmp_path / "a"), (c, tmp_path / "b")):
         want = oracle_eval(model, folder / "step-00000004", data, "80,20", None, 2, 8)
         assert abs(run["eval_losses"][4] - want) <= LOSS_REL * want, (run["eval_losses"], want)
+
+
+def test_bad_data_input_exits_2_naming_what_and_where(tmp_path, capsys):
+    """Every bad blend, split or evaluation setting stops ``twinpipe train`` with exit code 2
+    before any rank starts, naming the key, the entry and what would be valid."""
+    from harness.cli import main
+    from optimized.data.indexed import SIDECAR_FILE, IndexedWriter
+    from optimized.data.preparation import prepare_data
+    from optimized.data.tokenizers import ByteTokenizer
+
+    good = megatron_prefix(tmp_path / "good", documents(20, seed=5))
+    (tmp_path / "text.txt").write_text("some words to prepare, again and again. " * 40)
+    byte = prepare_data([tmp_path / "text.txt"], ByteTokenizer(), tmp_path / "byte",
+                        progress=False).out_dir  # fmt: skip
+    (tmp_path / "plain").mkdir()
+    for name, change in (("other-tokenizer", {"tokenizer": {"kind": "hf", "sha256": "ab" * 32}}),
+                         ("other-vocab", {"vocab_size": 300})):  # fmt: skip
+        shutil.copytree(byte, tmp_path / name)
+        sidecar = tmp_path / name / SIDECAR_FILE
+        sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), **change}))
+    with IndexedWriter(tmp_path / "wide", "uint16") as writer:  # ids beyond vocab_size 512
+        writer.add_document(np.arange(500, 600))
+    cases = [
+        (["--data", f"-0.5 {good}"], ["data.path", "the weight -0.5 must be a finite number"]),
+        (["--data", f"0 {good} 0 {byte}"], ["data.path", "weights sum to 0"]),
+        (["--data", f"x {good}"], ["data.path", "'x' does not exist"]),
+        (["--data", f"{good} 0.5"], ["data.path", "'0.5' looks like a weight"]),
+        (["--data", f"1 {good} two {byte}"], ["entry 2", "'two' is not a number"]),
+        (["--data", f"1 {good} 1 {tmp_path / 'plain'}"],
+         ["data.path", "plain", "not a prepared data folder"]),
+        (["--data", f"1 {good} 1 {tmp_path / 'none'}"], ["data.path", "none' does not exist"]),
+        (["--data", f"{good} {tmp_path / 'wide'}"], ["wide holds token id 599", "= 512"]),
+        (["--data", f"{byte} {tmp_path / 'other-tokenizer'}"],
+         ["other-tokenizer was tokenized with hf abab", "with byte", "same one"]),
+        (["--data", str(byte), "--eval-data", str(tmp_path / "other-vocab")],
+         ["data.eval_path", "other-vocab has vocab_size 300", "257"]),
+        (["--data", good, "--split", "0,0"], ["data.split = '0,0'", "sum to a positive"]),
+        (["--data", good, "--split", "99,x"], ["data.split = '99,x'", "part 2 'x'"]),
+        (["--data", good, "--eval-every", "2"], ["data.eval_every = 2", "--eval-data, or --split"]),
+        (["--data", good, "--split", "99,1"], ["held-out part", "too few for one sample"]),
+    ]  # fmt: skip
+    for args, needles in cases:
+        code = main(["train", "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches",
+                     "2", "--steps", "2", "--model", "tiny-deepseek-v2", *args])  # fmt: skip
+        out, err = capsys.readouterr()
+        assert code == 2 and "step 0000" not in out, (args, code, out, err)
+        assert all(n in err for n in needles) and "Traceback" not in err, (args, err)
