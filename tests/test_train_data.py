@@ -107,7 +107,8 @@ def test_held_out_loss_and_resume_at_another_layout(tmp_path):
     expert bias and counts no load); B + C read A's global batches (their digests, nothing
     repeated or skipped) to the same losses; A's and C's held-out losses agree, and each
     run's last one equals the oracle's on that run's saved weights. Raising B's decay
-    before extending it is refused."""
+    before extending it is refused, and so is resuming B with another seed (its data
+    position would not fit), both before any rank starts."""
     data = megatron_prefix(tmp_path / "corpus", documents(60, seed=4))
     spec = f"data.path={data}"
     one = ("data.micro_batches=8",)
@@ -123,6 +124,8 @@ def test_held_out_loss_and_resume_at_another_layout(tmp_path):
     with pytest.raises(BadInput, match="step 2 ran at lr"):  # a decay over all 4 steps
         plan_run(config(spec, *one, "steps=4", "optim.decay_fraction=1.0",
                         f"checkpoint.dir={tmp_path / 'b'}"))  # fmt: skip
+    with pytest.raises(BadInput, match=r"cannot go on with this data: .* seed = 0, this run's 1"):
+        plan_run(config(spec, *one, "steps=4", "seed=1", f"checkpoint.dir={tmp_path / 'b'}"))
     other = ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "data.micro_batches=4")
     c = train(config(spec, *other, "steps=4", "data.eval_every=1",
                      f"checkpoint.dir={tmp_path / 'b'}"))  # fmt: skip

@@ -279,7 +279,26 @@ def _ownership(cfg: TrainConfig, model: ModelConfig, plan: RunPlan) -> None:
             f"steps = {cfg.steps}; raise --steps to train further"
         )
     _schedule_extension(cfg, folder, step)
+    _data_position(cfg, folder, plan.data_dir)
     plan.resume, plan.resume_step = str(folder), step
+
+
+def _data_position(cfg: TrainConfig, folder: Path, spec: str) -> None:
+    """The checkpoint's data position fits this run's blend (the same sources, sizes,
+    weights, seed and seq_len), as every rank will load it."""
+    import torch  # noqa: PLC0415
+
+    from optimized.data.corpus import open_corpus  # noqa: PLC0415
+
+    state = torch.load(folder / checkpointing.TRAINER_STATE, weights_only=False)
+    data = cfg.data
+    loader = open_corpus(spec, data.seq_len, "data.path", data.split).loader(
+        cfg.seed, data.shuffle, data.micro_batches, data.micro_batch_size, 0, cfg.parallel.dp
+    )
+    try:
+        loader.load_state_dict(state["loader"])
+    except (ValueError, KeyError) as error:
+        raise BadInput(f"checkpoint.dir: {folder} cannot go on with this data: {error}") from None
 
 
 def _schedule_extension(cfg: TrainConfig, folder: Path, step: int) -> None:

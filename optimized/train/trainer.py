@@ -2,9 +2,11 @@
 
 One function, `train`, runs on every rank of an initialised process group. Each step:
 
-1. this DP rank reads its own shard of the step's samples (`TokenLoader`), and the DP
-   group all-gathers them into the global batch the pipeline runner slices (the ids are
-   tiny next to activations, and the loss stays the mean over the global batch);
+1. this DP rank reads its own slice of the step's global batch of the blend
+   (`optimized.data.blend.BlendLoader`: every rank computes the same order, and rank 0 logs
+   a source that starts a new epoch), and the DP group all-gathers the slices into the
+   global batch the pipeline runner slices (the ids are tiny next to activations, and the
+   loss stays the mean over the global batch);
 2. the runner (`runner_class`, the optimized stack's `OptimizedPipeline`) runs the
    DualPipeV forward/backward and reduces gradients. With sharding on (``parallel.fsdp``,
    default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.pipeline.sharding`),
@@ -15,7 +17,9 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    inf stops the run naming the step and ranks, or skips the step), clipped, stepped;
    then, once per step taken (never a skipped one), the runner moves the expert biases
    (``moe.expert_bias``) from the step's load;
-4. rank 0 logs one line, a JSON record, TensorBoard scalars, the expert load of every MoE
+4. with held-out data, every ``eval_every`` steps and after the last, the held-out loss
+   of the updated weights, forward only (`optimized.train.evaluation`);
+5. rank 0 logs one line, a JSON record, TensorBoard scalars, the expert load of every MoE
    layer among them (`optimized.train.expert_load`: one all-reduce a step); checkpoints
    are saved every ``save_every`` steps, at the end, and when SIGTERM arrives.
 
