@@ -240,7 +240,7 @@ def test_weights_from_sizes_and_checks(tmp_path):
         check_corpora([open_corpus(f"0.5 {small} 0.5 {wide}", 4, "data.path")], 512)
     plain = tmp_path / "plain"
     plain.mkdir()
-    with pytest.raises(ValueError, match="is a folder but not a prepared one"):
+    with pytest.raises(ValueError, match="plain. is not a prepared data folder"):
         open_corpus(f"1 {small} 1 {plain}", 4, "data.path")
     assert config_problems(f"1 {small} 1 {tmp_path / 'nothing'}", None, "1,x") == [
         f"data.path = '1 {small} 1 {tmp_path / 'nothing'}' is invalid: "

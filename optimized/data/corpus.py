@@ -84,8 +84,9 @@ def open_corpus(spec: str, seq_len: int, key: str, split: str | None = None,
     else:
         weights = [float(w) for w, _ in entries]
     corpus = Corpus(key, sources, windows, weights)
-    for source, window, weight in zip(sources, windows, weights, strict=True):
-        if weight > 0 and window.num_samples < 1:
+    alone = len(sources) == 1 and part == TRAIN and key == "data.path"  # the preflight's
+    for source, window, weight in zip(sources, windows, weights, strict=True):  # global batch
+        if weight > 0 and window.num_samples < 1 and not alone:
             where = "" if fractions is None else f" in its {('training', 'held-out')[part]} part"
             raise ValueError(
                 f"{key} = {spec!r}: {source.name} holds {window.end - window.first} tokens"
