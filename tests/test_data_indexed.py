@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
+from models.runtime import BadInput
 from optimized.data.indexed import (
     HEADER_BYTES,
     IndexedReader,
@@ -70,6 +71,42 @@ def test_megatron_reads_what_twinpipe_writes_and_back(tmp_path, vocab):
         np.testing.assert_array_equal(reader.sequence(i), doc)
     assert idx_path(built).read_bytes() == idx_path(ours).read_bytes()  # byte for byte
     assert bin_path(built).read_bytes() == bin_path(ours).read_bytes()
+
+
+@pytest.mark.slow
+def test_train_takes_a_folder_megatron_core_wrote(tmp_path):
+    """A folder holding one pair megatron-core's builder wrote, no sidecar: the trainer's
+    checks pass it (the ids are scanned, no tokenizer being known) and its dataset reads
+    the tokens; ids beyond the model's vocabulary are refused by name."""
+    from optimized.data.preparation import MEGATRON_FORMAT, open_prepared  # noqa: PLC0415
+    from optimized.train import (  # noqa: PLC0415
+        TokenDataset,
+        TrainConfig,
+        apply_overrides,
+        validate_config,  # noqa: PLC0415
+    )
+    from optimized.train.preflight import plan_run  # noqa: PLC0415
+
+    mcore = _megatron()
+    for name, vocab in (("fits", 500), ("wide", 2000)):
+        folder = tmp_path / name
+        folder.mkdir()
+        docs = _documents(3, 60, vocab)
+        builder = mcore.IndexedDatasetBuilder(str(folder / "c_text_document.bin"), np.uint16)
+        for doc in docs:
+            builder.add_document(doc, [doc.size])
+        builder.finalize(str(folder / "c_text_document.idx"))
+        sidecar, _ = open_prepared(folder)
+        assert sidecar["format"] == MEGATRON_FORMAT and sidecar["vocab_size"] is None
+        sets = ["model.name=tiny-deepseek-v2", f"data.path={folder}", "data.seq_len=16"]
+        cfg = validate_config(apply_overrides(TrainConfig(), sets))
+        if name == "fits":  # tiny-deepseek-v2 has 512 ids
+            assert plan_run(cfg).data_dir == str(folder)
+            dataset = TokenDataset(folder, seq_len=16)
+            np.testing.assert_array_equal(dataset.tokens, np.concatenate(docs))
+        else:
+            with pytest.raises(BadInput, match="beyond the model's vocabulary"):
+                plan_run(cfg)
 
 
 def test_reader_views_and_writer_leaves_nothing_on_error(tmp_path):

@@ -38,7 +38,9 @@ def shipped(tmp_path):
     root.mkdir()
     (root / "a.jsonl").write_bytes(_jsonl(TEXTS[:10]) + b"\n")  # a blank line: no record
     (root / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl(TEXTS[10:20])))
-    (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(TEXTS[20:25])))
+    zst = zstandard.ZstdCompressor()
+    frames = zst.compress(_jsonl(TEXTS[20:22])) + zst.compress(_jsonl(TEXTS[22:25]))
+    (root / "c.jsonl.zst").write_bytes(frames)  # two frames, as concatenated files are
     (root / "d.json.gz").write_bytes(gzip.compress(_jsonl(["", *TEXTS[25:30]])))  # one empty
     table = pa.table({"id": list(range(8)), "text": TEXTS[30:38]})
     pq.write_table(table, root / "e.parquet", row_group_size=3)
@@ -117,6 +119,17 @@ def test_bad_records_are_named_or_skipped_and_counted(tmp_path):
     )
     assert "line 5: field 'text': a JSON int, not a string" in summary.stats.bad_examples[2]
     assert "line 6: field 'text': a JSON list, not an object" in summary.stats.bad_examples[3]
+    import zstandard
+
+    whole = _jsonl(TEXTS * 20)
+    zst = zstandard.ZstdCompressor().compress(whole)
+    for name, packed in [
+        ("cut.jsonl.gz", gzip.compress(whole)[:-300]),
+        ("cut.jsonl.zst", zst[:-300]),
+    ]:
+        (tmp_path / name).write_bytes(packed)
+        with pytest.raises(BadRecord, match=rf"{name}: the file: field 'text': cannot be read"):
+            prepare_data([tmp_path / name], ByteTokenizer(), tmp_path / "o3", progress=False)
     with pytest.raises(BadRecord, match="line 1: field 'body': missing"):  # before any work
         prepare_data([bad], ByteTokenizer(), tmp_path / "o2", progress=False, text_key="body")
 

@@ -71,6 +71,8 @@ def files(tmp_path_factory):
     (root / "one.txt").write_text("x")  # one byte and the end-of-document id
     prepare_data([root / "one.txt"], ByteTokenizer(), root / "data-1", progress=False)
     (root / "data-empty").mkdir()
+    (root / "data-old").mkdir()  # the format before Megatron's: tokens.bin + index.json
+    (root / "data-old" / "index.json").write_text('{"format": "twinpipe-tokens", "version": 1}')
 
     class Wide(ByteTokenizer):  # a tokenizer with more ids than the tiny model's 512
         vocab_size = 1000
@@ -163,6 +165,7 @@ def test_a_checkpoint_of_another_family_is_named(files, capsys):
         (["--pp", "3", "--micro-batches", "6"], ["parallel.pp = 3", "4 layers cannot fill"]),
         (["--ep", "3", "--dp", "3"], ["parallel.ep = 3", "num_experts=8"]),
         (["--data-key", "data-empty"], ["data.path", "data-empty", "no twinpipe-data.json"]),
+        (["--data-key", "data-old"], ["data.path", "old format", "prepare-data --convert OLD"]),
         (["--data-key", "data-1"], ["data.path", "holds 2 tokens", "fewer than one global batch"]),
         (
             ["--data-key", "data-wide"],
@@ -178,6 +181,7 @@ def test_a_checkpoint_of_another_family_is_named(files, capsys):
         "pp-vs-layers",
         "ep-vs-experts",
         "empty-data",
+        "old-data",
         "one-token",
         "vocab",
         "config-missing",

@@ -30,8 +30,8 @@ class TokenDataset:
         self.index, self.reader = open_prepared(self.data_dir)
         self.seq_len = seq_len
         self.num_tokens = int(self.index["num_tokens"])
-        self.vocab_size = int(self.index["vocab_size"])
-        self.eod_id = int(self.index["eod_id"])
+        self.vocab_size: int | None = self.index["vocab_size"]  # None: a bare Megatron pair
+        self.eod_id: int | None = self.index["eod_id"]
         self.tokens = self.reader.tokens
         self.num_samples = max(0, (self.num_tokens - 1) // seq_len)
         if self.num_samples == 0:

@@ -220,21 +220,61 @@ def prepare_data(
     )
 
 
+MEGATRON_FORMAT = "megatron-indexed"
+"""The ``format`` `open_prepared` gives a Megatron pair that has no sidecar."""
+
+
+def _bare_prefix(path: Path) -> Path | None:
+    """The Megatron prefix ``path`` names without a sidecar: ``path`` itself when
+    ``path.idx`` exists, or a folder's only ``<name>.idx`` that has its ``<name>.bin``."""
+    if Path(f"{path}.idx").is_file():
+        return path
+    if path.is_dir() and not (path / OLD_INDEX_FILE).exists():
+        pairs = [p.with_suffix("") for p in path.glob("*.idx") if p.with_suffix(".bin").is_file()]
+        if len(pairs) == 1:
+            return pairs[0]
+    return None
+
+
+def _megatron_sidecar(prefix: Path, reader: IndexedReader) -> dict:
+    """What a sidecar would say of a pair Megatron (or NeMo, or datatrove) wrote: no
+    tokenizer is known, so ``vocab_size`` and ``eod_id`` are None."""
+    return {
+        "format": MEGATRON_FORMAT,
+        "version": 1,
+        "prefix": prefix.name,
+        "dtype": reader.dtype.name,
+        "num_tokens": reader.num_tokens,
+        "num_documents": reader.num_documents,
+        "vocab_size": None,
+        "eod_id": None,
+        "tokenizer": None,
+        "sources": [],
+    }
+
+
 def open_prepared(data_dir: str | os.PathLike) -> tuple[dict, IndexedReader]:
     """A prepared folder's sidecar and its memory-mapped tokens, checked against each
-    other. `FileNotFoundError` or `ValueError` naming the folder when it is not one (an
-    old-format folder is named as such, with the command that converts it)."""
+    other. A Megatron pair without a sidecar (a folder holding one ``<name>.idx`` +
+    ``<name>.bin``, or the prefix ``<folder>/<name>`` itself) opens too, its sidecar
+    made up with no tokenizer (`MEGATRON_FORMAT`). `FileNotFoundError` or `ValueError`
+    naming the folder when it is none of these (an old-format folder is named as such,
+    with the command that converts it)."""
     folder = Path(data_dir)
     path = folder / SIDECAR_FILE
     if not path.is_file():
+        bare = _bare_prefix(folder)
+        if bare is not None:
+            reader = IndexedReader(bare)
+            return _megatron_sidecar(bare, reader), reader
         if (folder / OLD_INDEX_FILE).is_file():
             raise ValueError(
                 f"{str(folder)!r} is a prepared folder of the old format (tokens.bin + "
                 f"{OLD_INDEX_FILE}); convert it once, into a new folder: {CONVERT_COMMAND}"
             )
         raise FileNotFoundError(
-            f"{str(folder)!r} is not a prepared data folder (no {SIDECAR_FILE}); "
-            "run `twinpipe prepare-data`"
+            f"{str(folder)!r} is not a prepared data folder (no {SIDECAR_FILE}, and no "
+            "Megatron <name>.idx + <name>.bin pair); run `twinpipe prepare-data`"
         )
     wanted = f"a {FORMAT_NAME} v{FORMAT_VERSION} sidecar written by `twinpipe prepare-data`"
     sidecar = read_json(path, wanted)

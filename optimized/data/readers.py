@@ -183,6 +183,47 @@ class _Hashing(io.RawIOBase):
             pass
 
 
+class _Zstd(io.RawIOBase):
+    """A zstd stream of one or more frames, decompressed; `EOFError` when the file ends
+    inside a frame (zstandard's own stream reader returns what it has, silently)."""
+
+    def __init__(self, raw: _Hashing, decompressor):
+        self.raw, self.decompressor = raw, decompressor
+        self.frame = decompressor.decompressobj()
+        self.pending, self.offset, self.fed = b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.offset >= len(self.pending):
+            self.pending, self.offset = b"", 0
+            chunk = self.raw.read(1 << 20)
+            if not chunk:
+                if self.fed and not self.frame.eof:
+                    raise EOFError("the zstd stream ends inside a frame (a truncated file)")
+                return 0
+            while chunk:
+                if self.frame.eof:  # the next frame starts in the rest
+                    self.frame, self.fed = self.decompressor.decompressobj(), False
+                self.pending += self.frame.decompress(chunk)
+                self.fed = True
+                chunk = self.frame.unused_data if self.frame.eof else b""
+        count = min(len(buffer), len(self.pending) - self.offset)
+        buffer[:count] = memoryview(self.pending)[self.offset : self.offset + count]
+        self.offset += count
+        return count
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a corrupt or truncated compressed stream raises."""
+    try:
+        import zstandard  # noqa: PLC0415
+    except ImportError:
+        return (OSError, EOFError)
+    return (OSError, EOFError, zstandard.ZstdError)
+
+
 def _open_lines(path: Path, hashing: _Hashing) -> io.BufferedIOBase:
     name = path.name.lower()
     if name.endswith(".gz"):
@@ -195,8 +236,7 @@ def _open_lines(path: Path, hashing: _Hashing) -> io.BufferedIOBase:
                 f"{path} is zstd-compressed: reading it needs the 'zstandard' package "
                 "(pip install zstandard, or twinpipe's 'data' extra)"
             ) from error
-        reader = zstandard.ZstdDecompressor().stream_reader(hashing, read_across_frames=True)
-        return io.BufferedReader(reader, 1 << 20)
+        return io.BufferedReader(_Zstd(hashing, zstandard.ZstdDecompressor()), 1 << 20)
     return io.BufferedReader(hashing, 1 << 20)
 
 
@@ -233,7 +273,7 @@ def _jsonl(source: Source, key: str, skip_bad: bool, stats: ReadStats, on_bytes)
                     stats.count_bad(error)
                     continue
                 yield text
-        except (OSError, EOFError) as error:  # a corrupt or truncated compressed stream
+        except _stream_errors() as error:  # a corrupt or truncated compressed stream
             raise BadRecord(source.path, "the file", key, f"cannot be read ({error})") from None
         hashing.drain()
     source.sha256 = hashing.digest.hexdigest()
@@ -365,7 +405,7 @@ def check_first_records(files: Sequence[Path], text_key: str) -> None:
                         if line.strip():
                             _record_text(line, path, number, text_key)
                             break
-                except (OSError, EOFError) as error:
+                except _stream_errors() as error:
                     raise BadRecord(
                         path, "the file", text_key, f"cannot be read ({error})"
                     ) from None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -72,20 +71,13 @@ class Source:
 
 
 def open_source(path: str | os.PathLike) -> Source:
-    """The source ``path`` names; `ValueError` (or `OSError`) saying why it is none."""
-    from optimized.data import indexed  # noqa: PLC0415
+    """The source ``path`` names: a prepared folder, or a Megatron pair without a sidecar
+    (`optimized.data.preparation.open_prepared` opens both, and names an old-format folder
+    with the command that converts it); `ValueError` or `OSError` saying why it is none."""
     from optimized.data.preparation import open_prepared  # noqa: PLC0415
 
-    folder = Path(path)
-    if folder.is_dir():  # a prepared folder (an old-format one is named, with its command)
-        sidecar, reader = open_prepared(folder)
-        return _indexed(str(path), reader, sidecar)
-    if indexed.idx_path(folder).is_file() or indexed.bin_path(folder).is_file():
-        return _indexed(str(path), indexed.IndexedReader(folder), None)
-    raise ValueError(
-        f"{str(path)!r} is neither a prepared folder nor a Megatron prefix (no "
-        f"{indexed.idx_path(folder).name} beside it)"
-    )
+    sidecar, reader = open_prepared(path)
+    return _indexed(str(path), reader, sidecar)
 
 
 def _indexed(name: str, reader, sidecar: dict | None) -> Source:
