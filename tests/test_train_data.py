@@ -56,7 +56,8 @@ def test_train_on_megatron_builder_data_blended_with_held_out_data(tmp_path):
     """Two bare prefixes megatron-core's builder wrote, blended 0.7/0.3 by ``--data``, held
     out by ``--eval-data`` (a third prefix); one rank. The log shows the validation loss and
     the small source's new epochs; the metrics file holds the loss and perplexity at the
-    evaluated steps, and the last equals the oracle's on the saved weights."""
+    evaluated steps, and the last equals the oracle's on the saved weights; the dashboard's
+    training view draws the file."""
     web = megatron_prefix(tmp_path / "web", documents(40, seed=1))
     code = megatron_prefix(tmp_path / "code", documents(2, seed=2))  # 1 to 4 samples
     held = megatron_prefix(tmp_path / "held", documents(20, seed=3))
@@ -79,6 +80,17 @@ def test_train_on_megatron_builder_data_blended_with_held_out_data(tmp_path):
     model = plan_run(cfg).model
     want = oracle_eval(model, tmp_path / "ckpt" / "step-00000004", blend, None, held, 2, 4)
     assert abs(last["validation_loss"] - want) <= LOSS_REL * want, (last, want)
+
+    from harness.cli import main  # the dashboard's training view of the metrics file
+
+    (tmp_path / "history").mkdir()
+    site, metrics = tmp_path / "site", str(tmp_path / "m.jsonl")
+    argv = ["dashboard", str(tmp_path / "history"), "--out", str(site), "--no-results"]
+    assert main([*argv, "--training", str(tmp_path / "none.jsonl")]) == 2
+    assert main([*argv, "--training", metrics]) == 0
+    page = (site / "index.html").read_text()
+    assert "Training runs" in page and f"{last['validation_loss']:.4f}" in page
+    assert (site / "training-0-m-jsonl.png").stat().st_size > 0
 
 
 def config(*overrides: str) -> TrainConfig:
