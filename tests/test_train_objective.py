@@ -21,7 +21,7 @@ from models.runtime import BadInput, launch
 from optimized.data.preparation import default_dataset
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
-from optimized.train.loader import TokenDataset, TokenLoader
+from optimized.data.loader import TokenDataset, TokenLoader
 from optimized.train.metrics import StepMetrics
 from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run

@@ -255,7 +255,7 @@ BUGS = [
     # ------------------------------------------------------------- data order, resume
     Bug(
         "same-permutation-every-epoch",
-        "optimized/train/loader.py",
+        "optimized/data/loader.py",
         "                rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))",
         "                rng = np.random.Generator(np.random.PCG64([self.seed, 0]))",
         TRAINER,
@@ -263,7 +263,7 @@ BUGS = [
     ),
     Bug(
         "dp-ranks-read-the-same-samples",
-        "optimized/train/loader.py",
+        "optimized/data/loader.py",
         "        start = self.offset + self.dp_rank * self.samples_per_rank",
         "        start = self.offset",
         TRAINER,
@@ -271,7 +271,7 @@ BUGS = [
     ),
     Bug(
         "windows-overlap-by-one-more",
-        "optimized/train/loader.py",
+        "optimized/data/loader.py",
         "        starts = ids.reshape(-1, 1) * self.seq_len + np.arange(self.seq_len + 1)",
         "        starts = ids.reshape(-1, 1) * (self.seq_len + 1) + np.arange(self.seq_len + 1)",
         TRAINER,
@@ -279,7 +279,7 @@ BUGS = [
     ),
     Bug(
         "resume-restarts-the-epoch",
-        "optimized/train/loader.py",
+        "optimized/data/loader.py",
         "        self.epoch, self.offset = epoch, offset",
         "        self.epoch, self.offset = epoch, 0",
         TRAINER,

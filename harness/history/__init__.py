@@ -14,6 +14,8 @@
 - `dashboard_plots`: those series drawn over commits (matplotlib);
 - `dashboard_tables`: the page's tables and cell formats (a speed-up measured through
   Triton's interpreter is marked, not coloured);
+- `dashboard_training`: the training view, `twinpipe train` metrics files (``--training``)
+  drawn as training and validation loss over steps;
 - `results`: the measured-results file (``docs/results.json``): its checks, the Markdown page
   generated from it and the dashboard's table of it.
 

@@ -63,6 +63,7 @@ from harness.history.dashboard_tables import (
     slug,
     table,
 )
+from harness.history.dashboard_training import training_section
 from harness.history.documents import read_history
 from harness.history.results import DEFAULT_RESULTS, ResultsError, html_section, load_results
 from harness.report import plot_expert_load
@@ -100,11 +101,14 @@ th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 """
 
 
-def render(history_dir: str | Path, out_dir: str | Path, results: str | Path | None = None) -> Path:
+def render(history_dir: str | Path, out_dir: str | Path, results: str | Path | None = None,
+           training: list[str] | None = None) -> Path:  # fmt: skip
     """Write ``index.html`` and its PNGs into ``out_dir``; returns the page's path.
 
     ``results``: a measured-results file (`harness.history.results`) drawn as the page's last
-    section; raises `ResultsError` when it is malformed, before anything is written."""
+    section; raises `ResultsError` when it is malformed, before anything is written.
+    ``training``: `twinpipe train` metrics files, drawn as the training view
+    (`harness.history.dashboard_training`)."""
     measured = load_results(results) if results is not None else None
     entries = read_history(history_dir)
     out = Path(out_dir)
@@ -175,6 +179,7 @@ def render(history_dir: str | Path, out_dir: str | Path, results: str | Path | N
         rows = [[f"layer {layer}", f"{ratio:.2f}", str(low), str(high)]
                 for layer, ratio, low, high in load["last_step"]]  # fmt: skip
         parts.append(table(["last step", "max/mean", "fewest copies", "most copies"], rows))
+    parts += training_section(list(training or []), out)
     if measured is not None:
         parts.append(html_section(measured, str(results)))
     parts.append("</body></html>")
@@ -202,6 +207,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/results.json, when there is one)",
     )
     parser.add_argument("--no-results", action="store_true", help="leave the measured results out")
+    parser.add_argument(
+        "--training", nargs="+", action="extend", default=[], metavar="METRICS",
+        help="`twinpipe train` metrics files (--metrics-file) drawn as the training view: "
+        "training and validation loss over steps",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
     if args.no_results:
         results = None
     try:
-        page = render(args.history, args.out, results)
+        for path in args.training:
+            if not Path(path).is_file():
+                print(f"twinpipe dashboard: error: --training {path}: no such metrics file",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+        page = render(args.history, args.out, results, args.training)
     except ResultsError as error:
         print(f"twinpipe dashboard: error: --results {error}", file=sys.stderr)
         return 2

@@ -12,6 +12,16 @@ loader that turns them into each step's batch.
   (`read_sidecar`, `open_prepared`), and the default data set every machine has.
 - `convert`: folders of the old format (``tokens.bin`` + ``index.json``) into today's.
 - `data_cli`: ``twinpipe prepare-data``.
+- `sources`: a blend's paths opened (a prepared folder, a bare Megatron prefix) and
+  `Windows`, a token range's samples of ``seq_len + 1``.
+- `splits`: ``--split``, each source's documents cut into training and held-out parts.
+- `blend`: ``--data "0.7 web/ 0.3 code/"`` parsed, the order every rank computes alike
+  (Tijdeman's rule), each source's epochs, and `BlendLoader`, each step's batch with the
+  position a checkpoint keeps.
+- `corpus`: a run's training and held-out blends opened and checked against each other
+  and the model.
+- `loader`: the single-folder `TokenDataset` and `TokenLoader`, and `BatchToDevice`, each
+  step's batch on the rank's device.
 
 May import `models` only; never `reference` or `harness`.
 """

@@ -1,8 +1,10 @@
 """The training product around the engine: config, data, optimizer, checkpoints, export.
 
 - `config` (dataclasses, fields, validation) and `config_io` (TOML, ``--set``, flags);
-- `loader` (windows, the resumable DP-sharded sampler, and the copy of each batch to
-  the device through buffers allocated once);
+  `schedule`: the learning rate of each step (warmup, cosine, constant, WSD) and the rule
+  for extending a WSD run on resume;
+- the data each step reads is `optimized.data`'s (blends, splits, the loader);
+  `evaluation`: the held-out loss and perplexity, forward only;
 - `optimizer`: AdamW over sharded parameters with float32 state;
 - `checkpointing`: DCP checkpoints, atomic, layout-free, each rank's own piece written
   as an explicit DCP chunk (`chunks`, which `export` reads too), the expert biases with
@@ -29,6 +31,7 @@ never `reference` or `harness`.
 """
 
 from optimized.data.indexed import token_dtype
+from optimized.data.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.data.preparation import default_dataset, prepare_data, read_sidecar
 from optimized.data.readers import resolve_inputs
 from optimized.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -51,7 +54,6 @@ from optimized.train.config_io import (
 )
 from optimized.train.expert_load import ExpertLoad
 from optimized.train.export import export, export_checkpoint
-from optimized.train.loader import Batch, ShardedSampler, TokenDataset, TokenLoader
 from optimized.train.metrics import LoggedScalars
 from optimized.train.optimizer import ParamShard, ShardedAdamW, gather_slices
 from optimized.train.profiling import StepProfiler, profile_region, top_ops_table

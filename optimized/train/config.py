@@ -18,15 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from optimized.train.schedule import (  # noqa: F401 - lr_at and warmup_of re-exported
+    DECAY_STYLES,
+    DEFAULT_WARMUP_STEPS,
+    LR_SCHEDULES,
+    decay_start,
+    lr_at,
+    warmup_of,
+)
+
 DTYPES = ("float32", "bfloat16")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 """``optim.state_dtype`` values (`optimized.train.optimizer.STATE_DTYPES`)."""
 DEVICES = ("auto", "cpu", "cuda")
-LR_SCHEDULES = ("cosine", "constant")
 MOE_AUX_LOSSES = ("auto", "none", "pooled", "layer", "sequence")
 """``moe.aux_loss`` values (`models.network.balancing.AUX_FORMS` and ``auto``)."""
-DEFAULT_WARMUP_STEPS = 10
-"""Warmup of a run that sets none, clamped to its length: ``--steps 5`` warms up 5 steps."""
 
 
 @dataclass(slots=True)
@@ -46,8 +52,10 @@ class DataSection:
     """What each step reads: the token folder and the batch shape per DP rank."""
 
     path: str | None = field(default=None, metadata={"flag": "data"})
-    """Folder written by `twinpipe prepare-data`; unset: the standard library's source,
-    byte-tokenized (`optimized.data.preparation.default_dataset`)."""
+    """A folder written by `twinpipe prepare-data`, a Megatron ``.bin``/``.idx`` prefix, or a
+    blend of them, Megatron's syntax: ``"0.7 web/ 0.3 code/"``, or paths alone (weighted by
+    their tokens); unset: the standard library's source, byte-tokenized
+    (`optimized.data.blend`)."""
     seq_len: int = 128
     """Tokens per sequence (each sample reads ``seq_len + 1`` for the shifted labels)."""
     micro_batch_size: int = 2
@@ -56,6 +64,17 @@ class DataSection:
     """Micro-batches per step per DP rank (DualPipeV chunks); at least ``2 * pp``."""
     shuffle: bool = True
     """Shuffle the samples each epoch (deterministically from ``seed`` and the epoch)."""
+    eval_path: str | None = field(default=None, metadata={"flag": "eval-data"})
+    """Held-out data, a blend in ``data.path``'s syntax; unset: ``split``'s held-out part,
+    else no evaluation."""
+    split: str | None = None
+    """``TRAIN,EVAL`` weights (``99,1``): each source's documents, in order, cut into a
+    training part and a held-out part by whole documents; unset: train on everything."""
+    eval_every: int = 0
+    """Evaluate the held-out loss every this many steps and at the end; 0: at the end only
+    (when there is held-out data)."""
+    eval_batches: int = 10
+    """Global batches per evaluation: the same ones each time."""
 
 
 @dataclass(slots=True)
@@ -112,7 +131,14 @@ class OptimSection:
     """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``; unset: 10, or ``steps``
     when the run is shorter (`warmup_of`)."""
     lr_schedule: str = "cosine"
-    """After warmup: ``cosine`` (decay to ``min_lr``) or ``constant`` (stay at ``lr``)."""
+    """After warmup: ``cosine`` (decay to ``min_lr``), ``constant`` (stay at ``lr``) or
+    ``wsd`` (stay at ``lr``, then decay to ``min_lr`` over the last ``decay_fraction``;
+    `optimized.train.schedule`)."""
+    decay_fraction: float = 0.2
+    """WSD: the fraction of ``steps`` its decay takes, at the end of the run."""
+    decay_style: str = "linear"
+    """WSD's decay shape: ``linear``, ``cosine``, ``1-sqrt`` or ``exponential``
+    (Megatron-Core's definitions, `optimized.train.schedule`)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (``p *= 1 - lr * weight_decay``), on every parameter:
     norm weights, biases and embeddings decay too, as `torch.optim.AdamW` over all."""
@@ -345,12 +371,6 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     )
     init_from = cfg.model.init_from
     check(init_from is None or Path(init_from).exists(), "model.init_from", "path must exist")
-    data_path = cfg.data.path
-    check(
-        data_path is None or Path(data_path).is_dir(),
-        "data.path",
-        "must be a folder written by `twinpipe prepare-data`, or unset for the default data",
-    )
 
     data, par, opt = cfg.data, cfg.parallel, cfg.optim
     check(data.seq_len >= 1, "data.seq_len", "must be >= 1")
@@ -395,6 +415,20 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "optim.lr_schedule",
         f"must be one of {', '.join(LR_SCHEDULES)}",
     )
+    check(
+        finite(opt.decay_fraction) and 0 < opt.decay_fraction <= 1,
+        "optim.decay_fraction",
+        "must be in (0, 1]",
+    )
+    check(
+        opt.decay_style in DECAY_STYLES,
+        "optim.decay_style",
+        f"must be one of {', '.join(DECAY_STYLES)}",
+    )
+    if opt.lr_schedule == "wsd" and not problems and decay_start(cfg) < warmup_of(cfg):
+        check(False, "optim.decay_fraction",
+              f"the decay would start at step {decay_start(cfg) + 1}, inside the warmup of "
+              f"{warmup_of(cfg)} steps: use a smaller fraction or a shorter warmup")  # fmt: skip
     check(finite(opt.weight_decay) and opt.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     check(all(0 <= b < 1 for b in opt.betas), "optim.betas", "each must be in [0, 1)")
     check(
@@ -435,6 +469,16 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
           "must be a finite number >= 0 (0 keeps the bias fixed; moe.expert_bias = off "
           "turns it off), or unset for the model's own")  # fmt: skip
 
+    check(data.eval_every >= 0, "data.eval_every", "must be >= 0 (0: at the end only)")
+    check(data.eval_batches >= 1, "data.eval_batches", "must be >= 1")
+    check(
+        data.eval_every == 0 or data.eval_path is not None or data.split is not None,
+        "data.eval_every",
+        "needs held-out data: --eval-data, or --split TRAIN,EVAL",
+    )
+    from optimized.data.corpus import config_problems  # noqa: PLC0415
+
+    problems += config_problems(data.path, data.eval_path, data.split)
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")
     check(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
@@ -454,42 +498,3 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     if problems:
         raise ValueError("invalid training config:\n  " + "\n  ".join(problems))
     return cfg
-
-
-# --------------------------------------------------------------------------- schedule
-
-
-def warmup_of(cfg: TrainConfig) -> int:
-    """``optim.warmup_steps``, or unset: ``min(DEFAULT_WARMUP_STEPS, steps)``."""
-    given = cfg.optim.warmup_steps
-    return min(DEFAULT_WARMUP_STEPS, max(cfg.steps, 0)) if given is None else given
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based).
-
-    Warmup: ``lr * (step + 1) / warmup_steps`` for the first ``warmup_steps`` steps,
-    so step 0 already moves and step ``warmup_steps - 1`` uses the full ``lr``. Then
-    ``constant`` stays at ``lr``; ``cosine`` follows
-    ``min_lr + (lr - min_lr) * (1 + cos(pi * t)) / 2`` with
-    ``t = (step - warmup_steps) / (steps - warmup_steps)``, reaching ``min_lr`` at
-    ``step == steps`` and staying there after.
-    """
-    opt = cfg.optim
-    warmup = warmup_of(cfg)
-    if step < 0:
-        raise ValueError(f"step = {step} is invalid: must be >= 0")
-    if step < warmup:
-        return opt.lr * (step + 1) / warmup
-    if opt.lr_schedule == "constant":
-        return opt.lr
-    if opt.lr_schedule != "cosine":
-        raise ValueError(
-            f"optim.lr_schedule = {opt.lr_schedule!r} is invalid: "
-            f"must be one of {', '.join(LR_SCHEDULES)}"
-        )
-    decay_steps = cfg.steps - warmup
-    if decay_steps <= 0:
-        return opt.min_lr
-    progress = min(1.0, (step - warmup) / decay_steps)
-    return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -86,6 +86,11 @@ class StepMetrics:
     when off). Not part of ``loss``, which stays the language-model loss."""
     router_z_loss: float | None = None
     """The step's router z-loss, coefficient included (``moe.z_loss_coef``; None when off)."""
+    validation_loss: float | None = None
+    """The held-out loss after this step's update (`optimized.train.evaluation`); None at a
+    step that does not evaluate."""
+    validation_perplexity: float | None = None
+    """``exp(validation_loss)``."""
 
     def line(self) -> str:
         cross_entropy, z_loss = self.loss, ""
@@ -101,6 +106,9 @@ class StepMetrics:
             f"{self._throughput()}"
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
         )
+        if self.validation_loss is not None:
+            text += (f" | validation-loss {self.validation_loss:.4f} | "
+                     f"validation-perplexity {self.validation_perplexity:.4g}")  # fmt: skip
         return text + (" | skipped (non-finite)" if self.skipped else "")
 
     def _load(self) -> str:
@@ -240,7 +248,8 @@ class MetricsSink:
                 self.writer = SummaryWriter(cfg.logging.tensorboard_dir)
 
     def record(self, m: StepMetrics) -> None:
-        if not self.enabled or (m.step % self.every and m.step != m.steps):
+        logged = m.step % self.every == 0 or m.step == m.steps or m.validation_loss is not None
+        if not self.enabled or not logged:
             return
         if self.bar:
             sys.stderr.write("\r\033[K")
@@ -251,7 +260,8 @@ class MetricsSink:
         if self.writer:
             for key in ("loss", "z_loss", "learning_rate", "gradient_norm", "tokens_per_second",
                         "tflops", "mfu", "aux_loss", "router_z_loss",
-                        "load_max_over_mean_worst"):  # fmt: skip
+                        "load_max_over_mean_worst", "validation_loss",
+                        "validation_perplexity"):  # fmt: skip
                 if getattr(m, key) is not None:
                     self.writer.add_scalar(key, getattr(m, key), m.step)
             self._load_scalars(m)

@@ -185,47 +185,29 @@ def _check_training_checkpoint(folder: Path, model: ModelConfig, key: str) -> No
 
 
 def _data(cfg: TrainConfig, model: ModelConfig) -> str:
-    from optimized.data.preparation import default_dataset, read_sidecar  # noqa: PLC0415
+    """The training blend (``data.path``, or the default data set), its held-out data, each
+    source opened and held against the others and the model (`optimized.data.corpus`)."""
+    from optimized.data import corpus  # noqa: PLC0415
+    from optimized.data.preparation import default_dataset  # noqa: PLC0415
 
-    key = "data.path"
-    folder = cfg.data.path
-    if folder is None:
-        folder = str(default_dataset())
+    data = cfg.data
+    spec = data.path if data.path is not None else str(default_dataset())
     try:
-        index = read_sidecar(folder)
-    except (OSError, ValueError, KeyError) as error:
-        raise BadInput(f"{key} = {folder!r}: {error}") from None
-    seq_len = cfg.data.seq_len
-    samples = max(0, (int(index["num_tokens"]) - 1) // seq_len)
-    needed = cfg.parallel.dp * cfg.data.micro_batches * cfg.data.micro_batch_size
-    if samples < needed:
+        train = corpus.open_corpus(spec, data.seq_len, "data.path", data.split)
+        held = corpus.held_out(spec, data.eval_path, data.split, data.seq_len)
+        corpus.check_corpora([train] + ([held] if held else []), model.vocab_size)
+    except ValueError as error:
+        raise BadInput(str(error)) from None
+    needed = cfg.parallel.dp * data.micro_batches * data.micro_batch_size
+    if train.num_samples < needed:
+        tokens = sum(w.end - w.first for w in train.windows)
         raise BadInput(
-            f"{key} = {folder!r} holds {index['num_tokens']} tokens: {samples} samples of "
-            f"seq_len + 1 = {seq_len + 1}, fewer than one global batch of {needed} "
+            f"data.path = {spec!r} holds {tokens} tokens: {train.num_samples} samples of "
+            f"seq_len + 1 = {data.seq_len + 1}, fewer than one global batch of {needed} "
             "(parallel.dp x data.micro_batches x data.micro_batch_size); "
             "use more data, a shorter seq_len or smaller batches"
         )
-    vocab = index.get("vocab_size")  # None: a Megatron pair without a sidecar
-    if vocab is None or int(vocab) > model.vocab_size:
-        largest = _largest_token(Path(folder), index)
-        if largest >= model.vocab_size:
-            raise BadInput(
-                f"{key} = {folder!r} holds token id {largest}, beyond the model's vocabulary "
-                f"(vocab_size = {model.vocab_size}, ids 0..{model.vocab_size - 1}); its "
-                f"tokenizer has {vocab if vocab is not None else 'an unknown number of'} ids: "
-                "prepare the data with the model's tokenizer"
-            )
-    return str(folder)
-
-
-def _largest_token(folder: Path, index: dict) -> int:
-    """The largest id in the prepared tokens, read in blocks (only when the data's tokenizer
-    has more ids than the model)."""
-    from optimized.data.preparation import open_prepared  # noqa: PLC0415
-
-    tokens = open_prepared(folder)[1].tokens
-    block = 1 << 24
-    return max(int(tokens[i : i + block].max()) for i in range(0, len(tokens), block))
+    return spec
 
 
 def _outputs(cfg: TrainConfig) -> None:
@@ -296,7 +278,45 @@ def _ownership(cfg: TrainConfig, model: ModelConfig, plan: RunPlan) -> None:
             f"nothing to do: {folder} is step {step} of run {plan.run_id or '(unnamed)'}, and "
             f"steps = {cfg.steps}; raise --steps to train further"
         )
+    _schedule_extension(cfg, folder, step)
+    _data_position(cfg, folder, plan.data_dir)
     plan.resume, plan.resume_step = str(folder), step
+
+
+def _data_position(cfg: TrainConfig, folder: Path, spec: str) -> None:
+    """The checkpoint's data position fits this run's blend (the same sources, sizes,
+    weights, seed and seq_len), as every rank will load it."""
+    import torch  # noqa: PLC0415
+
+    from optimized.data.corpus import open_corpus  # noqa: PLC0415
+
+    state = torch.load(folder / checkpointing.TRAINER_STATE, weights_only=False)
+    data = cfg.data
+    loader = open_corpus(spec, data.seq_len, "data.path", data.split).loader(
+        cfg.seed, data.shuffle, data.micro_batches, data.micro_batch_size, 0, cfg.parallel.dp
+    )
+    try:
+        loader.load_state_dict(state["loader"])
+    except (ValueError, KeyError) as error:
+        raise BadInput(f"checkpoint.dir: {folder} cannot go on with this data: {error}") from None
+
+
+def _schedule_extension(cfg: TrainConfig, folder: Path, step: int) -> None:
+    """A WSD run goes on under a changed schedule only if every step taken keeps its rate
+    (`optimized.train.schedule.resume_conflict`)."""
+    from optimized.train.config_io import load_config  # noqa: PLC0415
+    from optimized.train.schedule import resume_conflict  # noqa: PLC0415
+
+    saved_toml = folder / "train.toml"  # the run's config, saved with it
+    if not saved_toml.is_file():
+        return
+    try:
+        saved = load_config(saved_toml)
+    except (ValueError, BadInput):
+        return  # an older checkpoint's config: its schedule has no WSD to keep
+    problem = resume_conflict(saved, cfg, step)
+    if problem:
+        raise BadInput(f"{problem} (checkpoint {folder})")
 
 
 def _saved_step(folder: Path) -> int:

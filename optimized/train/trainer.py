@@ -2,9 +2,11 @@
 
 One function, `train`, runs on every rank of an initialised process group. Each step:
 
-1. this DP rank reads its own shard of the step's samples (`TokenLoader`), and the DP
-   group all-gathers them into the global batch the pipeline runner slices (the ids are
-   tiny next to activations, and the loss stays the mean over the global batch);
+1. this DP rank reads its own slice of the step's global batch of the blend
+   (`optimized.data.blend.BlendLoader`: every rank computes the same order, and rank 0 logs
+   a source that starts a new epoch), and the DP group all-gathers the slices into the
+   global batch the pipeline runner slices (the ids are tiny next to activations, and the
+   loss stays the mean over the global batch);
 2. the runner (`runner_class`, the optimized stack's `OptimizedPipeline`) runs the
    DualPipeV forward/backward and reduces gradients. With sharding on (``parallel.fsdp``,
    default when DP > 1) the leaf modules are `fully_shard`-ed (`optimized.pipeline.sharding`),
@@ -15,7 +17,9 @@ One function, `train`, runs on every rank of an initialised process group. Each 
    inf stops the run naming the step and ranks, or skips the step), clipped, stepped;
    then, once per step taken (never a skipped one), the runner moves the expert biases
    (``moe.expert_bias``) from the step's load;
-4. rank 0 logs one line, a JSON record, TensorBoard scalars, the expert load of every MoE
+4. with held-out data, every ``eval_every`` steps and after the last, the held-out loss
+   of the updated weights, forward only (`optimized.train.evaluation`);
+5. rank 0 logs one line, a JSON record, TensorBoard scalars, the expert load of every MoE
    layer among them (`optimized.train.expert_load`: one all-reduce a step); checkpoints
    are saved every ``save_every`` steps, at the end, and when SIGTERM arrives.
 
@@ -65,13 +69,15 @@ from models.runtime import (
     rank_device,
     rescue_folder,
 )
+from optimized.data.corpus import open_corpus
+from optimized.data.loader import BatchToDevice
 from optimized.pipeline import sharding
 from optimized.train import checkpointing, faults
 from optimized.train.checkpoint_weights import TrainingCheckpointWeights
 from optimized.train.config import TrainConfig, lr_at
 from optimized.train.config_io import config_to_toml
+from optimized.train.evaluation import Evaluation
 from optimized.train.expert_load import ExpertLoad
-from optimized.train.loader import BatchToDevice, TokenDataset, TokenLoader
 from optimized.train.metrics import (
     LoggedScalars,
     MetricsSink,
@@ -197,11 +203,12 @@ def train(
             state_dtype=opt.state_dtype, master_weights=opt.master_weights,
         )  # fmt: skip
         runner.optimizer = optimizer  # the runner zeroes gradients through it
-        data_dir = plan.data_dir
-        loader = TokenLoader(
-            TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
-            cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
+        data = cfg.data  # the blend's training part, every rank's own slice of each global batch
+        loader = open_corpus(plan.data_dir, data.seq_len, "data.path", data.split).loader(
+            cfg.seed, data.shuffle, data.micro_batches, data.micro_batch_size, layout.dp_rank,
+            layout.dp,
         )  # fmt: skip
+        evaluation = Evaluation.of(cfg, plan.data_dir, runner, device, fsdp)
 
         start = _resume(resume, optimizer, loader, layout)
     peaks.end("load")
@@ -220,7 +227,8 @@ def train(
     fault = faults.fault_from_env() or faults.Fault("none", -1, -1)
     tokens_per_step = parallel.global_batch * parallel.seq_len
     losses: list[float | None] = []
-    result = {"start": start, "stopped_at": cfg.steps, "signal": 0}
+    result = {"start": start, "stopped_at": cfg.steps, "signal": 0, "batch_digests": [],
+              "eval_losses": {}}  # fmt: skip
     counter = CommunicationCounter(group_names(layout)).install()
     to_device, scalars = BatchToDevice(device), LoggedScalars()
     watch = ExitStack()
@@ -232,7 +240,10 @@ def train(
             profiler.begin(step + 1)
             peaks.begin()
             counter.start()
-            ids, labels = global_batch(*to_device(next(loader)), layout)
+            batch = next(loader)
+            result["batch_digests"].append(batch.digest)
+            _log_data_notes(loader.blend, layout)
+            ids, labels = global_batch(*to_device(batch), layout)
             faults.before_step(fault, step, layout.rank, cfg.checkpoint.dir)
             with faults.mid_step(fault, step, layout.rank, runner.part):
                 if fsdp:
@@ -267,6 +278,10 @@ def train(
                 [elapsed, memory, stop.requested, optimizer.state_bytes()], layout.host_group
             )
             losses.append(None if skipped else loss)
+            held = None
+            if evaluation is not None and evaluation.due(step + 1, cfg.steps):
+                held = evaluation.run()  # after the update: the weights the step left
+                result["eval_losses"][step + 1] = held[0]
             sink.record(
                 StepMetrics(
                     step + 1,
@@ -282,6 +297,8 @@ def train(
                     traffic,
                     z_loss,
                     int(state_bytes),
+                    validation_loss=held and held[0],
+                    validation_perplexity=held and held[1],
                     **throughput.figures(tokens_per_step / max(slowest, 1e-9)),
                     **(expert_load.figures(load) if expert_load else {}),
                 )
@@ -317,6 +334,15 @@ def train(
     if layout.rank == 0 and cfg.checkpoint.dir:
         print(format_peaks(every_rank, peaks.source), flush=True)
     return {"losses": losses, **result, "rescued": saved.rescued, "memory_peaks": every_rank}
+
+
+def _log_data_notes(blend, layout: Layout) -> None:
+    """Rank 0 says when a source ran out and started a new epoch (every rank computes the
+    same blend: the others forget it)."""
+    if blend.notes and layout.rank == 0:
+        for note in blend.notes:
+            print(note, flush=True)
+    blend.notes.clear()
 
 
 def _profiler(cfg: TrainConfig, start: int, layout: Layout, device) -> StepProfiler:
