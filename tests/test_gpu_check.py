@@ -251,7 +251,7 @@ def test_benchmark_rows_and_train_rates(tmp_path):
 
 def test_the_pipeline_part_widens_the_mid_preset_to_two_layers_per_stage(tmp_path):
     from benchmarks.gpu_check_pipeline import pipeline_config  # noqa: PLC0415
-    from models.hf.hf_config import resolve_model  # noqa: PLC0415
+    from models.hf import resolve_model  # noqa: PLC0415
 
     config = resolve_model(str(pipeline_config(tmp_path, 4)))
     assert (config.num_hidden_layers, config.hidden_size) == (16, 2048)

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from models.hf import resolve_model
 from models.network import IGNORE_INDEX, build_model
 from models.runtime import BadInput, launch
+from optimized.data.loader import TokenDataset, TokenLoader
 from optimized.data.preparation import default_dataset
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
-from optimized.data.loader import TokenDataset, TokenLoader
 from optimized.train.metrics import StepMetrics
 from optimized.train.objective import objective_options
 from optimized.train.preflight import plan_run
