@@ -8,7 +8,8 @@ On a CPU a rank's step is already the same from run to run. On a GPU two things 
   expert-bias gradient (a column sum per expert group), the reference's index ops. Here
   they all go through `index_add`, which in deterministic mode sorts the rows by index
   (stable) and sums each index's rows as one segment, in row order: the same bits every
-  run, and on a CPU the same bits as ``index_add_`` in float32 (both add in row order).
+  run, and on a CPU the same bits as ``index_add_`` in float32 (both add in row order;
+  bfloat16 rows are added in float32 and rounded once).
   torch's own deterministic algorithms are turned on too
   (``torch.use_deterministic_algorithms(True, warn_only=True)``: an op without a
   deterministic kernel warns, naming itself, instead of failing the run), with cuBLAS's
@@ -49,10 +50,19 @@ def set_deterministic(on: bool) -> None:
     _state["on"] = bool(on)
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(bool(on), warn_only=True)
-    # Filling every fresh tensor with NaN is a debugging aid, not determinism: no step of
-    # the project reads memory it did not write.
-    torch.utils.deterministic.fill_uninitialized_memory = False
+        # Filling every fresh tensor with NaN is a debugging aid, not determinism: no step
+        # of the project reads memory it did not write.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    _torch_algorithms(bool(on), True)
+
+
+def _torch_algorithms(on: bool, warn_only: bool) -> None:
+    """torch's deterministic-algorithms setting, changed only when it differs (changing
+    it imports torch's compiler configuration: seconds on a loaded CPU)."""
+    now = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    if now != (on, warn_only and on):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
 
 
 @contextmanager
@@ -66,7 +76,7 @@ def deterministic_mode(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _state["on"] = before[0]
-        torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+        _torch_algorithms(before[1], before[2])
         torch.utils.deterministic.fill_uninitialized_memory = before[3]
 
 
@@ -81,10 +91,10 @@ def index_add(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torc
     order = torch.argsort(index, stable=True)
     lengths = torch.zeros(out.shape[0], dtype=torch.long, device=index.device)
     lengths.index_add_(0, index.long(), torch.ones_like(index, dtype=torch.long))
-    sums = torch.segment_reduce(
-        src.index_select(0, order), "sum", lengths=lengths, axis=0, unsafe=True
-    )
-    return out + sums.to(out.dtype)
+    # Low-precision rows are added in float32 and rounded once, as index_add_ does.
+    rows = src.index_select(0, order).to(torch.promote_types(src.dtype, torch.float32))
+    sums = torch.segment_reduce(rows, "sum", lengths=lengths, axis=0, unsafe=True)
+    return (out + sums).to(out.dtype)
 
 
 def index_add_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
