@@ -54,7 +54,8 @@ def routing_lines(report: dict[str, Any]) -> list[str]:
         return ["routing: balanced (both sides took token t to experts (t k + i) mod E)"]
     if routing.get("mode") != "pinned":
         return ["routing: free (each side chose its own experts)"]
-    source = "the float32 truth" if routing.get("recorded_by") == "truth" else "the baseline"
+    sources = {"truth": "the float32 truth", "oracle": "the oracle (the pipeline replays)"}
+    source = sources.get(routing.get("recorded_by"), "the baseline")
     limit = "the noise floor" if routing.get("recorded_by") == "truth" else None
     line = (
         f"routing: pinned: {routing['choices']:,} expert choices replayed from {source}; "
