@@ -30,10 +30,11 @@ def trajectory_line(report: dict[str, Any]) -> str:
     trajectory = report.get("trajectory") or {}
     mode = trajectory.get("mode")
     if mode == "lockstep":
-        return (
-            "trajectory: lockstep (the candidate starts every step from the baseline's "
-            "parameters and optimizer state; every step is judged)"
-        )
+        oracle = "oracle" in (report.get("baseline"), report.get("candidate"))
+        who = "the pipeline starts every step from the oracle's"
+        if not oracle:
+            who = "the candidate starts every step from the baseline's"
+        return f"trajectory: lockstep ({who} parameters and optimizer state; every step is judged)"
     if mode == "free":
         judged = trajectory.get("judged_steps") or []
         if len(judged) == len((report.get("loss") or {}).get("baseline") or []):
