@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from models.network import ExpertLayout, causal_mask, eager_attention
-from models.runtime import all_to_all
+from models.runtime import all_to_all, index_add
 
 
 class ReferenceOps:
@@ -33,7 +33,7 @@ class ReferenceOps:
 
     def scatter_add_rows(self, src, index, num_rows):
         out = src.new_zeros((num_rows,) + tuple(src.shape[1:]))
-        return out.index_add(0, index, src)
+        return index_add(out, index, src)  # by sort and segment sum in deterministic mode
 
     def to_expert_order(self, tokens, expert_ids, num_experts, rows=None):
         # Plain: the counts are computed from the ids (``rows``, the host's copy, unused).
@@ -47,8 +47,8 @@ class ReferenceOps:
     def from_expert_order(self, grouped, layout):
         return grouped.index_select(0, layout.positions)
 
-    def grouped_linear(self, x, weight, offsets, bias=None):
-        ends = offsets.tolist()
+    def grouped_linear(self, x, weight, offsets, bias=None, ends=None):
+        ends = list(ends) if ends is not None else offsets.tolist()
         outputs, start = [], 0
         for expert, end in enumerate(ends):
             out = x[start:end] @ weight[expert]

@@ -7,14 +7,19 @@ Every form runs at every layout (`LAYOUTS`), in one stack or both: both at PP2 D
 the layout can break what a single rank gets right; elsewhere the optimized stack (the
 Triton kernels, interpreted on a CPU: the costly one) for some forms and the reference for
 the rest, so that each form and each layout meets each stack (docs/testing.md, "The case
-table")."""
+table").
+
+Pinned: every rank replays its micro-batches' rows of the oracle's expert choices
+(`models.network.RoutingTape.replay`), so the load and the bias must be equal at any seed,
+and a choice the pipeline would make differently must be a near-tie its scores explain;
+free routing would pass or fail by whether the seed puts a near-tie under a rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.network import SeededWeights, preset
+from models.network import RoutingTape, SeededWeights, attach_routing_tape, preset, router_keys
 from models.runtime import (
     OptimizerConfig,
     ParallelConfig,
@@ -84,7 +89,10 @@ def _oracle_steps(case: str, layers: int | None, parallel: ParallelConfig, steps
     out = []
     for step in range(steps):
         ids, labels = synthetic_batch(cfg, parallel, step)
+        routing = RoutingTape()
+        attach_routing_tape(oracle.model, routing)
         loss = oracle.forward_backward(ids, labels)
+        attach_routing_tape(oracle.model, None)
         grads = {n: p.grad.detach().clone() for n, p in oracle.model.named_parameters()}
         values, load = oracle.balancing_values().tolist(), oracle.step_load()
         oracle.optimizer_step()
@@ -93,7 +101,9 @@ def _oracle_steps(case: str, layers: int | None, parallel: ParallelConfig, steps
             for i, r in moe_routers(oracle.model).items()
             if r.e_score_correction_bias is not None
         }
-        out.append(dict(loss=loss, values=values, grads=grads, load=load, biases=biases))
+        out.append(
+            dict(loss=loss, values=values, grads=grads, load=load, biases=biases, routing=routing)
+        )
     return out
 
 
@@ -115,7 +125,12 @@ def _worker(cases, parallel, oracles):
             }
             for step, oracle in enumerate(trajectory):
                 ids, labels = synthetic_batch(cfg, parallel, step)
+                rows, keys = _token_rows(layout, parallel), router_keys(pipe.part)
+                replay = oracle["routing"].replay(rows, keys)
+                attach_routing_tape(pipe.part, replay)
                 loss_pipe = pipe.forward_backward(ids, labels)
+                attach_routing_tape(pipe.part, None)
+                result = replay.result()
                 values = pipe.balancing_values()
                 worst = (0.0, "")
                 for name, param in pipe.part.named_parameters():
@@ -154,9 +169,18 @@ def _worker(cases, parallel, oracles):
                         values=(oracle["values"], values.tolist()), worst=worst,
                         load_equal=bool(torch.equal(load.cpu(), expected_load.cpu())),
                         layers=list(routers), bias_diff=bias_diff, bias_moved=moved,
+                        routing=result.problems(), swaps=len(result.swaps),
+                        replayed=result.choices,
                     )
                 )  # fmt: skip
     return out
+
+
+def _token_rows(layout, parallel: ParallelConfig) -> list[tuple[int, int]]:
+    """This rank's micro-batches as token ranges of the oracle's one call per router."""
+    size = parallel.micro_batch_size * parallel.seq_len
+    first = layout.dp_rank * parallel.micro_batches * size
+    return [(first + j * size, first + (j + 1) * size) for j in range(parallel.micro_batches)]
 
 
 def _moe_index(cfg, layer: int) -> int:
@@ -191,6 +215,8 @@ def _check(results, cases):
         assert abs(aux_p - aux_o) <= LOSS_REL * max(abs(aux_o), 1e-12), (where, aux_o, aux_p)
         assert abs(z_p - z_o) <= LOSS_REL * max(abs(z_o), 1e-12), (where, z_o, z_p)
         assert r["worst"][0] <= GRAD_REL, (where, r["worst"])
+        assert r["routing"] == [], (where, r["routing"])  # every swap a near-tie, explained
+        assert r["replayed"] > 0 or not r["layers"], where
         assert r["load_equal"], where
         assert r["bias_diff"] == 0.0, (where, r["bias_diff"])
         name, fields = CASES[r["case"]]

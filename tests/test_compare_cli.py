@@ -53,7 +53,10 @@ def test_reference_against_oracle_passes_and_writes_the_report(tmp_path):
     assert max(report["loss"]["rel_error"]) <= 1e-6
     assert max(report["grads"]["max_one_minus_cos"]) <= report["tolerance"]["grad_one_minus_cos"]
     assert report["config"]["dp"] == 2 and report["config"]["ep"] == 2
-    assert report["routing"] == {"mode": "free"}  # the oracle's routing cannot be replayed
+    # Pinned and lockstep (the defaults) against the oracle too: the pipeline replays the
+    # oracle's expert choices and starts every step from its state.
+    assert report["routing"]["mode"] == "pinned" and report["routing"]["recorded_by"] == "oracle"
+    assert report["config"]["trajectory"] == "lockstep"
     for name in ("report.json", "report.md", "loss.png"):
         assert (out / name).stat().st_size > 0
 

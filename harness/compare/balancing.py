@@ -18,8 +18,9 @@ where `balancing_section` judges them:
   `harness.compare.stacks.copy_buffers`); any difference fails;
 - **the evaluation**: a forward-only pass changes no bias, in either stack.
 
-With free routing (against the oracle, or ``--routing free``) a near-tie may route one
-token elsewhere: the load and the bias are reported there, not judged.
+With free routing (``--routing free``) a near-tie may route one token elsewhere: the load
+and the bias are reported there, not judged. Pinned against the oracle, the pipeline
+replays the oracle's choices, and both are judged exactly.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def balancing_section(
     load = {
         key: [_whole_load(per_rank, s, key, layers) for s in range(plan.steps)] for key in sides
     }
-    pipelines = "oracle" not in (plan.baseline, plan.candidate)
-    exact = pipelines and plan.routing in JUDGED_ROUTING
+    # Pinned against the oracle too: the pipeline replays the oracle's choices.
+    exact = plan.routing in JUDGED_ROUTING
     section["judged"] = {"values": judged, "load": exact, "bias": exact}
     load_diffs, bias_diffs = [], []
     for step in range(plan.steps):

@@ -268,7 +268,8 @@ def bisect_rank(plan: Any) -> dict[str, Any] | None:
     from models.runtime import synthetic_batch  # noqa: PLC0415
 
     parallel = plan.parallel
-    with rank_arithmetic(parallel.torch_dtype) as arithmetic, planted(plan.plant):
+    arithmetic = rank_arithmetic(parallel.torch_dtype, plan.deterministic)
+    with arithmetic as arithmetic, planted(plan.plant):
         ids, labels = synthetic_batch(plan.model, parallel, 0, arithmetic.device)
         size = parallel.micro_batch_size
         found = bisect(

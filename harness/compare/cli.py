@@ -1,27 +1,19 @@
 """`twinpipe compare`: run two stacks side by side on the same weights and data.
 
-Sides are ``oracle`` (the whole model on one process, the whole global batch),
-``reference`` (plain DualPipeV), ``optimized`` (the production stack) and
-``optimized-fsdp`` (the optimized stack sharded as `twinpipe train` runs it). Both sides run
-in one launched world, step by step, on the same ranks (`harness.compare.lockstep`); each
-rank compares what it holds and only scalars come back (`harness.compare.inplace`). Per step
-the harness compares the loss, every parameter's gradient, the router scores, the
-parameters after the update, the routing controls' losses, load and expert biases (turned on
-by the trainer's ``[moe]`` flags: `harness.compare.controls`), and each stack's peak memory
-per rank and category, with the five largest tensors at the peak.
+Sides: ``oracle`` (the whole model and global batch on one process), ``reference``,
+``optimized`` and ``optimized-fsdp`` (as `twinpipe train` runs it), in one launched world,
+step by step, on the same ranks (`harness.compare.lockstep`); each rank compares what it
+holds, only scalars come back (`harness.compare.inplace`). Per step: the loss, every
+gradient, the router scores, the parameters after the update, the routing controls
+(`harness.compare.controls`), each stack's peak memory per rank and category.
 
-Two pipeline sides run in lockstep (``--trajectory lockstep``, the default): the candidate
-starts each step from the baseline's parameters, optimizer state and expert biases, so each
-step's verdict measures that step's arithmetic. In bfloat16 a float32 run of the same step is
-the truth, and the candidate passes when its error against it is at most k times the
-reference's (`harness.compare.noise_floor`); DESIGN.md's fixed bounds stay as a backstop.
-``--trajectory free``: each side follows its own trajectory, its later steps information
-(always so against the oracle). Two pipeline sides compare at the same expert choices
-(``--routing pinned``, the default): later stacks replay the first one's routing
-(`models.network.routing`); ``--routing free`` lets each side route itself.
-
-The ranks (and ``--bisect``'s) compute on one device chosen before any starts (``--device``,
-`models.runtime.resolve_device`), recorded in the report (`harness.compare.arithmetic`).
+Lockstep (``--trajectory lockstep``, the default; against the oracle too): the candidate
+starts each step from the baseline's state (the pipeline from the oracle's), so each step
+measures that step's arithmetic; bfloat16 is judged against a float32 truth
+(`harness.compare.noise_floor`). Pinned (``--routing pinned``, the default; against the
+oracle too): the candidate replays the baseline's expert choices (`models.network.routing`).
+The ranks compute on one device chosen before any starts (``--device``), deterministic on
+CUDA unless ``--deterministic off`` (`models.runtime.determinism`).
 
 With no arguments this is the project's main job: tiny DeepSeek-V2 at PP=2, DP=2, EP=2 (on
 the CPU, unless the machine has four GPUs), reference against optimized, float32.
@@ -130,8 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("pinned", "free", "balanced"),
         default="pinned",
         help="pinned: the candidate replays the baseline's expert choices (in bfloat16 "
-        "lockstep, the float32 truth's); its router scores must agree and its own choices may "
-        "differ only at near-ties (two pipeline sides); free: each side routes itself; "
+        "lockstep, the float32 truth's; against the oracle, the pipeline the oracle's); its "
+        "router scores must agree and its own choices may differ only at near-ties; free: "
+        "each side routes itself; "
         "balanced: both take the same perfectly balanced choices (token t to experts "
         "(t k + i) mod E), so the communication estimate is exact",
     )
@@ -168,9 +161,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("lockstep", "free"),
         default="lockstep",
         help="lockstep: the candidate starts every step from the baseline's parameters and "
-        "optimizer state, and every step is judged (two pipeline sides); free: each side "
-        "follows its own trajectory, judged at step 0 only (always so against the oracle)",
+        "optimizer state (against the oracle, the pipeline from the oracle's), and every step "
+        "is judged; free: each side follows its own trajectory, judged at step 0 only",
     )
+    parser.add_argument(
+        "--deterministic", choices=("auto", "on", "off"), default="auto",
+        help="the same bits every run (models.runtime.determinism): repeated-index sums by "
+        "sort and segment sum, torch's deterministic algorithms, tuners pinned; auto: on CUDA",
+    )  # fmt: skip
     parser.add_argument(
         "--noise-floor",
         choices=("on", "off"),
@@ -284,6 +282,8 @@ def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
         track_memory=not args.no_memory, progress=True,
         stages=stages, plant=args.plant,
         count_routing=args.estimate_routing == "observed", ops_audit=args.ops_audit == "on",
+        deterministic=args.deterministic == "on" or (args.deterministic == "auto"
+                                                     and device.kind == "cuda"),
     ), device  # fmt: skip
 
 

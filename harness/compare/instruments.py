@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from harness.compare.record import StepRecord
-from models.network import RoutingTape, attach_routing_tape
+from models.network import RoutingTape, attach_routing_tape, router_keys
 from models.runtime import counted_step
 
 SIDES = ("baseline", "candidate")
@@ -99,7 +99,16 @@ class RoutingTapes(Instrument):
     where it runs, else the baseline) and the others replay them; the step's record gets
     what each replay saw (`models.network.routing.ReplayResult`)."""
 
-    def __init__(self, recorder: Any, replayers: dict[str, Any], every: list[Any]) -> None:
+    def __init__(
+        self,
+        recorder: Any,
+        replayers: dict[str, Any],
+        every: list[Any],
+        rows: list[tuple[int, int]] | None = None,
+    ) -> None:
+        self.rows = rows
+        """The oracle records: each replayer's micro-batches as token ranges of its one
+        call per router (`models.network.RoutingTape.replay`)."""
         self.recorder = recorder
         """The stack whose choices are recorded."""
         self.replayers = replayers
@@ -112,7 +121,10 @@ class RoutingTapes(Instrument):
         """A fresh recording on the recorder, a replay of it on each replayer."""
         record = RoutingTape()
         attach_routing_tape(self.recorder.part, record)
-        self.replays = {key: record.replay() for key in self.replayers}
+        self.replays = {
+            key: record.replay(self.rows, router_keys(side.part) if self.rows else None)
+            for key, side in self.replayers.items()
+        }
         for key, tape in self.replays.items():
             attach_routing_tape(self.replayers[key].part, tape)
 

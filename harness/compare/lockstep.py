@@ -8,8 +8,13 @@ differences into parameter differences of order ``lr`` in its first steps; at re
 widths in bfloat16 every check after the first update then measures that compounding,
 and calls a correct stack wrong. How the state is shared or copied: `harness.compare.stacks`.
 
-**Free** (``--trajectory free``, and always against the oracle): each stack follows its
-own trajectory; the comparison of its later steps is information.
+**Free** (``--trajectory free``): each stack follows its own trajectory; the comparison
+of its later steps is information (against the oracle, the loss stays judged).
+
+**Against the oracle** lockstep runs the other way round whichever side the oracle is: the
+oracle holds the whole model, so the pipeline takes the rows of the oracle's state it holds
+before each step (`oracle_step`); the oracle runs first and, at pinned routing, records the
+expert choices the pipeline replays.
 
 **The noise floor** (bfloat16 lockstep): the reference stack in float32 computes the
 same step first (the same weights, batch and routing: it records the routing both
@@ -48,6 +53,7 @@ import torch
 
 from harness.compare.arithmetic import rank_arithmetic
 from harness.compare.balancing import bias_change, bias_snapshot, stack_balance
+from harness.compare.instruments import SIDES
 from harness.compare.rank import Rank, RankPlan
 from harness.compare.record import StepRecord
 from harness.compare.spill import SpilledGradients
@@ -64,7 +70,14 @@ from harness.compare.stacks import (
 )
 from models.runtime import synthetic_batch
 
-__all__ = ["copied_step", "free_step", "run_rank", "shared_step", "step_batches"]
+__all__ = [
+    "copied_step",
+    "free_step",
+    "oracle_step",
+    "run_rank",
+    "shared_step",
+    "step_batches",
+]
 
 
 # ---------------------------------------------------------------------- steps
@@ -191,9 +204,23 @@ def copied_step(rank: Rank, batches: dict, record: StepRecord) -> None:
     record.params = rank.comparer.compare(rank.params(cand), rank.params(base))
 
 
+def oracle_step(rank: Rank, batches: dict, record: StepRecord) -> None:
+    """A lockstep step against the oracle: the pipeline side takes the oracle's parameters,
+    AdamW state and expert biases (the rows of them it holds), then each runs its own step,
+    the oracle first (it records the routing the pipeline replays)."""
+    pipeline = rank.candidate if rank.oracle is rank.baseline else rank.baseline
+    copy_state(rank.oracle, pipeline)
+    free_step(rank, batches, record)
+
+
+def _order(rank: Rank) -> tuple[str, str]:
+    """The sides in the order they run: the oracle first where it is one."""
+    return ("candidate", "baseline") if rank.plan.candidate == "oracle" else SIDES
+
+
 def free_step(rank: Rank, batches: dict, record: StepRecord) -> None:
     """Each stack its own step, on its own trajectory."""
-    for key in ("baseline", "candidate"):
+    for key in _order(rank):
         side = getattr(rank, key)
         other = rank.candidate if key == "baseline" else rank.baseline
         start = time.perf_counter()
@@ -208,7 +235,10 @@ def free_step(rank: Rank, batches: dict, record: StepRecord) -> None:
 
 def _evaluate(rank: Rank, batches: dict) -> dict:
     out: dict[str, Any] = {"loss": {}, "routing": {}}
-    if rank.lockstep:
+    if rank.oracle is not None and rank.lockstep:
+        oracle = rank.oracle is rank.baseline
+        copy_state(rank.oracle, rank.candidate if oracle else rank.baseline)
+    elif rank.lockstep:
         (copy_buffers if rank.shared else copy_state)(rank.baseline, rank.candidate)
     sides = {"baseline": rank.baseline, "candidate": rank.candidate}
     before = {key: bias_snapshot(side) for key, side in sides.items()}
@@ -218,8 +248,8 @@ def _evaluate(rank: Rank, batches: dict) -> dict:
         load_parameters(rank.truth, rank.baseline)
         out["loss"]["truth"] = rank.truth.evaluate(*batches.pop("truth"))
         release_parameters(rank.truth.part)
-    out["loss"]["baseline"] = rank.baseline.evaluate(*batches.pop("baseline"))
-    out["loss"]["candidate"] = rank.candidate.evaluate(*batches.pop("candidate"))
+    for key in _order(rank):
+        out["loss"][key] = getattr(rank, key).evaluate(*batches.pop(key))
     if rank.tapes is not None:
         out["routing"] = rank.tapes.results()
     # A forward-only pass changes nothing (`harness.compare.balancing`).
@@ -229,12 +259,14 @@ def _evaluate(rank: Rank, batches: dict) -> dict:
 
 def run_rank(plan: RankPlan) -> dict[str, Any]:
     """Run ``plan`` on this rank (inside a launched world), on the device its launcher
-    handed it, TF32 off, bfloat16 products as a GPU's (`harness.compare.arithmetic`); the
-    per-step records (the comparisons on rank 0 only; every rank computed the same), each
-    rank's memory, times and routing replays, and the device section of the report."""
+    handed it, TF32 off, bfloat16 products as a GPU's, deterministic if asked
+    (`harness.compare.arithmetic`); the per-step records (the comparisons on rank 0 only;
+    every rank computed the same), each rank's memory, times and routing replays, and the
+    device section of the report."""
     from harness.compare.planted import planted  # noqa: PLC0415
 
-    with rank_arithmetic(plan.parallel.torch_dtype) as arithmetic, planted(plan.plant):
+    dtype = plan.parallel.torch_dtype
+    with rank_arithmetic(dtype, plan.deterministic) as arithmetic, planted(plan.plant):
         rank = Rank(plan, arithmetic.device)
         rank.prepare()  # communicators up, kernels tuned: before step 1 (docs/gpus.md)
         with rank.installed():
@@ -245,6 +277,7 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
     step_function = free_step
     if rank.lockstep:
         step_function = shared_step if rank.shared else copied_step
+        step_function = oracle_step if rank.oracle is not None else step_function
     steps = []
     for step in range(plan.steps):
         batches = step_batches(plan, step, rank.device)

@@ -73,6 +73,12 @@ class RankPlan:
     ops_audit: bool = True
     """Audit the candidate's ops on the run's own inputs against plain PyTorch
     (`harness.compare.ops_audit`; bfloat16 pipeline runs only)."""
+    deterministic: bool = False
+    """Run deterministic (`models.runtime.determinism`; ``--deterministic``)."""
+
+
+def _oracle_key(plan: RankPlan) -> str:
+    return "baseline" if plan.baseline == "oracle" else "candidate"
 
 
 def build_stack(
@@ -113,12 +119,14 @@ class Rank:
         self.baseline = build_stack(plan.baseline, plan, layout, device)
         self.candidate = build_stack(plan.candidate, plan, layout, device)
         pipelines = "oracle" not in (plan.baseline, plan.candidate)
-        self.lockstep = plan.trajectory == "lockstep" and pipelines
-        self.shared = self.lockstep and shares_state(self.baseline, self.candidate)
+        self.oracle = None if pipelines else getattr(self, _oracle_key(plan))
+        """The oracle, where it is a side: it leads (`harness.compare.lockstep.oracle_step`)."""
+        self.lockstep = plan.trajectory == "lockstep"
+        self.shared = self.lockstep and pipelines and shares_state(self.baseline, self.candidate)
         if self.shared:
             share_parameters(self.baseline, self.candidate)
         self.truth = None
-        if self.lockstep and plan.noise_floor:
+        if self.lockstep and plan.noise_floor and pipelines:
             self.truth = build_stack("reference", plan, layout, device, dtype="float32")
             # One micro-batch in flight: float32 activations of the DualPipeV order would
             # be twice what the bf16 stacks hold (`ReferenceDualPipeV.sequential`).
@@ -130,7 +138,7 @@ class Rank:
         self.param_bytes = storage_bytes([p for p in self.baseline.part.parameters()])
         self.counted = pipelines
         """Whether the stacks' communication is counted (two pipeline stacks)."""
-        self.tapes = self._routing_tapes(plan.routing == "pinned" and pipelines)
+        self.tapes = self._routing_tapes(plan.routing == "pinned")
         # The float32 truth's step is the harness's too: measured, reported.
         stacks = {"baseline": self.baseline, "candidate": self.candidate, "truth": self.truth}
         self.memory = MemoryMeters(
@@ -157,10 +165,14 @@ class Rank:
 
     def _routing_tapes(self, pinned: bool) -> RoutingTapes | None:
         """Pinned routing: the truth records where it runs (both bfloat16 stacks replay),
-        else the baseline (the candidate replays)."""
+        else the oracle where it is a side (the pipeline replays its micro-batches' rows of
+        the oracle's whole batch), else the baseline (the candidate replays)."""
         if not pinned:
             return None
         every = [s for s in (self.baseline, self.candidate, self.truth) if s is not None]
+        if self.oracle is not None:
+            key = "baseline" if self.plan.candidate == "oracle" else "candidate"
+            return RoutingTapes(self.oracle, {key: getattr(self, key)}, every, self._rows())
         if self.truth is None:
             return RoutingTapes(self.baseline, {"candidate": self.candidate}, every)
         replayers = {"candidate": self.candidate, "baseline": self.baseline}
@@ -176,6 +188,14 @@ class Rank:
             if prepare is not None:
                 done[key] = prepare()
         return done
+
+    def _rows(self) -> list[tuple[int, int]]:
+        """This rank's micro-batches as token ranges of the global batch, in order
+        (`models.runtime.micro_batches_of`, the tokens of a batch flattened by sequence)."""
+        parallel = self.plan.parallel
+        size, seq = parallel.micro_batch_size * parallel.seq_len, parallel.seq_len
+        first = self.layout.dp_rank * parallel.micro_batches * parallel.micro_batch_size * seq
+        return [(first + j * size, first + (j + 1) * size) for j in range(parallel.micro_batches)]
 
     # ------------------------------------------------------------------ instruments
     @contextmanager

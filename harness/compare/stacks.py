@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.network import state_buffers
+from models.network import is_expert_parameter, state_buffers
 
 STACKS = {
     "reference": "reference.pipeline:ReferencePipeline",
@@ -284,15 +284,33 @@ def _adam_state(pipeline: Any, name: str, param: torch.Tensor) -> tuple[dict, in
     return {k: state[k] for k in ("exp_avg", "exp_avg_sq")}, int(state["step"])
 
 
+def _states(source: Any, target: Any) -> Iterator[tuple[str, torch.Tensor, dict, int]]:
+    """``(name, value, moments, step)`` of each parameter ``target`` holds, from ``source``:
+    its own whole parameters (the same layers and experts), or the rows of the oracle's
+    whole tensors that ``target`` holds (its layers; its block of experts)."""
+    mine = dict(source.part.named_parameters())
+    if source.name != "oracle":
+        for name, value in whole_parameters(source):
+            yield name, value, *_adam_state(source, name, mine[name])
+        return
+    owners = {name: module for name, module in target.part.named_modules()}
+    for name, param in target.part.named_parameters():
+        rows = slice(None)
+        if is_expert_parameter(name):
+            first = getattr(owners[name.rpartition(".")[0]], "first_expert", 0)
+            rows = slice(first, first + param.shape[0])
+        moments, step = _adam_state(source, name, mine[name])
+        yield name, mine[name].detach()[rows], {k: v[rows] for k, v in moments.items()}, step
+
+
 def copy_state(source: Any, target: Any) -> None:
     """``target`` takes ``source``'s parameters, AdamW moments and expert biases, one
-    parameter at a time (both stacks hold the same layers and experts on this rank)."""
+    parameter at a time (both stacks hold the same layers and experts on this rank, or
+    ``source`` is the oracle, which holds them all)."""
     shards = _shard_of(target)
     params = dict(target.part.named_parameters())
-    source_params = dict(source.part.named_parameters())
     with torch.no_grad():
-        for name, value in whole_parameters(source):
-            moments, step = _adam_state(source, name, source_params[name])
+        for name, value, moments, step in _states(source, target):
             if name in shards:
                 shard = shards[name]
                 target.optimizer.set_parameter(shard, value)

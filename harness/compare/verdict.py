@@ -6,7 +6,8 @@ Which steps are judged:
   evaluation after the last; each starts from the same state on both sides;
 - free-running pipelines (``--trajectory free``): step 0 only; later steps are reported
   as information (loss curves side by side, divergence per step);
-- against the oracle: every step, free-running (float32 holds it to DESIGN.md's bounds).
+- against the oracle: every step, lockstep or free-running (float32 holds it to
+  DESIGN.md's bounds); free-running, the gradients at step 0 only.
 
 What is judged per step: the loss (relative error), every parameter's gradient (``1 -
 cos``, worst first), the routing replay (router scores within the dtype's bound, every swap
@@ -38,9 +39,12 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b != 0 else abs(a)
 
 
-def _routing(per_rank: list[dict], step: int | None, limits: dict | None) -> dict | None:
-    """The candidate's replays at one step (or the evaluation) over all ranks."""
-    results = [(rank, _replays(r, step).get("candidate")) for rank, r in enumerate(per_rank)]
+def _routing(
+    per_rank: list[dict], step: int | None, limits: dict | None, side: str = "candidate"
+) -> dict | None:
+    """The replays of ``side`` (the candidate; against the oracle, the pipeline) at one step
+    (or the evaluation) over all ranks."""
+    results = [(rank, _replays(r, step).get(side)) for rank, r in enumerate(per_rank)]
     results = [(rank, res) for rank, res in results if res is not None]
     if not results:
         return None
@@ -156,7 +160,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     lockstep = per_rank[0]["lockstep"]
     oracle = "oracle" in (plan.baseline, plan.candidate)
     # Free-running, a later step's gradients measure AdamW's amplified rounding, not that
-    # step's arithmetic: against the oracle (always free) only the loss is judged there.
+    # step's arithmetic: free-running against the oracle only the loss is judged there.
     judged = list(range(plan.steps)) if lockstep or oracle else [0]
     grads_judged = list(range(plan.steps)) if lockstep else [0]
     tol = tolerance(plan.baseline, plan.candidate, parallel.dtype)
@@ -173,15 +177,16 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
 
     problems: list[str] = []
     floor_steps, routing_steps = [], []
+    replayer = "baseline" if plan.candidate == "oracle" else "candidate"
     for step in range(plan.steps):
         limits = None
         if floor:
             verdict = noise_floor.judge_step(records[step], _drifts(per_rank, step), tokens)
             floor_steps.append(verdict)
             limits = noise_floor.router_limits(_drifts(per_rank, step))
-        routing_steps.append(_routing(per_rank, step, limits))
+        routing_steps.append(_routing(per_rank, step, limits, replayer))
     eval_limits = noise_floor.router_limits(_drifts(per_rank, None)) if floor else None
-    eval_routing = _routing(per_rank, None, eval_limits)
+    eval_routing = _routing(per_rank, None, eval_limits, replayer)
     problems += _nonfinite(records, evaluation)
     for step in judged:
         if loss_rel[step] > tol["loss_rel"]:
@@ -206,7 +211,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     if lockstep or oracle:
         if math.isfinite(eval_rel) and eval_rel > tol["loss_rel"]:
             problems.append(f"evaluation: loss differs by {eval_rel:.3g} (relative)")
-        if eval_routing:
+        if eval_routing and lockstep:  # free-running, routing after step 0 is information
             problems += [f"evaluation: {p}" for p in eval_routing["problems"]]
     balancing, balancing_problems = balancing_section(plan, per_rank, judged, tol["loss_rel"])
     problems += balancing_problems
@@ -290,7 +295,7 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
                 summary["max_gap"] = max(summary["max_gap"], step["max_gap"])
                 summary["score_drift"] = max(summary["score_drift"], step["score_drift"])
         summary["problems"] = [p for p in problems if "rout" in p]
-        summary["recorded_by"] = "truth" if floor else "baseline"
+        summary["recorded_by"] = "truth" if floor else "oracle" if oracle else "baseline"
         if floor:  # per router, the tightest limit of any step (each step's in steps[*])
             tightest: dict[str, float] = {}
             for step in routing_steps + [eval_routing]:

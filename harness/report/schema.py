@@ -66,6 +66,8 @@ timing) and every reader here copes with its absence.
                  "float32_products": bool, # bf16 products computed as float32 products
                  "float32_products_why": str,   # (models.runtime.cpu_gemm), and why
                  "tf32": bool,             # whether float32 matmuls could use TF32 (never)
+                 "bf16_reduced_precision_reduction": bool,  # cuBLAS bf16 sums in bf16 (never)
+                 "deterministic": bool,    # models.runtime.determinism (--deterministic)
                  "requested": str}         # what --device asked for: auto, cuda or cpu
     }
 

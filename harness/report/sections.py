@@ -30,10 +30,11 @@ def trajectory_line(report: dict[str, Any]) -> str:
     trajectory = report.get("trajectory") or {}
     mode = trajectory.get("mode")
     if mode == "lockstep":
-        return (
-            "trajectory: lockstep (the candidate starts every step from the baseline's "
-            "parameters and optimizer state; every step is judged)"
-        )
+        oracle = "oracle" in (report.get("baseline"), report.get("candidate"))
+        who = "the pipeline starts every step from the oracle's"
+        if not oracle:
+            who = "the candidate starts every step from the baseline's"
+        return f"trajectory: lockstep ({who} parameters and optimizer state; every step is judged)"
     if mode == "free":
         judged = trajectory.get("judged_steps") or []
         if len(judged) == len((report.get("loss") or {}).get("baseline") or []):
@@ -54,7 +55,8 @@ def routing_lines(report: dict[str, Any]) -> list[str]:
         return ["routing: balanced (both sides took token t to experts (t k + i) mod E)"]
     if routing.get("mode") != "pinned":
         return ["routing: free (each side chose its own experts)"]
-    source = "the float32 truth" if routing.get("recorded_by") == "truth" else "the baseline"
+    sources = {"truth": "the float32 truth", "oracle": "the oracle (the pipeline replays)"}
+    source = sources.get(routing.get("recorded_by"), "the baseline")
     limit = "the noise floor" if routing.get("recorded_by") == "truth" else None
     line = (
         f"routing: pinned: {routing['choices']:,} expert choices replayed from {source}; "

@@ -69,7 +69,12 @@ from models.network.model import (
 from models.network.ops import ExpertLayout, Ops
 from models.network.presets import PRESET_NAMES, preset
 from models.network.router import Router, Routing, max_group_scores, top2_group_scores
-from models.network.routing import BalancedRouting, RoutingTape, attach_routing_tape
+from models.network.routing import (
+    BalancedRouting,
+    RoutingTape,
+    attach_routing_tape,
+    router_keys,
+)
 from models.network.weights import (
     Progress,
     Reporting,
@@ -117,6 +122,7 @@ __all__ = [
     "StepBalance",
     "WeightSource",
     "attach_routing_tape",
+    "router_keys",
     "build_model",
     "build_part",
     "causal_mask",

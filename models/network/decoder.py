@@ -285,7 +285,7 @@ class MoE(nn.Module):
         grouped, layout = ops.to_expert_order(
             d.tokens, expert_ids, self.num_local, rows=d.sizes.expert_rows
         )
-        out = self.experts(grouped, layout.offsets, ops)
+        out = self.experts(grouped, layout.offsets, ops, layout.ends)
         return ops.from_expert_order(out, layout)
 
     def combine(self, tokens: torch.Tensor, sizes: SplitSizes, ops) -> torch.Tensor:

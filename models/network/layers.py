@@ -318,15 +318,20 @@ class Experts(nn.Module):
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inner, hidden))
             self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inner))
 
-    def forward(self, grouped: torch.Tensor, offsets: torch.Tensor, ops) -> torch.Tensor:
-        """The expert MLP on rows already grouped by local expert (``offsets`` as in grouped_mm)."""
+    def forward(
+        self, grouped: torch.Tensor, offsets: torch.Tensor, ops, ends=None
+    ) -> torch.Tensor:
+        """The expert MLP on rows already grouped by local expert (``offsets`` as in
+        grouped_mm; ``ends``: the same on the host, when known)."""
         if self.transposed:
-            h = ops.grouped_linear(grouped, self.gate_up_proj, offsets, self.gate_up_proj_bias)
+            h = ops.grouped_linear(
+                grouped, self.gate_up_proj, offsets, self.gate_up_proj_bias, ends=ends
+            )
             h = ops.clamped_swiglu(h, self.alpha, self.limit)
-            return ops.grouped_linear(h, self.down_proj, offsets, self.down_proj_bias)
-        h = ops.grouped_linear(grouped, self.gate_up_proj.transpose(1, 2), offsets)
+            return ops.grouped_linear(h, self.down_proj, offsets, self.down_proj_bias, ends=ends)
+        h = ops.grouped_linear(grouped, self.gate_up_proj.transpose(1, 2), offsets, ends=ends)
         h = ops.silu_and_mul(h)
-        return ops.grouped_linear(h, self.down_proj.transpose(1, 2), offsets)
+        return ops.grouped_linear(h, self.down_proj.transpose(1, 2), offsets, ends=ends)
 
 
 class OutputLayer(nn.Linear):

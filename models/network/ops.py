@@ -26,6 +26,9 @@ class ExpertLayout(NamedTuple):
 
     offsets: torch.Tensor
     positions: torch.Tensor
+    ends: tuple[int, ...] | None = None
+    """``offsets`` as host integers, when the stack knows them without reading the device
+    (a MoE layer's split sizes): the float32 grouped GEMM's per-group loop runs on them."""
 
 
 class Ops(Protocol):
@@ -93,8 +96,10 @@ class Ops(Protocol):
         weight: torch.Tensor,
         offsets: torch.Tensor,
         bias: torch.Tensor | None = None,
+        ends: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Per-group ``x_g @ weight[g] (+ bias[g])`` with ``weight [E, in, out]``."""
+        """Per-group ``x_g @ weight[g] (+ bias[g])`` with ``weight [E, in, out]``; ``ends``:
+        ``offsets`` on the host, when known (`ExpertLayout.ends`)."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,16 @@ class _Call:
     groups: np.ndarray | None = None
     """The group scores that chose the kept groups (group-limited routers with a bias)."""
 
+    def cut(self, start: int, stop: int) -> _Call:
+        """Tokens ``[start, stop)`` of this call."""
+        rows = slice(start, stop)
+        return _Call(
+            self.index[rows],
+            self.scores[rows],
+            None if self.ranked is None else self.ranked[rows],
+            None if self.groups is None else self.groups[rows],
+        )
+
 
 @dataclass
 class RoutingTape:
@@ -112,16 +122,54 @@ class RoutingTape:
     router_where: dict[str, str] = field(default_factory=dict)
     """Where each router's largest difference was (`ReplayResult.router_where`)."""
     dtype: torch.dtype | None = None
+    rows: tuple[tuple[int, int], ...] | None = None
+    """Replaying a whole-batch record in pieces: each router's one recorded call is served
+    as these token ranges, in order (`replay`)."""
+    keys: frozenset[str] | None = None
+    """With ``rows``: the routers the replaying stack holds (the record may hold more)."""
+    pieces: dict[str, list[_Call]] = field(default_factory=dict)
+    """With ``rows``: each router's record cut into ``rows``, cut at its first replay."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("record", "replay"):
             raise ValueError(f"RoutingTape mode={self.mode!r}: expected 'record' or 'replay'")
 
-    def replay(self) -> RoutingTape:
-        """A replaying tape over this tape's record (the record is shared, not copied)."""
+    def replay(
+        self, rows: list[tuple[int, int]] | None = None, keys: frozenset[str] | None = None
+    ) -> RoutingTape:
+        """A replaying tape over this tape's record (the record is shared, not copied).
+
+        ``rows``: the record is of a stack that routes the whole batch in one call per
+        router (the oracle) and the replayer routes it in pieces (a pipeline rank: its
+        data-parallel rank's micro-batches, in order); each router's one recorded call is
+        served as the token ranges ``[start, stop)``, one replayed call each. ``keys``: the
+        routers the replayer holds (a pipeline rank holds some layers), the only ones whose
+        calls must all be replayed."""
         if self.mode != "record":
             raise ValueError("RoutingTape.replay: only a recording tape can be replayed")
-        return RoutingTape(mode="replay", calls=self.calls)
+        if (rows is None) != (keys is None):
+            raise ValueError("RoutingTape.replay: rows and keys go together")
+        cut = None if rows is None else tuple((int(a), int(b)) for a, b in rows)
+        return RoutingTape(mode="replay", calls=self.calls, rows=cut, keys=keys)
+
+    def _recorded(self, key: str) -> list[_Call]:
+        """The calls router ``key`` replays: the record's, or its one call cut into `rows`."""
+        if self.rows is None:
+            return self.calls.get(key, [])
+        if key not in self.pieces:
+            whole = self.calls.get(key, [])
+            if len(whole) != 1:
+                raise RuntimeError(
+                    f"routing replay: router {key} has {len(whole)} recorded calls; a "
+                    "whole-batch record has exactly one per router"
+                )
+            if self.rows[-1][1] > whole[0].index.shape[0]:
+                raise RuntimeError(
+                    f"routing replay: router {key} recorded {whole[0].index.shape[0]} tokens; "
+                    f"the replay asks for rows up to {self.rows[-1][1]}"
+                )
+            self.pieces[key] = [whole[0].cut(a, b) for a, b in self.rows]
+        return self.pieces[key]
 
     def route(
         self,
@@ -151,7 +199,7 @@ class RoutingTape:
             self.calls.setdefault(key, []).append(call)
             return own
         number = self.cursor.get(key, 0)
-        recorded = self.calls.get(key, [])
+        recorded = self._recorded(key)
         if number >= len(recorded):
             raise RuntimeError(
                 f"routing replay: router {key} called {number + 1} times, the record has "
@@ -220,6 +268,10 @@ class RoutingTape:
 
     def unreplayed(self) -> dict[str, int]:
         """Recorded calls no router replayed: ``{router: count}`` (empty when all were)."""
+        if self.rows is not None:
+            held = [key for key in self.calls if key in self.keys]
+            counts = {key: len(self.rows) - self.cursor.get(key, 0) for key in held}
+            return {key: count for key, count in counts.items() if count > 0}
         return {
             key: len(calls) - self.cursor.get(key, 0)
             for key, calls in self.calls.items()
@@ -352,6 +404,21 @@ class BalancedRouting:
         return (slots % experts).to(own.dtype)
 
 
+def router_keys(part: nn.Module) -> frozenset[str]:
+    """The keys `attach_routing_tape` gives the routers of ``part``."""
+    from models.network.router import Router  # noqa: PLC0415
+
+    return frozenset(
+        _key(name) for name, module in part.named_modules() if isinstance(module, Router)
+    )
+
+
+def _key(name: str) -> str:
+    # Wrappers (activation checkpointing, torch.compile) add "_..." components; the key is
+    # the model's own name, the same in every stack.
+    return ".".join(p for p in name.split(".") if not p.startswith("_"))
+
+
 def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | None) -> int:
     """Route every router of ``part`` through ``tape`` (``None`` detaches). Returns how many."""
     from models.network.router import Router  # noqa: PLC0415 (router imports nothing from here)
@@ -359,9 +426,6 @@ def attach_routing_tape(part: nn.Module, tape: RoutingTape | BalancedRouting | N
     count = 0
     for name, module in part.named_modules():
         if isinstance(module, Router):
-            # Wrappers (activation checkpointing, torch.compile) add "_..." components; the
-            # key is the model's own name, the same in every stack.
-            key = ".".join(p for p in name.split(".") if not p.startswith("_"))
-            module.tape, module.tape_key = tape, key
+            module.tape, module.tape_key = tape, _key(name)
             count += 1
     return count

@@ -17,6 +17,8 @@ Modules:
   one way to sync);
 - `warmup`: every communicator up, and the collective limits, before the first step;
 - `cpu_gemm`: bfloat16 matrix products on CPUs without native bf16 GEMM;
+- `determinism`: deterministic mode (sums over repeated indices by sort and segment sum,
+  torch's deterministic algorithms, the flag a tuning cache reads);
 - `progress`: one progress line on a terminal for long reads and writes;
 - `inputs`: bad input caught before work (outputs checked first), rescue folders;
 - `training`: the step rules both stacks share (the optimizer config, synthetic batches,
@@ -40,6 +42,13 @@ from models.runtime.cpu_gemm import (
     bf16_gemm,
     float32_products,
     native_bf16_gemm,
+)
+from models.runtime.determinism import (
+    deterministic,
+    deterministic_mode,
+    index_add,
+    index_add_,
+    set_deterministic,
 )
 from models.runtime.device import (
     DEVICE_ENV,
@@ -171,8 +180,13 @@ __all__ = [
     "count_by_kind",
     "counted_step",
     "cuda_support",
+    "deterministic",
+    "deterministic_mode",
     "describe_failure",
     "describe_syncs",
+    "index_add",
+    "index_add_",
+    "set_deterministic",
     "even_partition",
     "float32_products",
     "group_names",

@@ -15,6 +15,7 @@ buffer row of input row ``i``: all the reverse step `gather_from_grouped` needs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -134,9 +135,14 @@ def _scatter_known_rows(
         )
     out_of_range = ((expert_ids < 0) | (expert_ids >= num_experts)).any()
     torch._assert_async(out_of_range.logical_not(), f"expert_ids must lie in [0, {num_experts})")
-    total_rows = sum(round_up(rows, alignment) for rows in group_rows)
-    offsets, positions = expert_layout(expert_ids.clamp(0, num_experts - 1), num_experts, alignment)
-    layout = ExpertLayout(offsets.clamp_(max=total_rows), positions.clamp_(max=total_rows - 1))
+    ends = tuple(itertools.accumulate(round_up(rows, alignment) for rows in group_rows))
+    total_rows = ends[-1] if ends else 0
+    offsets, positions, _ = expert_layout(
+        expert_ids.clamp(0, num_experts - 1), num_experts, alignment
+    )
+    layout = ExpertLayout(
+        offsets.clamp_(max=total_rows), positions.clamp_(max=total_rows - 1), ends
+    )
     grouped = _ScatterToGroups.apply(tokens, layout.positions, total_rows)
     return grouped, layout
 

@@ -7,12 +7,15 @@ sizes and fragments. `padded_index_gather` writes into a buffer whose row
 count is rounded up to `GATHER_ROW_ALIGNMENT`, so micro-batches reuse the same
 few block sizes; it returns the view of the first ``len(index)`` rows and keeps
 the tail rows zero (safe to feed to a grouped GEMM). Backward is a scatter-add
-into a zeroed buffer shaped like the input: the input itself is never saved.
+into a zeroed buffer shaped like the input: the input itself is never saved. Its sums
+over repeated indices are deterministic in deterministic mode (`models.runtime.determinism`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from models.runtime import index_add_
 
 GATHER_ROW_ALIGNMENT = 1024
 """Rows of a gather output buffer are rounded up to a multiple of this."""
@@ -39,7 +42,7 @@ def _gather_into_padded(x: torch.Tensor, index: torch.Tensor, alignment: int) ->
 
 def _scatter_add(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     out = src.new_zeros((num_rows,) + tuple(src.shape[1:]))
-    return out.index_add_(0, index, src)
+    return index_add_(out, index, src)  # by sort and segment sum in deterministic mode
 
 
 class PaddedIndexGather(torch.autograd.Function):

@@ -24,12 +24,19 @@ run (held by ``tests/test_ops_grouped_linear_overhead.py``):
 non-unit strides are multiples of 16 bytes. Operands that break the stride rule (odd
 sizes) are copied into padded buffers, other dtypes fall back to a loop of matmuls, so
 every shape gives the plain per-group result.
+
+float32 has no grouped kernel: torch's `F.grouped_mm` runs a loop of matmuls whose bounds
+it reads from the offsets on the host, one device synchronisation per call on a GPU (six
+per MoE layer and micro-batch: three GEMMs forward, two backward and the weight gradient).
+Given the group ends on the host (``ends``: `models.network.ExpertLayout.ends`, from the
+MoE layer's split sizes) the same loop runs on them and reads nothing; without them the
+read remains (a caller that knows no host row counts).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -37,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from models.network import host_side
+from models.runtime import index_add_
 from optimized.ops._triton import INTERPRETED, launch, tl, triton
 from optimized.ops.expert_order import GROUPED_GEMM_STRIDE_BYTES
 from optimized.ops.gather import round_up
@@ -189,13 +197,23 @@ def zero_rows_past_groups_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Te
     return out
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out[rows of group g] = a[rows of group g] @ b[g]``; rows past the groups are zero."""
+def _looped(dtype: torch.dtype, ends: Sequence[int] | None) -> bool:
+    """Whether a grouped product runs as a loop of matmuls here: dtypes `F.grouped_mm`
+    does not take, and float32 whose group ends the host knows (torch's float32 path is
+    such a loop too, with the ends read back from the device)."""
+    return dtype not in GROUPED_MM_DTYPES or (dtype == torch.float32 and ends is not None)
+
+
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, ends: Sequence[int] | None = None
+) -> torch.Tensor:
+    """``out[rows of group g] = a[rows of group g] @ b[g]``; rows past the groups are zero.
+    ``ends``: ``offsets`` on the host, when known."""
     if a.shape[0] == 0:
         return a.new_zeros((0, b.shape[-1]))
-    if a.dtype not in GROUPED_MM_DTYPES:
+    if _looped(a.dtype, ends):
         out = a.new_zeros((a.shape[0], b.shape[-1]))
-        for group, (start, end) in enumerate(_group_bounds(offsets)):
+        for group, (start, end) in enumerate(_group_bounds(offsets, ends)):
             out[start:end] = a[start:end] @ b[group]
         return out
     out = F.grouped_mm(_aligned(a), _aligned(b), offs=offsets)
@@ -209,7 +227,11 @@ def is_column_major(matrix: torch.Tensor) -> bool:
 
 
 def grouped_weight_grad(
-    x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor, column_major: bool = False
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    offsets: torch.Tensor,
+    column_major: bool = False,
+    ends: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``grad_weight[g] = x[rows of g].T @ grad_out[rows of g]``, shape ``[E, in, out]``.
 
@@ -218,11 +240,11 @@ def grouped_weight_grad(
     back is a contiguous parameter-shaped gradient (torch's own backward does the same).
     """
     num_groups = offsets.shape[0]
-    if x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
+    if x.shape[0] == 0 or _looped(x.dtype, ends):
         grad = x.new_zeros((num_groups, x.shape[1], grad_out.shape[1]))
         if column_major:
             grad = grad.transpose(1, 2).contiguous().transpose(1, 2)
-        for group, (start, end) in enumerate(_group_bounds(offsets)):
+        for group, (start, end) in enumerate(_group_bounds(offsets, ends)):
             grad[group] = x[start:end].t() @ grad_out[start:end]
         return grad
     if column_major:
@@ -230,8 +252,12 @@ def grouped_weight_grad(
     return F.grouped_mm(_aligned(x).t(), _aligned(grad_out), offs=offsets)
 
 
-def _group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
-    ends = offsets.tolist()
+def _group_bounds(
+    offsets: torch.Tensor, ends: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """Each group's ``(start, end)`` rows: from the host's ``ends`` when given, else read
+    from ``offsets`` (one host synchronisation on a GPU)."""
+    ends = list(ends) if ends is not None else offsets.tolist()
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -307,8 +333,9 @@ class GroupedLinear(torch.autograd.Function):
     """``x_g @ weight[g] (+ bias[g])`` per group; the weight gradient may be deferred."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, bias, store):
-        out = grouped_mm(x, weight, offsets)
+    def forward(ctx, x, weight, offsets, bias, store, ends):
+        ctx.ends = ends
+        out = grouped_mm(x, weight, offsets, ends)
         row_groups = None
         if bias is not None:
             row_groups = _row_groups(x.shape[0], offsets)
@@ -333,12 +360,12 @@ class GroupedLinear(torch.autograd.Function):
         x, weight, offsets, row_groups = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = grouped_mm(grad_out, weight.transpose(1, 2), offsets)
+            grad_x = grouped_mm(grad_out, weight.transpose(1, 2), offsets, ctx.ends)
         if ctx.needs_input_grad[3]:
             num_groups = offsets.shape[0]
             accumulate = torch.promote_types(grad_out.dtype, torch.float32)
             sums = grad_out.new_zeros((num_groups + 1, grad_out.shape[1]), dtype=accumulate)
-            sums.index_add_(0, row_groups, grad_out.to(accumulate))
+            index_add_(sums, row_groups, grad_out.to(accumulate))  # deterministic mode
             grad_bias = sums[:num_groups].to(grad_out.dtype)
         defer = ctx.store is not None and ctx.store.enabled
         if defer:
@@ -350,16 +377,16 @@ class GroupedLinear(torch.autograd.Function):
             # grad_fn, and through it the stage's leaves and their gradients) must not.
             x = x.detach()
 
-            column_major = ctx.column_major
+            column_major, ends = ctx.column_major, ctx.ends
 
             def weight_grad_work() -> None:
-                grad = grouped_weight_grad(x, grad_out, offsets, column_major)
+                grad = grouped_weight_grad(x, grad_out, offsets, column_major, ends)
                 _accumulate_into(destination, grad)
 
             ctx.store.put(weight_grad_work)
         elif ctx.needs_input_grad[1]:
-            grad_weight = grouped_weight_grad(x, grad_out, offsets, ctx.column_major)
-        return grad_x, grad_weight, None, grad_bias, None
+            grad_weight = grouped_weight_grad(x, grad_out, offsets, ctx.column_major, ctx.ends)
+        return grad_x, grad_weight, None, grad_bias, None, None
 
 
 def grouped_linear(
@@ -368,12 +395,14 @@ def grouped_linear(
     offsets: torch.Tensor,
     bias: torch.Tensor | None = None,
     weight_grad_store: WeightGradStore | None = None,
+    ends: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Per-group ``x_g @ weight[g] (+ bias[g])``, ``weight [E, in, out]``, int32 ``offsets``.
 
     ``offsets[g]`` is the exclusive end row of group ``g``; rows past
     ``offsets[-1]`` give zeros. With an enabled ``weight_grad_store`` the weight
-    gradient is deferred to the store (see `WeightGradStore`).
+    gradient is deferred to the store (see `WeightGradStore`). ``ends``: ``offsets`` on
+    the host, when the caller knows them (float32 then reads nothing back).
     """
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -388,4 +417,10 @@ def grouped_linear(
         raise ValueError(
             f"bias must be [{weight.shape[0]}, {weight.shape[2]}]; got {tuple(bias.shape)}"
         )
-    return GroupedLinear.apply(x, weight, offsets.to(torch.int32), bias, weight_grad_store)
+    if ends is not None:
+        ends = tuple(int(end) for end in ends)
+        if len(ends) != weight.shape[0]:
+            raise ValueError(f"ends must give {weight.shape[0]} group ends; got {len(ends)}")
+    return GroupedLinear.apply(
+        x, weight, offsets.to(torch.int32), bias, weight_grad_store, ends
+    )

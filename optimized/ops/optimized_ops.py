@@ -98,8 +98,9 @@ class OptimizedOps:
         weight: torch.Tensor,
         offsets: torch.Tensor,
         bias: torch.Tensor | None = None,
+        ends: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        return grouped_linear(x, weight, offsets, bias, self.weight_grad_store)
+        return grouped_linear(x, weight, offsets, bias, self.weight_grad_store, ends)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
