@@ -34,9 +34,7 @@ def test_a_whole_batch_record_replays_in_pieces_and_only_the_held_routers_must_r
     short.route("layers.1.router", scores[:6], own[:6], torch.float32)
     assert short.unreplayed() == {"layers.0.router": 2, "layers.1.router": 1}
     with pytest.raises(RuntimeError, match="recorded 12 tokens"):
-        record.replay([(0, 16)], frozenset()).route(
-            "layers.0.router", scores, own, torch.float32
-        )
+        record.replay([(0, 16)], frozenset()).route("layers.0.router", scores, own, torch.float32)
     assert np.array_equal(record.calls["layers.0.router"][0].index, own.numpy())
 
 

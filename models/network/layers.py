@@ -318,9 +318,7 @@ class Experts(nn.Module):
             self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inner, hidden))
             self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inner))
 
-    def forward(
-        self, grouped: torch.Tensor, offsets: torch.Tensor, ops, ends=None
-    ) -> torch.Tensor:
+    def forward(self, grouped: torch.Tensor, offsets: torch.Tensor, ops, ends=None) -> torch.Tensor:
         """The expert MLP on rows already grouped by local expert (``offsets`` as in
         grouped_mm; ``ends``: the same on the host, when known)."""
         if self.transposed:

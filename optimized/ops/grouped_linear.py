@@ -421,6 +421,4 @@ def grouped_linear(
         ends = tuple(int(end) for end in ends)
         if len(ends) != weight.shape[0]:
             raise ValueError(f"ends must give {weight.shape[0]} group ends; got {len(ends)}")
-    return GroupedLinear.apply(
-        x, weight, offsets.to(torch.int32), bias, weight_grad_store, ends
-    )
+    return GroupedLinear.apply(x, weight, offsets.to(torch.int32), bias, weight_grad_store, ends)
