@@ -25,7 +25,7 @@ from optimized.train.export import export_checkpoint
 from optimized.train.metrics import LoggedScalars
 from optimized.train.objective import with_moe
 from optimized.train.preflight import plan_run
-from tests.test_train import _cli, _reference_runner, config  # noqa: F401 - fixture
+from tests.test_train import _reference_runner, config  # noqa: F401 - fixture
 
 BIAS = "e_score_correction_bias"
 
@@ -91,20 +91,38 @@ def test_the_section_is_set_on_the_model_and_checked_against_it():
         with_moe(moe("moe.expert_bias=off"), preset("tiny-deepseek-v3"))
 
 
-def test_a_bad_moe_choice_exits_2_before_any_rank_starts():
-    done = _cli("--model", "tiny-qwen3-moe", "--aux-loss", "layer", "--steps", "1",
-                "--nproc", "1")  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "moe.aux_loss = 'layer' is invalid without a coefficient" in done.stderr
-    assert "step 00000001" not in done.stdout
+def _train_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``twinpipe train ARGS`` in this process (the command's own code; tests/test_train.py
+    runs it as a subprocess): its exit code, stdout and stderr."""
+    from harness.cli import main  # noqa: PLC0415
+
+    capsys.readouterr()
+    try:
+        code = main(["train", *args])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_help_and_print_config_show_the_section():
-    done = _cli("--set", "moe.expert_bias=true", "--print-config")
-    assert done.returncode == 0, done.stderr
-    assert "[moe]" in done.stdout and "expert_bias = true" in done.stdout
-    assert "# aux_loss_coef = (unset)" in done.stdout
-    shown = _cli("--help").stdout
+def test_a_bad_moe_choice_exits_2_before_any_rank_starts(capsys, monkeypatch):
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr("models.runtime.launch", no_rank)
+    code, out, err = _train_main(capsys, "--model", "tiny-qwen3-moe", "--aux-loss", "layer",
+                                 "--steps", "1", "--nproc", "1")  # fmt: skip
+    assert code == 2, err
+    assert "moe.aux_loss = 'layer' is invalid without a coefficient" in err
+    assert "step 00000001" not in out
+
+
+def test_help_and_print_config_show_the_section(capsys):
+    code, out, err = _train_main(capsys, "--set", "moe.expert_bias=true", "--print-config")
+    assert code == 0, err
+    assert "[moe]" in out and "expert_bias = true" in out
+    assert "# aux_loss_coef = (unset)" in out
+    _, shown, _ = _train_main(capsys, "--help")
     assert "--expert-bias-rate" in shown and "[moe.expert_bias_rate; default: unset]" in shown
 
 
