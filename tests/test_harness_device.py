@@ -16,7 +16,7 @@ import torch
 
 from harness.memory.cuda import with_workspaces, workspaces_at_peak
 from harness.report import cpu_name
-from tests._cli import ROOT, twinpipe
+from tests._cli import ROOT, twinpipe, twinpipe_here
 
 DATA = ROOT / "tests" / "data"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -114,7 +114,7 @@ def test_diff_refuses_a_cpu_report_against_a_cuda_one(tmp_path):
     old = DATA / "compare_report.json"  # written before reports named their device: a CPU's
     new = tmp_path / "gpu.json"
     new.write_text(json.dumps(_gpu_report(json.loads(old.read_text()))))
-    result = twinpipe("diff", str(old), str(new))
+    result = twinpipe_here("diff", str(old), str(new))
     assert result.returncode == 2, result.stderr
     assert "measured on cpu and the new one on cuda (NVIDIA H100 80GB HBM3)" in result.stderr
     assert "not comparable" in result.stderr

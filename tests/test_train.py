@@ -20,6 +20,7 @@ import torch
 from models.runtime import RankFailed, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
+from tests._cli import twinpipe_here
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
@@ -217,23 +218,18 @@ def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
         (["--micro-batches", "1", "--pp", "1"], "data.micro_batches"),
     ],
 )
-def test_bad_config_is_an_error_naming_the_key(args, named, capsys):
+def test_bad_config_is_an_error_naming_the_key(args, named):
     """In this process (the command's own code, no interpreter to start: the subprocess
-    path is held by the print-config and crash tests below and tests/test_binary_inputs.py)."""
-    from harness.cli import main
-
-    try:
-        code = main(["train", *args, "--print-config"])
-    except SystemExit as exit_:
-        code = exit_.code
-    assert code == 2 and named in capsys.readouterr().err
+    path is held by the crash tests below and tests/test_binary_inputs.py)."""
+    done = twinpipe_here("train", *args, "--print-config")
+    assert done.returncode == 2 and named in done.stderr
 
 
 def test_print_config_shows_the_resolved_config(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("steps = 17\n[optim]\nlr = 0.002\n")
-    done = _cli("--config", str(toml), "--set", "parallel.dp=2", "--seq-len", "24",
-                "--print-config")  # fmt: skip
+    done = twinpipe_here("train", "--config", str(toml), "--set", "parallel.dp=2",
+                         "--seq-len", "24", "--print-config")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "steps = 17" in done.stdout and "lr = 0.002" in done.stdout
     assert "dp = 2" in done.stdout and "seq_len = 24" in done.stdout
