@@ -37,6 +37,7 @@ from tests._cli import (
     small_data,
     started,
     twinpipe,
+    twinpipe_here,
 )
 
 TINY = ["--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
@@ -53,6 +54,11 @@ def data(tmp_path_factory) -> str:
 
 def train(*args: str, **env: str):
     return twinpipe("train", *TINY, *args, TWINPIPE_RUNNER=REFERENCE_RUNNER, **env)
+
+
+def refused_here(*args: str, **env: str):
+    """`train` for a run that ends before any rank starts, in this process (`twinpipe_here`)."""
+    return twinpipe_here("train", *TINY, *args, TWINPIPE_RUNNER=REFERENCE_RUNNER, **env)
 
 
 def steps_recorded(metrics: Path) -> list[int]:
@@ -89,14 +95,14 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
 
     # Nothing to do: a finished run, and fewer --steps than the checkpoint.
     for steps in ("4", "3"):
-        again = train(*run[:-4], "--steps", steps)
+        again = refused_here(*run[:-4], "--steps", steps)
         assert again.returncode == 0, again.stderr
         assert "nothing to do" in again.stdout and "step 4 of run " + owner in again.stdout
         assert "step 0000" not in again.stdout
 
     # Another run into this folder is refused, and nothing in it changes.
     before = fingerprint(ckpt)
-    other = train(*run, "--no-resume", "--seed", "1")
+    other = refused_here(*run, "--no-resume", "--seed", "1")
     assert other.returncode == 2, other.stderr
     assert f"holds run {owner}'s checkpoints" in other.stderr and "--overwrite" in other.stderr
     # Another model, resumed from this folder or started from it, is refused by name.
@@ -153,7 +159,7 @@ def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_pa
     for folder in ckpt.glob("step-*"):
         (folder / "trainer_state.pt").write_bytes(b"corrupt")
     before = fingerprint(ckpt)
-    corrupt = train(*run, "--steps", "6")
+    corrupt = refused_here(*run, "--steps", "6")
     assert corrupt.returncode == 2, corrupt.stderr
     assert "every checkpoint is incomplete or corrupt" in corrupt.stderr
     assert corrupt.stderr.count("skipping checkpoint") == 3  # each named, with its fault
