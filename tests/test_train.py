@@ -171,23 +171,19 @@ imports Triton in the mode it finds before reading its config (this process's ow
 GPU machine: compiled), so both are set for it."""
 
 
-def _cli(*args: str, timeout: float = HANG_GUARD_S, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness.cli", "train", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, **env},
-    )  # fmt: skip
+def test_crashed_rank_ends_every_rank_with_its_error(capsys, monkeypatch):
+    """The command's `main` in this process, launching its two ranks (the real command's
+    exit 3 on a crashed rank is held by tests/test_reliability_runs.py and
+    tests/test_train_nonfinite.py, and torchrun's by the next test)."""
+    from harness.cli import main
 
-
-def test_crashed_rank_ends_every_rank_with_its_error():
     # A rank that never learned of the crash would block in gloo until the hang guard.
-    done = _cli(
-        "--model", "tiny-deepseek-v2", "--seq-len", "16", "--micro-batch-size", "1",
-        "--micro-batches", "2", "--dp", "2", "--steps", "50", "--nproc", "2",
-        TWINPIPE_FAULT="crash@1:1",
-    )  # fmt: skip
-    assert done.returncode == 3  # a crash (#19): never 1, which means "outside tolerance"
-    assert "rank 1 crashed at step 2" in done.stderr
+    monkeypatch.setenv("TWINPIPE_FAULT", "crash@1:1")
+    code = main(["train", "--model", "tiny-deepseek-v2", "--seq-len", "16",
+                 "--micro-batch-size", "1", "--micro-batches", "2", "--dp", "2", "--steps",
+                 "50", "--nproc", "2"])  # fmt: skip
+    assert code == 3  # a crash (#19): never 1, which means "outside tolerance"
+    assert "rank 1 crashed at step 2" in capsys.readouterr().err
 
 
 def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
