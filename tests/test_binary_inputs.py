@@ -76,6 +76,7 @@ def copy_checkpoint(checkpoint, target):
     return target, target / "step-00000001"
 
 
+@pytest.mark.slow
 def test_a_binary_train_config(tmp_path):
     refused(twinpipe(*TRAIN, "--config", binary(tmp_path / "run.toml")),
             "--config", "run.toml", "expected a TOML file")  # fmt: skip
@@ -119,6 +120,7 @@ def test_a_binary_tokenizer(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_binary_metrics_file_is_refused_before_resuming(tmp_path, checkpoint):
     """Resuming reads the metrics file back (to drop the steps it redoes): a binary one
     ended in a traceback from rank 0 (exit 3)."""
@@ -129,6 +131,7 @@ def test_a_binary_metrics_file_is_refused_before_resuming(tmp_path, checkpoint):
     refused(done, "logging.metrics_file", metrics, "JSON lines")
 
 
+@pytest.mark.slow
 def test_a_binary_run_record(tmp_path, checkpoint):
     root, _ = copy_checkpoint(checkpoint, tmp_path / "ck")
     run = binary(root / "run.json")
@@ -136,6 +139,7 @@ def test_a_binary_run_record(tmp_path, checkpoint):
     refused(done, "checkpoint.dir", run, "naming the run that owns the folder")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["export", "init-from"])
 def test_a_binary_manifest(tmp_path, checkpoint, command):
     root, step = copy_checkpoint(checkpoint, tmp_path / "ck")
@@ -149,6 +153,7 @@ def test_a_binary_manifest(tmp_path, checkpoint, command):
         refused(done, "model.init_from", "incomplete or corrupt", manifest)
 
 
+@pytest.mark.slow
 def test_a_binary_config_in_a_checkpoint_its_manifest_vouches_for(tmp_path, checkpoint):
     """A checkpoint written with a binary ``config.json`` (its manifest agrees, so it
     verifies): export and ``--init-from`` name the file."""

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests._cli import ROOT, twinpipe, twinpipe_here
 
 DATA = ROOT / "tests" / "data"
@@ -47,6 +49,7 @@ def test_bench_add_report_refuses_a_binary_file_naming_it(tmp_path):
     assert not history.exists() or not list(history.iterdir())  # nothing was added
 
 
+@pytest.mark.slow
 def test_the_dashboard_skips_binary_history_entries_and_draws_the_rest(tmp_path):
     history = tmp_path / "history"
     binaries = _binaries(history)
