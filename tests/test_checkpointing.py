@@ -62,6 +62,7 @@ def _counting_rank_main(cfg):
     return {**trainer.train(cfg), **counts}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_rank_saves_its_own_pieces_without_gathering(tmp_path):
     """PP=2 DP=2 EP=2, FSDP2 on: no tensor collective during the save; DCP's metadata holds
@@ -135,6 +136,7 @@ def test_a_mismatched_checkpoint_is_refused_before_any_rank_starts(tmp_path, cap
     assert str(weights) in err
 
 
+@pytest.mark.slow
 def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path):
     cfg = config("steps=4", "checkpoint.save_every=2", "checkpoint.keep_last=0",
                  f"checkpoint.dir={tmp_path}")  # fmt: skip
@@ -164,6 +166,7 @@ def _first_batch(cfg):
     return batch.inputs.reshape(-1, cfg.data.seq_len), batch.labels.reshape(-1, cfg.data.seq_len)
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
     import transformers
 

@@ -193,6 +193,7 @@ def _planted_failure_worker(cfg, parallel, state):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_planted_exception_ends_every_rank():
     cfg = preset("tiny-qwen3-moe")

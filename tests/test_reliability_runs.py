@@ -73,6 +73,7 @@ def fingerprint(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
@@ -138,6 +139,7 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     assert sorted(p.name for p in ckpt.iterdir()) == [RUN_FILE, "step-00000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_path, data):
     """Checkpoints from before run ids (no run.json, no run id in the manifest) are
@@ -166,6 +168,7 @@ def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_pa
     assert fingerprint(ckpt) == before
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_stops_every_rank_saves_and_exits_128_plus_it(
@@ -190,6 +193,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_saves_and_exits_128_plus_it(
     assert verify(ckpt / f"step-{stopped:08d}") is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_killed_by_a_signal_is_named_first(data):
     done = train("--data", data, "--dp", "2", "--steps", "3", TWINPIPE_FAULT="sigkill@1:1")
@@ -198,6 +202,7 @@ def test_a_rank_killed_by_a_signal_is_named_first(data):
     assert "rank 0 failed first" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_that_cannot_be_saved_where_asked_is_rescued(tmp_path, data):
     ckpt, temporary = tmp_path / "ckpt", tmp_path / "tmp"
@@ -211,6 +216,7 @@ def test_a_checkpoint_that_cannot_be_saved_where_asked_is_rescued(tmp_path, data
     assert ckpt.is_file()  # what the fault left where the folder was
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_compare_names_a_rank_killed_by_a_signal():
     with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
@@ -224,6 +230,7 @@ def test_compare_names_a_rank_killed_by_a_signal():
     assert "rank 0 failed first" not in err and "stopped by" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_the_compare_launcher_stops_every_rank_and_exits_143():
     with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
@@ -236,6 +243,7 @@ def test_sigterm_to_the_compare_launcher_stops_every_rank_and_exits_143():
     assert len(ranks) == 2 and not any(alive(pid) for pid in ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_compare_report_that_cannot_be_written_where_asked_is_rescued(tmp_path):
     """Both outputs' folder is checked before the ranks start, then replaced by a file while

@@ -45,6 +45,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     return launch(_rank_main, cfg.parallel.world_size, (cfg,))
 
 
+@pytest.mark.slow
 def test_loss_falls_over_50_steps(tmp_path):
     cfg = config("steps=50", "optim.warmup_steps=5", f"logging.metrics_file={tmp_path / 'm.jsonl'}")
     losses = train(cfg)[0]["losses"]
@@ -150,12 +151,14 @@ def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
         assert abs(a - b) <= 1e-5 * abs(b), (got, whole)
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stops_naming_step_and_rank(monkeypatch):
     monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
     with pytest.raises(RankFailed, match=r"non-finite gradient norm at step 2.*rank\(s\) \[1\]"):
         train(config("parallel.dp=2", "steps=3"))
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_the_step(monkeypatch):
     monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
     losses = train(config("parallel.dp=2", "steps=3", "optim.skip_nonfinite=true"))[0]["losses"]
@@ -171,6 +174,7 @@ imports Triton in the mode it finds before reading its config (this process's ow
 GPU machine: compiled), so both are set for it."""
 
 
+@pytest.mark.slow
 def test_crashed_rank_ends_every_rank_with_its_error(capsys, monkeypatch):
     """The command's `main` in this process, launching its two ranks (the real command's
     exit 3 on a crashed rank is held by tests/test_reliability_runs.py and
@@ -186,6 +190,7 @@ def test_crashed_rank_ends_every_rank_with_its_error(capsys, monkeypatch):
     assert "rank 1 crashed at step 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
     """Under torchrun the same fault ends the job: the peer blocked in a gloo collective
     sees the closed connection and raises, and torchrun names the crashed rank as the root
@@ -231,6 +236,7 @@ def test_print_config_shows_the_resolved_config(tmp_path):
     assert "dp = 2" in done.stdout and "seq_len = 24" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_trainer_drives_the_optimized_pipeline(monkeypatch):
     """The production seam (`RUNNER`) runs the optimized stack: same losses as the
     reference runner within the optimized-vs-reference tolerance."""

@@ -251,6 +251,7 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pooled_loss_z_loss_and_bias_at_pp2_dp2(tmp_path):
     """tiny Qwen3-MoE, PP=2 DP=2 EP=2, the pooled loss, the router z-loss and the bias, 2
@@ -298,6 +299,7 @@ def test_pooled_loss_z_loss_and_bias_at_pp2_dp2(tmp_path):
     assert not [name for name in index["weight_map"] if BIAS in name]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sequence_loss_at_pp2_dp2_and_a_skipped_step_moves_no_bias(tmp_path, monkeypatch):
     """tiny DeepSeek-V2, PP=2 DP=2, DeepSeek's sequence loss and the bias, 3 steps, the
@@ -324,6 +326,7 @@ def test_sequence_loss_at_pp2_dp2_and_a_skipped_step_moves_no_bias(tmp_path, mon
     assert steps == [1, 2, 3] and layers == [1, 2, 3] and len(load[0]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_training_checkpoint_without_a_bias_starts_it_at_zero(tmp_path):
     """A checkpoint of a run without the bias, resumed (or ``init_from``) with it on: the
@@ -344,6 +347,7 @@ def test_a_training_checkpoint_without_a_bias_starts_it_at_zero(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_deepseek_v3_trains_on_its_own_bias_and_exports_it_in_float32(tmp_path):
     """tiny DeepSeek-V3 with the ``[moe]`` section left alone routes on its native bias and
