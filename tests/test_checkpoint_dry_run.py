@@ -93,6 +93,7 @@ def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
     assert extra == duplicated and 0 < extra < 1e-6 * report["checkpoint_bytes"]
 
 
+@pytest.mark.slow
 def test_dry_run_command_lists_each_ranks_tensors(capsys):
     argv = ["dry-run", "--model", "qwen3-30b-a3b", "--pp", "2", "--dp", "2", "--ep", "2"]
     assert main([*argv, "--tensors"]) == 0

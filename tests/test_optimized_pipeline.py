@@ -247,6 +247,7 @@ def test_optimized_is_deterministic_bfloat16():
             assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
 
 
+@pytest.mark.slow
 def test_saved_tensor_profile_splits_parameters_and_activations(compute_device):
     from optimized.ops import OptimizedOps
     from optimized.pipeline.profile import STAGES, profile_part
