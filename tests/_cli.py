@@ -1,17 +1,20 @@
 """Running `twinpipe` as a user runs it, for the tests that need a real process: the
 command in a subprocess (``python -m harness.cli``), the ranks it launched found by pid,
-and a small data folder.
+and a small data folder. A command refused before any rank starts runs in this process
+instead (`twinpipe_here`: the same `harness.cli.main`, its exit code and output, without
+an interpreter and torch to start, seconds each on two busy cores).
 
 Subprocess timeouts catch a hang only; no test asserts how fast anything runs.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +36,35 @@ def twinpipe(*args: str, **env: str | None) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True,
         text=True, timeout=HANG_GUARD_S, env=environment(**env),
     )  # fmt: skip
+
+
+def twinpipe_here(*args: str, **env: str | None) -> subprocess.CompletedProcess:
+    """``twinpipe ARGS`` run by `harness.cli.main` in this process, with ``env`` as
+    `twinpipe` would have it: its exit code (an argparse error's too) and what it wrote. For
+    commands that end before any rank starts: `models.runtime.launch`, if reached, fails
+    (an internal error, exit 3)."""
+    import models.runtime  # noqa: PLC0415
+    from harness.cli import main  # noqa: PLC0415
+
+    def no_rank(*_args, **_kwargs):
+        raise AssertionError("twinpipe_here: a rank was launched")
+
+    saved, launch = dict(os.environ), models.runtime.launch
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(environment(**env))
+        models.runtime.launch = no_rank
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        models.runtime.launch = launch
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["twinpipe", *args], code, out.getvalue(), err.getvalue())
 
 
 @contextmanager

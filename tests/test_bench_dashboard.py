@@ -16,6 +16,7 @@ DATA = ROOT / "tests" / "data"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_runs_pytest_benchmark_and_appends_to_the_history(tmp_path, capsys):
     history = tmp_path / "history"
     status = main(["bench", "--benchmarks", str(DATA / "bench_sample"), "--history", str(history)])
@@ -174,6 +175,7 @@ def test_pairing_of_benchmarks_by_op_and_role():
     assert dashboard.peak_bytes(by_extra) == 7
 
 
+@pytest.mark.slow
 def test_dashboard_page_holds_the_figures_it_was_given(tmp_path, capsys):
     history = tmp_path / "history"
     _write_history(history)
@@ -207,6 +209,7 @@ def test_dashboard_page_holds_the_figures_it_was_given(tmp_path, capsys):
     assert "notes.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_gpu_run_is_its_own_series(tmp_path):
     """A history that holds CPU runs and one GPU run: the GPU's op figures form a series of
     their own, named after the device, and its compare run gets its own section; no CPU

@@ -2,7 +2,10 @@
 what it should hold, before any rank starts; never a decoding traceback (exit 3).
 
 Each reader gets real binary bytes (a PNG header, random bytes, bytes that are not
-UTF-8) and is run as a user runs it, ``python -m harness.cli ...`` in a subprocess:
+UTF-8) and is run by the command's own code: ``python -m harness.cli ...`` in a subprocess
+for the TOML config (the whole process's path: no traceback from the interpreter either),
+`harness.cli.main` in this process for the rest (`tests._cli.twinpipe_here`, which fails a
+command that reaches a rank):
 train configs (``--config`` TOML; a model config JSON by ``--model``, ``--set`` and
 ``estimate --model``), a Hugging Face checkpoint's index, a prepared data folder's
 sidecar, a tokenizer.json, an existing metrics file (read back on resume: it was a
@@ -25,7 +28,7 @@ from models.network import build_model, preset
 from models.runtime import launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
-from tests._cli import REFERENCE_RUNNER, small_data, twinpipe
+from tests._cli import REFERENCE_RUNNER, small_data, twinpipe, twinpipe_here
 
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10"
 TRAIN = ("train", "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
@@ -73,6 +76,7 @@ def copy_checkpoint(checkpoint, target):
     return target, target / "step-00000001"
 
 
+@pytest.mark.slow
 def test_a_binary_train_config(tmp_path):
     refused(twinpipe(*TRAIN, "--config", binary(tmp_path / "run.toml")),
             "--config", "run.toml", "expected a TOML file")  # fmt: skip
@@ -82,13 +86,13 @@ def test_a_binary_train_config(tmp_path):
 def test_a_binary_model_config_given_to_train(tmp_path, flag):
     path = binary(tmp_path / "config.json", PNG)
     args = ("--model", path) if flag == "--model" else ("--set", f"model.name={path}")
-    refused(twinpipe(*TRAIN, *args), "model.name", path, "byte 0x89 at offset 0",
+    refused(twinpipe_here(*TRAIN, *args), "model.name", path, "byte 0x89 at offset 0",
             "expected a JSON object (a Hugging Face config.json)")  # fmt: skip
 
 
 def test_a_binary_model_config_given_to_estimate(tmp_path):
     path = binary(tmp_path / "width.json", PNG)
-    refused(twinpipe("estimate", "--model", path), path, "Hugging Face config.json")
+    refused(twinpipe_here("estimate", "--model", path), path, "Hugging Face config.json")
 
 
 def test_a_binary_checkpoint_index(tmp_path):
@@ -97,55 +101,59 @@ def test_a_binary_checkpoint_index(tmp_path):
     save_pretrained(build_model(preset("tiny-deepseek-v2"), seed=0), folder)
     os.rename(folder / "model.safetensors", folder / "model-00001-of-00001.safetensors")
     index = binary(folder / "model.safetensors.index.json")
-    refused(twinpipe(*TRAIN, "--init-from", str(folder)), "model.init_from", index,
+    refused(twinpipe_here(*TRAIN, "--init-from", str(folder)), "model.init_from", index,
             "weight_map")  # fmt: skip
 
 
 def test_a_binary_data_index(tmp_path):
     data = small_data(tmp_path)
     index = binary(tmp_path / "data" / "twinpipe-data.json")
-    refused(twinpipe(*TRAIN, "--data", data), "data.path", index, "twinpipe prepare-data")
+    refused(twinpipe_here(*TRAIN, "--data", data), "data.path", index, "twinpipe prepare-data")
 
 
 def test_a_binary_tokenizer(tmp_path):
     (tmp_path / "text.txt").write_text("some words\n")
     tokenizer = binary(tmp_path / "tokenizer.json")
-    done = twinpipe("prepare-data", "--input", str(tmp_path / "text.txt"), "--tokenizer",
+    done = twinpipe_here("prepare-data", "--input", str(tmp_path / "text.txt"), "--tokenizer",
                     tokenizer, "--out", str(tmp_path / "out"))  # fmt: skip
     refused(done, "--tokenizer", tokenizer, "expected a Hugging Face tokenizer.json")
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_binary_metrics_file_is_refused_before_resuming(tmp_path, checkpoint):
     """Resuming reads the metrics file back (to drop the steps it redoes): a binary one
     ended in a traceback from rank 0 (exit 3)."""
     root, _ = copy_checkpoint(checkpoint, tmp_path / "ck")
     metrics = binary(tmp_path / "metrics.jsonl", PNG)
-    done = twinpipe(*TRAIN, "--checkpoint-dir", str(root), "--metrics-file", metrics,
+    done = twinpipe_here(*TRAIN, "--checkpoint-dir", str(root), "--metrics-file", metrics,
                     TWINPIPE_RUNNER=REFERENCE_RUNNER)  # fmt: skip
     refused(done, "logging.metrics_file", metrics, "JSON lines")
 
 
+@pytest.mark.slow
 def test_a_binary_run_record(tmp_path, checkpoint):
     root, _ = copy_checkpoint(checkpoint, tmp_path / "ck")
     run = binary(root / "run.json")
-    done = twinpipe(*TRAIN, "--checkpoint-dir", str(root), TWINPIPE_RUNNER=REFERENCE_RUNNER)
+    done = twinpipe_here(*TRAIN, "--checkpoint-dir", str(root), TWINPIPE_RUNNER=REFERENCE_RUNNER)
     refused(done, "checkpoint.dir", run, "naming the run that owns the folder")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["export", "init-from"])
 def test_a_binary_manifest(tmp_path, checkpoint, command):
     root, step = copy_checkpoint(checkpoint, tmp_path / "ck")
     manifest = binary(step / "manifest.json")
     if command == "export":
-        done = twinpipe("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"))
+        done = twinpipe_here("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"))
         assert f"skipping checkpoint {step}: '{manifest}' is not a text file" in done.stderr
         refused(done, "--checkpoint", "listing the checkpoint's files")
     else:
-        done = twinpipe(*TRAIN, "--init-from", str(step), TWINPIPE_RUNNER=REFERENCE_RUNNER)
+        done = twinpipe_here(*TRAIN, "--init-from", str(step), TWINPIPE_RUNNER=REFERENCE_RUNNER)
         refused(done, "model.init_from", "incomplete or corrupt", manifest)
 
 
+@pytest.mark.slow
 def test_a_binary_config_in_a_checkpoint_its_manifest_vouches_for(tmp_path, checkpoint):
     """A checkpoint written with a binary ``config.json`` (its manifest agrees, so it
     verifies): export and ``--init-from`` name the file."""
@@ -156,7 +164,7 @@ def test_a_binary_config_in_a_checkpoint_its_manifest_vouches_for(tmp_path, chec
     manifest["files"]["config.json"] = {"size": len(data),
                                         "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
     (step / "manifest.json").write_text(json.dumps(manifest))
-    refused(twinpipe("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf")),
+    refused(twinpipe_here("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf")),
             config, "Hugging Face config.json")  # fmt: skip
-    refused(twinpipe(*TRAIN, "--init-from", str(step), TWINPIPE_RUNNER=REFERENCE_RUNNER),
+    refused(twinpipe_here(*TRAIN, "--init-from", str(step), TWINPIPE_RUNNER=REFERENCE_RUNNER),
             "model.init_from", config)  # fmt: skip

@@ -1,6 +1,7 @@
 """Binary files given to the harness's readers of JSON: an exit 2 naming the file and what
 was expected, or, in a folder of many entries (the dashboard's history), a warned skip;
-never an internal error (exit 3). Through the real command line, with real binary bytes."""
+never an internal error (exit 3). With real binary bytes, through the real command line for
+the dashboard, and `harness.cli.main` in this process for the refusals (`twinpipe_here`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from tests._cli import ROOT, twinpipe
+import pytest
+
+from tests._cli import ROOT, twinpipe, twinpipe_here
 
 DATA = ROOT / "tests" / "data"
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
@@ -33,19 +36,20 @@ def _refused(result, path: Path) -> None:
 def test_diff_refuses_a_binary_file_naming_it(tmp_path):
     binaries = _binaries(tmp_path)
     report = str(DATA / "compare_report.json")
-    _refused(twinpipe("diff", str(binaries["random"]), report), binaries["random"])
-    _refused(twinpipe("diff", report, str(binaries["png"])), binaries["png"])
+    _refused(twinpipe_here("diff", str(binaries["random"]), report), binaries["random"])
+    _refused(twinpipe_here("diff", report, str(binaries["png"])), binaries["png"])
 
 
 def test_bench_add_report_refuses_a_binary_file_naming_it(tmp_path):
     binaries = _binaries(tmp_path)
     history = tmp_path / "history"
     for binary in binaries.values():
-        result = twinpipe("bench", "--add-report", str(binary), "--history", str(history))
+        result = twinpipe_here("bench", "--add-report", str(binary), "--history", str(history))
         _refused(result, binary)
     assert not history.exists() or not list(history.iterdir())  # nothing was added
 
 
+@pytest.mark.slow
 def test_the_dashboard_skips_binary_history_entries_and_draws_the_rest(tmp_path):
     history = tmp_path / "history"
     binaries = _binaries(history)

@@ -32,6 +32,7 @@ def _rows_read(report: dict) -> dict[str, list[tuple[int, int]]]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", PUBLISHED_BYTES)
 def test_the_ranks_read_the_published_checkpoint_once(model):
     """Every tensor's rows are read by exactly one rank (PP stages, EP experts, FSDP2
@@ -61,6 +62,7 @@ DEEPSEEK_V3_FP8_BYTES = 673_150_611_808
 block, float32 expert biases, the rest bf16) without its MTP module (layer 61)."""
 
 
+@pytest.mark.slow
 def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
     """At PP4 DP8 EP8 every row of every FP8 weight and every bf16 tensor is read by exactly
     one rank; a rank also reads the scale rows its rows need, so a 128-row block cut by an
@@ -91,6 +93,7 @@ def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
     assert extra == duplicated and 0 < extra < 1e-6 * report["checkpoint_bytes"]
 
 
+@pytest.mark.slow
 def test_dry_run_command_lists_each_ranks_tensors(capsys):
     argv = ["dry-run", "--model", "qwen3-30b-a3b", "--pp", "2", "--dp", "2", "--ep", "2"]
     assert main([*argv, "--tensors"]) == 0

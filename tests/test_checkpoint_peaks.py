@@ -9,6 +9,7 @@ are in docs/results.md (docs/checkpoints.md says how they are measured)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.runtime import launch
@@ -77,6 +78,7 @@ def _tracked_rank(cfg) -> dict:
     return trainer.train(cfg)
 
 
+@pytest.mark.slow
 def test_load_and_save_peaks_stay_within_the_training_peak(tmp_path):
     """DP=2 EP=2 in bf16 with FSDP2: a step and a save, then resumed to step 2 (the load
     reads the parameters and the AdamW state, float32 moments and masters, into each

@@ -4,6 +4,7 @@ ones skipped, streaming HF export, --init-from, mismatched checkpoints refused u
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from optimized.train.checkpointing import load_model_state, newest_valid
 from optimized.train.chunks import CachedReader, tensor_metadata
 from optimized.train.export import export, export_checkpoint
 from reference.ops import ReferenceOps
-from tests.test_train import _cli, _reference_runner, config, train  # noqa: F401 - fixture
+from tests.test_train import _reference_runner, config, train  # noqa: F401 - fixture
 
 TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
                       "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
@@ -61,6 +62,7 @@ def _counting_rank_main(cfg):
     return {**trainer.train(cfg), **counts}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_rank_saves_its_own_pieces_without_gathering(tmp_path):
     """PP=2 DP=2 EP=2, FSDP2 on: no tensor collective during the save; DCP's metadata holds
@@ -94,15 +96,31 @@ def test_each_rank_saves_its_own_pieces_without_gathering(tmp_path):
     assert len(files) == 4  # every rank wrote its own file
 
 
-def test_a_mismatched_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+def test_a_mismatched_checkpoint_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     """--init-from another model's checkpoint, or one with int32 weights: exit 2, the error
-    names the file, the tensor, and what was expected and found; no rank ran."""
+    names the file, the tensor, and what was expected and found; no rank ran (the command
+    runs in this process, with `launch` made to fail if it is reached)."""
+    from harness.cli import main
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr("models.runtime.launch", no_rank)
+
+    def train_command(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        try:
+            code = main(["train", *args])
+        except SystemExit as exit_:
+            code = exit_.code
+        return code, capsys.readouterr().err
+
     save_pretrained(build_model(preset("tiny-qwen3-moe")), tmp_path / "qwen")
-    done = _cli("--model", "tiny-deepseek-v2", "--init-from", str(tmp_path / "qwen"),
-                "--steps", "1", "--warmup-steps", "0", "--nproc", "1")  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "holds a qwen3_moe model, not the deepseek_v2 model" in done.stderr
-    assert "step 00000001" not in done.stdout
+    code, err = train_command("--model", "tiny-deepseek-v2", "--init-from",
+                              str(tmp_path / "qwen"), "--steps", "1", "--warmup-steps", "0",
+                              "--nproc", "1")  # fmt: skip
+    assert code == 2, err
+    assert "holds a qwen3_moe model, not the deepseek_v2 model" in err
     model = build_model(preset("tiny-deepseek-v2")).to(torch.bfloat16)
     save_pretrained(model, tmp_path / "ds")
     from safetensors.torch import load_file, save_file
@@ -111,12 +129,14 @@ def test_a_mismatched_checkpoint_is_refused_before_any_rank_starts(tmp_path):
     tensors = load_file(weights)
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
     save_file(tensors, weights, {"format": "pt"})
-    done = _cli("--init-from", str(tmp_path / "ds"), "--steps", "1", "--warmup-steps", "0")
-    assert done.returncode == 2, done.stderr
-    assert "model.norm.weight: expected F32 or BF16 or F16 or F64, found I32" in done.stderr
-    assert str(weights) in done.stderr
+    code, err = train_command("--init-from", str(tmp_path / "ds"), "--steps", "1",
+                              "--warmup-steps", "0")  # fmt: skip
+    assert code == 2, err
+    assert "model.norm.weight: expected F32 or BF16 or F16 or F64, found I32" in err
+    assert str(weights) in err
 
 
+@pytest.mark.slow
 def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path):
     cfg = config("steps=4", "checkpoint.save_every=2", "checkpoint.keep_last=0",
                  f"checkpoint.dir={tmp_path}")  # fmt: skip
@@ -146,6 +166,7 @@ def _first_batch(cfg):
     return batch.inputs.reshape(-1, cfg.data.seq_len), batch.labels.reshape(-1, cfg.data.seq_len)
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_init_from_resumes_it(tmp_path):
     import transformers
 
@@ -188,14 +209,16 @@ def test_bfloat16_resume_is_exact_and_resumes_with_fsdp_off(tmp_path, monkeypatc
     they agree within bfloat16's bound."""
     common = ("steps=3", "dtype=bfloat16", "parallel.dp=2", "parallel.ep=1")
     whole = train(config(*common, "parallel.fsdp=true"))[0]["losses"]
+    monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
+    first = train(config(*common, "parallel.fsdp=true", f"checkpoint.dir={tmp_path / 'true'}"))[0]
+    monkeypatch.delenv("TWINPIPE_FAULT")
+    assert first["stopped_at"] == 1
+    shutil.copytree(tmp_path / "true", tmp_path / "false")  # one stopped run, resumed twice
     resumed = {}
     for fsdp in ("true", "false"):
         folder = tmp_path / fsdp
-        monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
-        first = train(config(*common, "parallel.fsdp=true", f"checkpoint.dir={folder}"))[0]
-        monkeypatch.delenv("TWINPIPE_FAULT")
         second = train(config(*common, f"parallel.fsdp={fsdp}", f"checkpoint.dir={folder}"))[0]
-        assert first["stopped_at"] == 1 and second["start"] == 1
+        assert second["start"] == 1
         resumed[fsdp] = first["losses"] + second["losses"]
     assert resumed["true"] == whole
     for a, b in zip(resumed["false"], whole, strict=True):

@@ -64,6 +64,7 @@ def _every_kind() -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_every_kind_counted_by_the_direct_model():
     results = launch(_every_kind, 4, timeout_s=120)

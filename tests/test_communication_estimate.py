@@ -90,6 +90,7 @@ def _figures(counts) -> dict:
     return {key: (t.calls, t.sent, t.received) for key, t in counts.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "preset, pp, dp, ep, seq_len, runners",
@@ -158,6 +159,7 @@ CONTROLLED = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("controls", sorted(CONTROLLED))
 def test_predicted_exactly_with_routing_controls(controls):
@@ -209,6 +211,7 @@ def test_the_trainers_step_adds_its_expert_load_all_reduce():
     assert _figures(predict_traffic(one, 0, trainer=True)) == _figures(predict_traffic(one, 0))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_real_routing_differs_only_by_its_skew():
     """PP=1 DP=2 EP=2, the routers' own choices: every kind but the all-to-all is as

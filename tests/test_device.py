@@ -106,17 +106,17 @@ def test_launch_refuses_cuda_on_a_machine_without_one_before_any_rank_starts():
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks a machine without a GPU")
 def test_train_with_cuda_on_a_machine_without_one_exits_2_before_any_rank_starts():
-    from tests._cli import twinpipe
+    from tests._cli import twinpipe_here
 
-    done = twinpipe("train", "--model", "tiny-qwen3-moe", "--steps", "1", "--device", "cuda")
+    done = twinpipe_here("train", "--model", "tiny-qwen3-moe", "--steps", "1", "--device", "cuda")
     assert done.returncode == 2, done.stderr
     assert "--device cuda" in done.stderr and "--device cpu" in done.stderr, done.stderr
     assert "rank" not in done.stdout, done.stdout  # no rank ran a step
 
 
 def test_train_names_the_device_choices():
-    from tests._cli import twinpipe
+    from tests._cli import twinpipe_here
 
-    done = twinpipe("train", "--model", "tiny-qwen3-moe", "--steps", "1", "--device", "gpu")
+    done = twinpipe_here("train", "--model", "tiny-qwen3-moe", "--steps", "1", "--device", "gpu")
     assert done.returncode == 2, done.stderr
     assert "device" in done.stderr and "auto, cpu, cuda" in done.stderr, done.stderr

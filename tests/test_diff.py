@@ -198,6 +198,7 @@ def test_history_entries_diff_like_their_contents(tmp_path, old, capsys):
     assert _diff(tmp_path, report_entry, old, capsys=capsys)[0] == 0
 
 
+@pytest.mark.slow
 def test_cli_subprocess_exit_code(tmp_path, old):
     new = copy.deepcopy(old)
     new["passed"] = False

@@ -57,7 +57,7 @@ def test_every_named_file_and_module_exists(page):
     assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
 
 
-TEST_COMMAND = "python -m pytest -q -n 2 --dist worksteal"
+TEST_COMMAND = "python -m pytest -q -n 2 --dist worksteal --durations=25"
 
 
 def test_readme_installs_as_ci_does_and_names_its_test_command():
@@ -69,6 +69,8 @@ def test_readme_installs_as_ci_does_and_names_its_test_command():
     assert install_commands(readme) == ci_install_commands(ci)
     assert f"```bash\n{TEST_COMMAND}\n```" in section(readme, "Tests")
     assert re.search(rf"^{TEST_COMMAND}( |$)", ci, re.M), "CI runs another test command"
+    # Every CI log shows the 25 slowest tests (--durations=25) and the suite's wall time.
+    assert "date +%s" in ci and re.search(r"^echo .*wall time", ci, re.M)
 
 
 def test_pages_keep_their_size_and_the_readme_links_every_page():

@@ -89,6 +89,7 @@ def _steps_keep_nothing_of_the_last(name: str) -> list[bool]:
     return alive
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_step_keeps_nothing_of_the_last():
     """The estimate counts one step's `StepBalance` (`optimized.estimator.balancing`): the

@@ -135,6 +135,7 @@ def _export_counting(checkpoint, out, monkeypatch, **options):
     return report, read[0], sum(stored) + TORCH_LOAD_REREAD * len(stored)
 
 
+@pytest.mark.slow
 def test_export_reads_each_stored_chunk_once(qwen_checkpoint, tmp_path, monkeypatch):
     report, read, once = _export_counting(qwen_checkpoint, tmp_path / "hf", monkeypatch)
     assert report.shards >= 3
@@ -185,6 +186,7 @@ def test_progress_line_counts_tensors_and_gigabytes():
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_export_prints_its_progress_when_asked(qwen_checkpoint, tmp_path, capsys):
     report = export_checkpoint(qwen_checkpoint, tmp_path / "hf", progress=True)
     captured = capsys.readouterr()
@@ -213,6 +215,7 @@ def _export_command(checkpoint, out, capsys) -> tuple[str, dict[str, torch.Tenso
     return capsys.readouterr().out, _exported(out)
 
 
+@pytest.mark.slow
 def test_export_command_says_what_it_wrote(qwen_checkpoint, tmp_path, capsys):
     """The message names the tensors, shards and dtype that the files hold."""
     out = tmp_path / "hf"

@@ -119,6 +119,7 @@ def _one_step(model, parallel, state) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_planted_wrong_marks_change_gradients_or_counts():
     """Right marks: one reduce-scatter per unit. An extra sync at chunk 0's first backward:
@@ -187,6 +188,7 @@ def _reduce_scatters_at_m8(model, state, modes) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_reduce_scatter_per_unit_per_step_at_m8():
     """The issue's target layout, PP=2 DP=2 EP=2 M=8: with ``--grad-sync step`` (the

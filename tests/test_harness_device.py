@@ -16,7 +16,7 @@ import torch
 
 from harness.memory.cuda import with_workspaces, workspaces_at_peak
 from harness.report import cpu_name
-from tests._cli import ROOT, twinpipe
+from tests._cli import ROOT, twinpipe, twinpipe_here
 
 DATA = ROOT / "tests" / "data"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -24,6 +24,7 @@ TINY = ["--model", "tiny-qwen3-moe", "--micro-batch-size", "1", "--seq-len", "16
         "1"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_compare_device_cuda_without_a_gpu_exits_2_before_any_rank(tmp_path):
     out = tmp_path / "report.json"
     result = twinpipe("compare", "--device", "cuda", "--json", str(out), **NO_GPU)
@@ -33,6 +34,7 @@ def test_compare_device_cuda_without_a_gpu_exits_2_before_any_rank(tmp_path):
     assert "launching" not in result.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_bench_device_cuda_without_a_gpu_exits_2_before_running(tmp_path):
     history = tmp_path / "history"
     sample = str(DATA / "bench_sample")
@@ -54,6 +56,7 @@ def test_a_device_that_is_none_of_the_choices_exits_2_naming_them(tmp_path, caps
     assert not (tmp_path / "history").exists() and not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_auto_runs_on_the_cpu_here_and_the_report_says_what_the_ranks_ran_with(tmp_path):
     """``auto`` without a GPU: CPU ranks; the report names the device, its versions, TF32
@@ -86,6 +89,7 @@ def test_auto_runs_on_the_cpu_here_and_the_report_says_what_the_ranks_ran_with(t
                "candidate"))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bisect_runs_in_a_rank_and_finds_a_bug_planted_there(tmp_path):
     """The planted bug lives in the ranks: bisected in the parent, every stage agreed."""
@@ -114,7 +118,7 @@ def test_diff_refuses_a_cpu_report_against_a_cuda_one(tmp_path):
     old = DATA / "compare_report.json"  # written before reports named their device: a CPU's
     new = tmp_path / "gpu.json"
     new.write_text(json.dumps(_gpu_report(json.loads(old.read_text()))))
-    result = twinpipe("diff", str(old), str(new))
+    result = twinpipe_here("diff", str(old), str(new))
     assert result.returncode == 2, result.stderr
     assert "measured on cpu and the new one on cuda (NVIDIA H100 80GB HBM3)" in result.stderr
     assert "not comparable" in result.stderr
@@ -159,6 +163,7 @@ def test_cuda_workspaces_are_named_apart_from_activations():
     assert with_workspaces(breakdown, 80)["activations"] == 0  # never below zero
 
 
+@pytest.mark.slow
 def test_bench_profile_writes_a_trace_and_a_top_ops_table(tmp_path):
     profile = tmp_path / "profile"
     sample, history = str(DATA / "bench_sample"), str(tmp_path / "history")

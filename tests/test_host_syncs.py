@@ -171,6 +171,7 @@ CASES = [
 gradient clipping is on (1.0)."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "model", "options"), CASES)
 def test_a_steady_step_syncs_the_host_within_budget(layout, model, options):
     cfg = _config(f"model.name={model}", *LAYOUTS[layout], *options)

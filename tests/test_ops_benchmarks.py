@@ -58,6 +58,7 @@ def test_gpu_shapes_flag_switches_every_loss_benchmark(reload_with, compute_devi
     assert _common.pick(gpu="gpu", cpu="cpu") == "gpu"
 
 
+@pytest.mark.slow
 def test_flag_is_registered_with_pytest():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "benchmarks/", "--help"],

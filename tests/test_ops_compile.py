@@ -24,7 +24,7 @@ from tests._kernel_compile import jit_function_names
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"sm_80", "sm_90"}
 
-pytestmark = pytest.mark.cross_compile
+pytestmark = [pytest.mark.cross_compile, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

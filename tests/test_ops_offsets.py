@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_AXIS_LIMITS = (2**31 - 1, 65_535, 65_535)
 """The most programs a CUDA grid holds on its x, y and z axes."""
 
-pytestmark = pytest.mark.cross_compile
+pytestmark = [pytest.mark.cross_compile, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def test_blocked_update_is_torch_adamw_bit_for_bit(monkeypatch):
     assert torch.equal(state["exp_avg_sq"], adamw.state[theirs]["exp_avg_sq"].view(-1))
 
 
+@pytest.mark.slow
 def test_sixteen_bit_state_resumes_exactly_and_is_saved_in_its_dtype(tmp_path):
     """bf16 moments and no masters at DP=2 FSDP: 3 steps saving each; resumed from step 1,
     steps 2 and 3 repeat bit for bit. The checkpoint holds bf16 moments and no masters, and

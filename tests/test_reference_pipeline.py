@@ -17,6 +17,7 @@ from models.runtime import (
     synthetic_batch,
 )
 from reference.pipeline import ReferencePipeline
+from tests._world import SharedWorlds
 
 PRESETS = ("tiny-deepseek-v2", "tiny-gpt-oss", "tiny-qwen3-moe")
 LOSS_REL, GRAD_COS = 1e-6, 1e-10  # DESIGN.md: reference DualPipeV vs single-process model
@@ -28,12 +29,9 @@ def _layout_worker(plans):
     return [run_rank(plan) for plan in plans]
 
 
-def _check_against_oracle(configs, parallel, steps=1):
-    """The oracle and the reference on every rank (`harness.compare.lockstep`: lockstep, the
-    reference replaying the oracle's routing), each rank comparing the gradients it holds
-    with the oracle's same rows (`harness.compare.inplace`)."""
+def _plans(configs, parallel, steps=1):
     optimizer = OptimizerConfig()
-    plans = [
+    return [
         RankPlan(
             cfg,
             parallel,
@@ -47,7 +45,59 @@ def _check_against_oracle(configs, parallel, steps=1):
         )  # fmt: skip
         for cfg in configs
     ]
-    per_rank = launch(_layout_worker, parallel.world_size, (plans,))
+
+
+ORACLE_LAYOUTS = [(2, 1, 1), (1, 2, 2), (2, 2, 2), (1, 2, 1), (2, 2, 1)]
+"""EP = 1 with DP = 2: every expert has two replicas whose gradients must be averaged
+(`models.runtime.reduce_gradients`), a rule no optimized-vs-reference test can check."""
+PP4 = ParallelConfig(pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8, seq_len=16, seed=5)
+TRAJECTORY = dict(micro_batch_size=1, seq_len=32, seed=2)
+TRAJECTORY_LAYOUTS = {
+    "pipeline": ParallelConfig(pp=2, dp=1, ep=1, micro_batches=4, **TRAJECTORY),
+    "data": ParallelConfig(pp=1, dp=2, ep=1, micro_batches=2, **TRAJECTORY),
+}
+
+
+def _oracle_parallel(pp, dp, ep):
+    return ParallelConfig(
+        pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp, seq_len=32, seed=3
+    )
+
+
+def _pp4_configs():
+    eight = {"tiny-gpt-oss": dict(layer_types=["sliding_attention", "full_attention"] * 4)}
+    return [preset(name, num_hidden_layers=8, **eight.get(name, {})) for name in PRESETS]
+
+
+def _jobs():
+    """Every multi-rank case of this module that cannot fail on purpose, by world size:
+    one launch of two ranks and one of four serve them all (tests/_world.py)."""
+    jobs: dict[int, dict] = {2: {}, 4: {}}
+    for layout in ORACLE_LAYOUTS:
+        parallel = _oracle_parallel(*layout)
+        plans = _plans([preset(name) for name in PRESETS], parallel)
+        jobs[parallel.world_size][f"oracle-{layout}"] = (_layout_worker, (plans,))
+    jobs[4]["oracle-pp4"] = (_layout_worker, (_plans(_pp4_configs(), PP4),))
+    cfg = preset("tiny-qwen3-moe")
+    state = SeededWeights(cfg, seed=11)
+    for key, parallel in TRAJECTORY_LAYOUTS.items():
+        jobs[2][f"trajectory-{key}"] = (_trajectory_worker, (cfg, parallel, state, 3))
+    for pp in (2, 4):
+        cfg = preset("tiny-qwen3-moe", num_hidden_layers=2 * pp)
+        parallel = ParallelConfig(pp=pp, micro_batch_size=1, micro_batches=2 * pp, seq_len=16)
+        jobs[pp][f"sequential-{pp}"] = (
+            _sequential_worker, (cfg, parallel, SeededWeights(cfg, seed=4))
+        )  # fmt: skip
+    return jobs
+
+
+WORLDS = SharedWorlds(_jobs)
+
+
+def _check_against_oracle(configs, per_rank, steps=1):
+    """The oracle and the reference on every rank (`harness.compare.lockstep`: lockstep, the
+    reference replaying the oracle's routing), each rank comparing the gradients it holds
+    with the oracle's same rows (`harness.compare.inplace`)."""
     for index, cfg in enumerate(configs):
         ranks = [r[index] for r in per_rank]
         first = ranks[0]
@@ -77,28 +127,18 @@ def _check_against_oracle(configs, parallel, steps=1):
         assert len({r["steps"][0].loss["candidate"] for r in ranks}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "pp,dp,ep",
-    # EP = 1 with DP = 2: every expert has two replicas whose gradients must be averaged
-    # (`models.runtime.reduce_gradients`), a rule no optimized-vs-reference test can check.
-    [(2, 1, 1), (1, 2, 2), (2, 2, 2), (1, 2, 1), (2, 2, 1)],
-)
+@pytest.mark.parametrize("pp,dp,ep", ORACLE_LAYOUTS)
 def test_reference_matches_oracle(pp, dp, ep):
-    parallel = ParallelConfig(
-        pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp, seq_len=32, seed=3
-    )
-    _check_against_oracle([preset(name) for name in PRESETS], parallel)
+    per_rank = WORLDS.result(f"oracle-{(pp, dp, ep)}")
+    _check_against_oracle([preset(name) for name in PRESETS], per_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_reference_pp4_matches_oracle():
-    parallel = ParallelConfig(
-        pp=4, dp=1, ep=1, micro_batch_size=1, micro_batches=8, seq_len=16, seed=5
-    )
-    eight = {"tiny-gpt-oss": dict(layer_types=["sliding_attention", "full_attention"] * 4)}
-    configs = [preset(name, num_hidden_layers=8, **eight.get(name, {})) for name in PRESETS]
-    _check_against_oracle(configs, parallel)
+    _check_against_oracle(_pp4_configs(), WORLDS.result("oracle-pp4"))
 
 
 def _trajectory_worker(cfg, parallel, state, steps):
@@ -107,16 +147,13 @@ def _trajectory_worker(cfg, parallel, state, steps):
     return [pipeline.train_step(*synthetic_batch(cfg, parallel, step)) for step in range(steps)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_layout_does_not_change_the_loss_trajectory():
-    cfg = preset("tiny-qwen3-moe")
-    state = SeededWeights(cfg, seed=11)
-    common = dict(micro_batch_size=1, seq_len=32, seed=2)
-    pipeline = ParallelConfig(pp=2, dp=1, ep=1, micro_batches=4, **common)
-    data = ParallelConfig(pp=1, dp=2, ep=1, micro_batches=2, **common)
+    pipeline, data = TRAJECTORY_LAYOUTS["pipeline"], TRAJECTORY_LAYOUTS["data"]
     assert pipeline.global_batch == data.global_batch
-    a = launch(_trajectory_worker, 2, (cfg, pipeline, state, 3))[0]
-    b = launch(_trajectory_worker, 2, (cfg, data, state, 3))[0]
+    a = WORLDS.result("trajectory-pipeline")[0]
+    b = WORLDS.result("trajectory-data")[0]
     assert len(a) == 3
     for x, y in zip(a, b):
         assert abs(x - y) / abs(x) <= 1e-6, (a, b)
@@ -136,16 +173,13 @@ def _sequential_worker(cfg, parallel, state):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("pp", [2, 4])
 def test_sequential_order_gives_the_same_step(pp):
     """The float32 truth's order (`ReferenceDualPipeV.sequential`): the same loss and
     gradients as the DualPipeV order, every rank (middle ranks too at PP4)."""
-    cfg = preset("tiny-qwen3-moe", num_hidden_layers=2 * pp)
-    parallel = ParallelConfig(pp=pp, micro_batch_size=1, micro_batches=2 * pp, seq_len=16)
-    for (loss, grads), (seq_loss, seq_grads) in launch(
-        _sequential_worker, pp, (cfg, parallel, SeededWeights(cfg, seed=4))
-    ):
+    for (loss, grads), (seq_loss, seq_grads) in WORLDS.result(f"sequential-{pp}"):
         assert abs(seq_loss - loss) <= 1e-6 * abs(loss)
         assert grads.keys() == seq_grads.keys() and grads
         for name, grad in grads.items():
@@ -163,6 +197,7 @@ def _planted_failure_worker(cfg, parallel, state):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_planted_exception_ends_every_rank():
     cfg = preset("tiny-qwen3-moe")

@@ -37,6 +37,7 @@ from tests._cli import (
     small_data,
     started,
     twinpipe,
+    twinpipe_here,
 )
 
 TINY = ["--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "2",
@@ -55,6 +56,11 @@ def train(*args: str, **env: str):
     return twinpipe("train", *TINY, *args, TWINPIPE_RUNNER=REFERENCE_RUNNER, **env)
 
 
+def refused_here(*args: str, **env: str):
+    """`train` for a run that ends before any rank starts, in this process (`twinpipe_here`)."""
+    return twinpipe_here("train", *TINY, *args, TWINPIPE_RUNNER=REFERENCE_RUNNER, **env)
+
+
 def steps_recorded(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
 
@@ -67,6 +73,7 @@ def fingerprint(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
@@ -89,14 +96,14 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
 
     # Nothing to do: a finished run, and fewer --steps than the checkpoint.
     for steps in ("4", "3"):
-        again = train(*run[:-4], "--steps", steps)
+        again = refused_here(*run[:-4], "--steps", steps)
         assert again.returncode == 0, again.stderr
         assert "nothing to do" in again.stdout and "step 4 of run " + owner in again.stdout
         assert "step 0000" not in again.stdout
 
     # Another run into this folder is refused, and nothing in it changes.
     before = fingerprint(ckpt)
-    other = train(*run, "--no-resume", "--seed", "1")
+    other = refused_here(*run, "--no-resume", "--seed", "1")
     assert other.returncode == 2, other.stderr
     assert f"holds run {owner}'s checkpoints" in other.stderr and "--overwrite" in other.stderr
     # Another model, resumed from this folder or started from it, is refused by name.
@@ -132,6 +139,7 @@ def test_a_checkpoint_folder_belongs_to_one_run(tmp_path, data, capsys):
     assert sorted(p.name for p in ckpt.iterdir()) == [RUN_FILE, "step-00000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_path, data):
     """Checkpoints from before run ids (no run.json, no run id in the manifest) are
@@ -153,13 +161,14 @@ def test_a_run_never_prunes_or_restarts_over_checkpoints_it_did_not_write(tmp_pa
     for folder in ckpt.glob("step-*"):
         (folder / "trainer_state.pt").write_bytes(b"corrupt")
     before = fingerprint(ckpt)
-    corrupt = train(*run, "--steps", "6")
+    corrupt = refused_here(*run, "--steps", "6")
     assert corrupt.returncode == 2, corrupt.stderr
     assert "every checkpoint is incomplete or corrupt" in corrupt.stderr
     assert corrupt.stderr.count("skipping checkpoint") == 3  # each named, with its fault
     assert fingerprint(ckpt) == before
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_stops_every_rank_saves_and_exits_128_plus_it(
@@ -184,6 +193,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_saves_and_exits_128_plus_it(
     assert verify(ckpt / f"step-{stopped:08d}") is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_killed_by_a_signal_is_named_first(data):
     done = train("--data", data, "--dp", "2", "--steps", "3", TWINPIPE_FAULT="sigkill@1:1")
@@ -192,6 +202,7 @@ def test_a_rank_killed_by_a_signal_is_named_first(data):
     assert "rank 0 failed first" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_that_cannot_be_saved_where_asked_is_rescued(tmp_path, data):
     ckpt, temporary = tmp_path / "ckpt", tmp_path / "tmp"
@@ -205,6 +216,7 @@ def test_a_checkpoint_that_cannot_be_saved_where_asked_is_rescued(tmp_path, data
     assert ckpt.is_file()  # what the fault left where the folder was
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_compare_names_a_rank_killed_by_a_signal():
     with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
@@ -218,6 +230,7 @@ def test_compare_names_a_rank_killed_by_a_signal():
     assert "rank 0 failed first" not in err and "stopped by" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_the_compare_launcher_stops_every_rank_and_exits_143():
     with started(*COMPARE, "--dp", "2", "--steps", "400") as launcher:
@@ -230,6 +243,7 @@ def test_sigterm_to_the_compare_launcher_stops_every_rank_and_exits_143():
     assert len(ranks) == 2 and not any(alive(pid) for pid in ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_compare_report_that_cannot_be_written_where_asked_is_rescued(tmp_path):
     """Both outputs' folder is checked before the ranks start, then replaced by a file while

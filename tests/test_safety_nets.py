@@ -112,6 +112,7 @@ def _resume_worker(cfg, history_seed: int):
     return {"start": result["start"], "draws": _draws()}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_resume_restores_each_ranks_rng_state(tmp_path, monkeypatch):
     """After a resume the next torch, Python and numpy draws on every rank equal those of

@@ -218,6 +218,7 @@ def _two_rank_worker() -> dict[str, list[dict]]:
     return {mode: run_steps(mode, layout) for mode in ("dp", "zero1", "fsdp")}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_clip_and_step_as_torch_unsharded_zero1_and_fsdp():
     """Plain DP (the norm counted on one replica), ZeRO-1 slices (5 x 6 = 30 elements cut

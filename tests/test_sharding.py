@@ -106,6 +106,7 @@ def _check_sharded_like_unsharded(overrides: tuple[str, ...], runner_name: str) 
     return sharded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runner_name", [REFERENCE_RUNNER, OPTIMIZED_RUNNER])
 def test_fsdp_shards_leaf_modules_and_keeps_gradients(runner_name):
     """DP=2 EP=2: FSDP2 holds half the rows of every non-expert parameter, the output layer
@@ -114,6 +115,7 @@ def test_fsdp_shards_leaf_modules_and_keeps_gradients(runner_name):
     _check_sharded_like_unsharded(("parallel.dp=2", "parallel.ep=2"), runner_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runner_name", [REFERENCE_RUNNER, OPTIMIZED_RUNNER])
 def test_fsdp_shards_experts_over_their_replicas(runner_name):
     """DP=2 EP=1, GPT-OSS (expert biases; every layer MoE, so stage 0 has experts): the
@@ -163,6 +165,7 @@ TRAFFIC: dict[str, list[dict]] = {}
 """Each run's ``communication_bytes`` per step (the metrics file's), by run name."""
 
 
+@pytest.mark.slow
 def test_sharding_changes_no_loss_beyond_rounding_pp2(tmp_path):
     """PP=2 DP=2 EP=2, 3 steps sharded (the default at DP > 1) against unsharded: every
     step's loss and gradient norm within float32 rounding (rel <= 1e-6). DP=2 EP=2 is

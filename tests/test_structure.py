@@ -545,6 +545,7 @@ def _marks_worker(names):
     return marks
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_both_stacks_mark_the_same_schedule():
     """Every action, W included, reports itself to the observer in both stacks. The

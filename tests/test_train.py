@@ -20,6 +20,7 @@ import torch
 from models.runtime import RankFailed, launch
 from optimized.train import TrainConfig, apply_overrides, validate_config
 from optimized.train.cli import _rank_main
+from tests._cli import twinpipe_here
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_RUNNER = "reference.pipeline:ReferencePipeline"
@@ -44,6 +45,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     return launch(_rank_main, cfg.parallel.world_size, (cfg,))
 
 
+@pytest.mark.slow
 def test_loss_falls_over_50_steps(tmp_path):
     cfg = config("steps=50", "optim.warmup_steps=5", f"logging.metrics_file={tmp_path / 'm.jsonl'}")
     losses = train(cfg)[0]["losses"]
@@ -61,16 +63,15 @@ BIAS_ON = ("moe.expert_bias=true", "moe.expert_bias_rate=0.01", "moe.aux_loss=se
 """Balancing on: the expert bias (training state a resume must restore) and a loss."""
 
 
-@pytest.mark.parametrize(
-    ("ep", "moe"), [(2, ()), (1, ()), (2, BIAS_ON)], ids=["ep2", "ep1", "ep2-expert-bias"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize(("ep", "moe"), [(1, ()), (2, BIAS_ON)], ids=["ep1", "ep2-expert-bias"])
 def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
     """2 steps, SIGTERM (checkpoint), resume to 4 == 4 uninterrupted steps, bit for bit,
     with parameters, gradients and optimizer state sharded by FSDP2 over DP (experts over
     EP; at EP=1 over their 2 replicas by FSDP2 too); and the same losses and gradient
-    norms as unsharded, up to float32 rounding. With the expert bias on, every router's
-    bias after the resumed run equals the uninterrupted run's, bit for bit (both saved
-    at step 4)."""
+    norms as unsharded, up to float32 rounding. With the expert bias on (EP=2: the case
+    that was plain ``ep2`` before holds here, the bias on), every router's bias after the
+    resumed run equals the uninterrupted run's, bit for bit (both saved at step 4)."""
     common = ("steps=4", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true", *moe)
     kept = [f"checkpoint.dir={tmp_path / 'whole'}"] if moe else []
     whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}", *kept))
@@ -90,7 +91,6 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
     assert first["losses"] + second["losses"] == whole
     if moe:
         _assert_same_biases(tmp_path / "whole" / "step-00000004", folder / "step-00000004")
-        return
     # Sharding changes no loss and no gradient norm beyond float32 rounding. FSDP2 sums each
     # micro-batch's reduced gradient, unsharded runs reduce the summed ones: the first step
     # differs by that rounding only (rel <= 1e-6). AdamW then amplifies it where a gradient
@@ -99,7 +99,8 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
     # expert choices, replayed: no routing swap), so later steps are held to DESIGN.md's
     # float32 loss bound, 1e-5.
     metrics = tmp_path / "plain.jsonl"
-    plain = train(config(*common[:-1], "parallel.fsdp=false", f"logging.metrics_file={metrics}"))
+    plain = train(config(*common[:3], "parallel.fsdp=false", *moe,
+                         f"logging.metrics_file={metrics}"))  # fmt: skip
     plain_norms = [json.loads(x)["gradient_norm"] for x in metrics.read_text().splitlines()]
     pairs = zip(whole + norms, plain[0]["losses"] + plain_norms, strict=True)
     for index, (a, b) in enumerate(pairs):
@@ -120,6 +121,17 @@ def _assert_same_biases(a: Path, b: Path) -> None:
         assert torch.equal(biases[0], biases[1]) and biases[0].abs().max() > 0, (name, biases)
 
 
+_ONE_RANK: dict = {}
+
+
+def _one_rank_losses() -> list[float]:
+    """Three steps of the global batch on one rank (both layout-changing resumes' truth)."""
+    if not _ONE_RANK:
+        _ONE_RANK["losses"] = train(config("data.micro_batches=8", "steps=3"))[0]["losses"]
+    return _ONE_RANK["losses"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [(2, 4), (1, 2)], ids=["ep2-ep4", "ep1-ep2"])
 def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
     """Saved at PP=2 DP=2 EP=2, resumed at PP=1 DP=4 EP=4 (and EP=1 then EP=2, where
@@ -127,7 +139,7 @@ def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
     the same losses, up to rounding, as one rank running all three steps."""
     before = ("parallel.pp=2", "parallel.dp=2", f"parallel.ep={ep[0]}", "data.micro_batches=4")
     after = ("parallel.pp=1", "parallel.dp=4", f"parallel.ep={ep[1]}", "data.micro_batches=2")
-    whole = train(config("data.micro_batches=8", "steps=3"))[0]["losses"]
+    whole = _one_rank_losses()
     monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
     saved = train(config(*before, "steps=3", f"checkpoint.dir={tmp_path}"))[0]
     assert saved["stopped_at"] == 1
@@ -139,12 +151,14 @@ def test_resume_at_another_layout(tmp_path, monkeypatch, ep):
         assert abs(a - b) <= 1e-5 * abs(b), (got, whole)
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stops_naming_step_and_rank(monkeypatch):
     monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
     with pytest.raises(RankFailed, match=r"non-finite gradient norm at step 2.*rank\(s\) \[1\]"):
         train(config("parallel.dp=2", "steps=3"))
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_the_step(monkeypatch):
     monkeypatch.setenv("TWINPIPE_FAULT", "nan-grad@1:1")
     losses = train(config("parallel.dp=2", "steps=3", "optim.skip_nonfinite=true"))[0]["losses"]
@@ -160,25 +174,23 @@ imports Triton in the mode it finds before reading its config (this process's ow
 GPU machine: compiled), so both are set for it."""
 
 
-def _cli(*args: str, timeout: float = HANG_GUARD_S, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness.cli", "train", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "TWINPIPE_RUNNER": REFERENCE_RUNNER, **env},
-    )  # fmt: skip
+@pytest.mark.slow
+def test_crashed_rank_ends_every_rank_with_its_error(capsys, monkeypatch):
+    """The command's `main` in this process, launching its two ranks (the real command's
+    exit 3 on a crashed rank is held by tests/test_reliability_runs.py and
+    tests/test_train_nonfinite.py, and torchrun's by the next test)."""
+    from harness.cli import main
 
-
-def test_crashed_rank_ends_every_rank_with_its_error():
     # A rank that never learned of the crash would block in gloo until the hang guard.
-    done = _cli(
-        "--model", "tiny-deepseek-v2", "--seq-len", "16", "--micro-batch-size", "1",
-        "--micro-batches", "2", "--dp", "2", "--steps", "50", "--nproc", "2",
-        TWINPIPE_FAULT="crash@1:1",
-    )  # fmt: skip
-    assert done.returncode == 3  # a crash (#19): never 1, which means "outside tolerance"
-    assert "rank 1 crashed at step 2" in done.stderr
+    monkeypatch.setenv("TWINPIPE_FAULT", "crash@1:1")
+    code = main(["train", "--model", "tiny-deepseek-v2", "--seq-len", "16",
+                 "--micro-batch-size", "1", "--micro-batches", "2", "--dp", "2", "--steps",
+                 "50", "--nproc", "2"])  # fmt: skip
+    assert code == 3  # a crash (#19): never 1, which means "outside tolerance"
+    assert "rank 1 crashed at step 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
     """Under torchrun the same fault ends the job: the peer blocked in a gloo collective
     sees the closed connection and raises, and torchrun names the crashed rank as the root
@@ -208,20 +220,23 @@ def test_crashed_rank_under_torchrun_ends_every_rank_with_its_error():
     ],
 )
 def test_bad_config_is_an_error_naming_the_key(args, named):
-    done = _cli(*args, "--print-config")
+    """In this process (the command's own code, no interpreter to start: the subprocess
+    path is held by the crash tests below and tests/test_binary_inputs.py)."""
+    done = twinpipe_here("train", *args, "--print-config")
     assert done.returncode == 2 and named in done.stderr
 
 
 def test_print_config_shows_the_resolved_config(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("steps = 17\n[optim]\nlr = 0.002\n")
-    done = _cli("--config", str(toml), "--set", "parallel.dp=2", "--seq-len", "24",
-                "--print-config")  # fmt: skip
+    done = twinpipe_here("train", "--config", str(toml), "--set", "parallel.dp=2",
+                         "--seq-len", "24", "--print-config")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "steps = 17" in done.stdout and "lr = 0.002" in done.stdout
     assert "dp = 2" in done.stdout and "seq_len = 24" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_trainer_drives_the_optimized_pipeline(monkeypatch):
     """The production seam (`RUNNER`) runs the optimized stack: same losses as the
     reference runner within the optimized-vs-reference tolerance."""

@@ -25,7 +25,7 @@ from optimized.train.export import export_checkpoint
 from optimized.train.metrics import LoggedScalars
 from optimized.train.objective import with_moe
 from optimized.train.preflight import plan_run
-from tests.test_train import _cli, _reference_runner, config  # noqa: F401 - fixture
+from tests.test_train import _reference_runner, config  # noqa: F401 - fixture
 
 BIAS = "e_score_correction_bias"
 
@@ -91,20 +91,38 @@ def test_the_section_is_set_on_the_model_and_checked_against_it():
         with_moe(moe("moe.expert_bias=off"), preset("tiny-deepseek-v3"))
 
 
-def test_a_bad_moe_choice_exits_2_before_any_rank_starts():
-    done = _cli("--model", "tiny-qwen3-moe", "--aux-loss", "layer", "--steps", "1",
-                "--nproc", "1")  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "moe.aux_loss = 'layer' is invalid without a coefficient" in done.stderr
-    assert "step 00000001" not in done.stdout
+def _train_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``twinpipe train ARGS`` in this process (the command's own code; tests/test_train.py
+    runs it as a subprocess): its exit code, stdout and stderr."""
+    from harness.cli import main  # noqa: PLC0415
+
+    capsys.readouterr()
+    try:
+        code = main(["train", *args])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_help_and_print_config_show_the_section():
-    done = _cli("--set", "moe.expert_bias=true", "--print-config")
-    assert done.returncode == 0, done.stderr
-    assert "[moe]" in done.stdout and "expert_bias = true" in done.stdout
-    assert "# aux_loss_coef = (unset)" in done.stdout
-    shown = _cli("--help").stdout
+def test_a_bad_moe_choice_exits_2_before_any_rank_starts(capsys, monkeypatch):
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr("models.runtime.launch", no_rank)
+    code, out, err = _train_main(capsys, "--model", "tiny-qwen3-moe", "--aux-loss", "layer",
+                                 "--steps", "1", "--nproc", "1")  # fmt: skip
+    assert code == 2, err
+    assert "moe.aux_loss = 'layer' is invalid without a coefficient" in err
+    assert "step 00000001" not in out
+
+
+def test_help_and_print_config_show_the_section(capsys):
+    code, out, err = _train_main(capsys, "--set", "moe.expert_bias=true", "--print-config")
+    assert code == 0, err
+    assert "[moe]" in out and "expert_bias = true" in out
+    assert "# aux_loss_coef = (unset)" in out
+    _, shown, _ = _train_main(capsys, "--help")
     assert "--expert-bias-rate" in shown and "[moe.expert_bias_rate; default: unset]" in shown
 
 
@@ -233,6 +251,7 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pooled_loss_z_loss_and_bias_at_pp2_dp2(tmp_path):
     """tiny Qwen3-MoE, PP=2 DP=2 EP=2, the pooled loss, the router z-loss and the bias, 2
@@ -280,6 +299,7 @@ def test_pooled_loss_z_loss_and_bias_at_pp2_dp2(tmp_path):
     assert not [name for name in index["weight_map"] if BIAS in name]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sequence_loss_at_pp2_dp2_and_a_skipped_step_moves_no_bias(tmp_path, monkeypatch):
     """tiny DeepSeek-V2, PP=2 DP=2, DeepSeek's sequence loss and the bias, 3 steps, the
@@ -306,6 +326,7 @@ def test_sequence_loss_at_pp2_dp2_and_a_skipped_step_moves_no_bias(tmp_path, mon
     assert steps == [1, 2, 3] and layers == [1, 2, 3] and len(load[0]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_training_checkpoint_without_a_bias_starts_it_at_zero(tmp_path):
     """A checkpoint of a run without the bias, resumed (or ``init_from``) with it on: the
@@ -326,6 +347,7 @@ def test_a_training_checkpoint_without_a_bias_starts_it_at_zero(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_deepseek_v3_trains_on_its_own_bias_and_exports_it_in_float32(tmp_path):
     """tiny DeepSeek-V3 with the ``[moe]`` section left alone routes on its native bias and

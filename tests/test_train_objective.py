@@ -64,6 +64,7 @@ def float64_objective(cfg: TrainConfig) -> tuple[float, float]:
     return float((rows + z_loss).sum() / count), float(z_loss.sum() / count)
 
 
+@pytest.mark.slow
 def test_first_step_objective_matches_float64(tmp_path, monkeypatch):
     monkeypatch.delenv("TWINPIPE_RUNNER", raising=False)  # the optimized stack
     cfg = config(f"logging.metrics_file={tmp_path / 'metrics.jsonl'}")
@@ -77,6 +78,7 @@ def test_first_step_objective_matches_float64(tmp_path, monkeypatch):
     assert abs(losses[0] - plain) > 1e-3 * plain  # the options changed the objective
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_options_through_the_cli_at_two_ranks(tmp_path):
     """`twinpipe train --z-loss --label-smoothing` at PP=2 logs and records the objective of

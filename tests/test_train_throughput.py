@@ -29,6 +29,7 @@ def config(*overrides: str) -> TrainConfig:
     return validate_config(apply_overrides(TrainConfig(), base + list(overrides)))
 
 
+@pytest.mark.slow
 def test_profile_and_throughput_of_a_real_run(tmp_path):
     profile, metrics = tmp_path / "profile", tmp_path / "m.jsonl"
     cfg = config("parallel.dp=2", f"logging.profile_dir={profile}",

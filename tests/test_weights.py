@@ -150,6 +150,7 @@ def _sharded_build_worker(cases):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fsdp_on_meta_reads_exactly_the_planned_rows():
     """FSDP2 applied to the meta part (DP=2; EP=1, experts over 2 replicas, and EP=2):
