@@ -11,6 +11,7 @@
   passes in;
 - `gradient_sync`: when FSDP2 reduces gradients and reshards parameters within a step
   (once per unit, at the last backward or W step the schedule gives its chunk);
+- `mtp_stage`: DeepSeek-V3's multi-token prediction at the loss stage;
 - `runner`: `OptimizedPipeline`, the stack's runner as the harness and trainer drive it.
 
 May import `models`, `optimized.ops` and `optimized.estimator`; never `optimized.train`,
