@@ -9,7 +9,8 @@ import pytest
 
 from models.hf import config_from_hf, config_to_hf
 from models.network import preset
-from optimized.train.config import TrainConfig, coef_steps, mtp_coef_at, validate_config
+from optimized.train.config import TrainConfig, validate_config
+from optimized.train.mtp_coef import coef_steps, mtp_coef_at
 from optimized.train.objective import with_mtp
 from tests._cli import twinpipe
 from tests.test_deepseek_v3 import DEEPSEEK_V3, MOONLIGHT

@@ -28,7 +28,7 @@ Patch = Iterator[tuple[Any, str, Any]]
 
 
 def _stage() -> Any:
-    from optimized.pipeline.mtp_stage import MtpStage  # noqa: PLC0415
+    from optimized.pipeline import MtpStage  # noqa: PLC0415
 
     return MtpStage
 

@@ -26,6 +26,7 @@ from optimized.pipeline.execution import (
     free_storage,
     start_exchange,
 )
+from optimized.pipeline.mtp_stage import MtpStage
 from optimized.pipeline.partition import (
     choose_partition,
     even_partition,
@@ -38,6 +39,7 @@ from optimized.pipeline.runner import OptimizedPipeline, default_partition
 from optimized.pipeline.sharding import ShardedOptimizedPipeline, apply_fsdp, held_rows
 
 __all__ = [
+    "MtpStage",
     "STAGES",
     "Exchange",
     "ExecutionContext",

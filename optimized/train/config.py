@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from optimized.train.mtp_coef import MtpSection, check_mtp
+
+SECTION_FILES = (Path(__file__), Path(__file__).with_name("mtp_coef.py"))
+
 DTYPES = ("float32", "bfloat16")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
 """``optim.state_dtype`` values (`optimized.train.optimizer.STATE_DTYPES`)."""
@@ -172,22 +176,6 @@ class MoeSection:
 
 
 @dataclass(slots=True)
-class MtpSection:
-    """Multi-token prediction (DeepSeek-V3's MTP module, `models.network.mtp`); applied to
-    the model's config before anything is built (`optimized.train.objective.with_mtp`)."""
-
-    layers: int | None = field(default=None, metadata={"flag": "mtp-layers"})
-    """MTP depth D: one extra decoder layer per depth, depth k predicting the token k + 1
-    ahead; 0 trains none. Unset: the model's own (a DeepSeek-V3 config.json's
-    num_nextn_predict_layers)."""
-    loss_coef: float = field(default=0.1, metadata={"flag": "mtp-loss-coef"})
-    """lambda in ``loss + lambda / D * sum_k loss_k`` (Megatron's default 0.1)."""
-    loss_coef_steps: str | None = field(default=None, metadata={"flag": "mtp-loss-coef-steps"})
-    """Changes of loss_coef during the run: ``STEP:VALUE,...``, steps (1-based) in increasing
-    order, each value holding from its step on (DeepSeek-V3: 0.3 then 0.1); unset: none."""
-
-
-@dataclass(slots=True)
 class CheckpointSection:
     """Where and how often training state is saved."""
 
@@ -278,10 +266,10 @@ class ConfigField(NamedTuple):
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
-    """``(class name, field name) -> docstring`` read from this module's source."""
-    tree = ast.parse(Path(__file__).read_text())
+    """``(class name, field name) -> docstring`` read from this module's source (and the
+    ``[mtp]`` section's, `optimized.train.mtp_coef`)."""
     docs = {}
-    for node in tree.body:
+    for node in [n for f in SECTION_FILES for n in ast.parse(f.read_text()).body]:
         if not isinstance(node, ast.ClassDef):
             continue
         for before, after in zip(node.body, node.body[1:]):
@@ -443,16 +431,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     check(rate is None or (finite(rate) and rate >= 0), "moe.expert_bias_rate",
           "must be a finite number >= 0 (0 keeps the bias fixed; moe.expert_bias = off "
           "turns it off), or unset for the model's own")  # fmt: skip
-    mtp = cfg.mtp
-    check(mtp.layers is None or (isinstance(mtp.layers, int) and mtp.layers >= 0),
-          "mtp.layers", "must be an integer >= 0 (the MTP depth D), or unset")  # fmt: skip
-    check(finite(mtp.loss_coef) and mtp.loss_coef >= 0, "mtp.loss_coef",
-          "must be a finite number >= 0")  # fmt: skip
-    if mtp.loss_coef_steps is not None:
-        try:
-            coef_steps(mtp.loss_coef_steps)
-        except ValueError as error:
-            check(False, "mtp.loss_coef_steps", str(error))
+    check_mtp(cfg.mtp, check)
 
     check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0: at the end)")
     check(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0: keep all)")
@@ -476,40 +455,6 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 
 
 # --------------------------------------------------------------------------- schedule
-
-
-def coef_steps(text: str) -> list[tuple[int, float]]:
-    """``mtp.loss_coef_steps`` (``STEP:VALUE,...``) as ``[(step, value)]``; `ValueError`
-    saying what is valid when an entry is malformed, a value negative or not finite, or the
-    steps not strictly increasing."""
-    out: list[tuple[int, float]] = []
-    for entry in text.split(","):
-        step, sep, value = entry.strip().partition(":")
-        try:
-            parsed = (int(step), float(value))
-        except ValueError:
-            parsed = None
-        if not sep or parsed is None or parsed[0] < 1:
-            raise ValueError(f"entry {entry.strip()!r} must be STEP:VALUE with a step >= 1")
-        if not (math.isfinite(parsed[1]) and parsed[1] >= 0):
-            raise ValueError(f"entry {entry.strip()!r}: the value must be a finite number >= 0")
-        if out and parsed[0] <= out[-1][0]:
-            raise ValueError(
-                f"steps must increase: {parsed[0]} comes after {out[-1][0]} (STEP:VALUE,... "
-                "in order)"
-            )
-        out.append(parsed)
-    return out
-
-
-def mtp_coef_at(step: int, cfg: TrainConfig) -> float:
-    """The MTP loss weight of 1-based ``step``: ``mtp.loss_coef`` until the first change of
-    ``mtp.loss_coef_steps``, then each change's value from its step on."""
-    coef = cfg.mtp.loss_coef
-    for start, value in coef_steps(cfg.mtp.loss_coef_steps) if cfg.mtp.loss_coef_steps else ():
-        if step >= start:
-            coef = value
-    return coef
 
 
 def warmup_of(cfg: TrainConfig) -> int:
