@@ -79,6 +79,7 @@ from optimized.train.metrics import (
     slowest_rank,
     step_traffic,
 )
+from optimized.train.mtp_coef import mtp_coef_at
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
@@ -199,6 +200,7 @@ def train(
         TokenDataset(data_dir, cfg.data.seq_len), cfg.data.micro_batches,
         cfg.data.micro_batch_size, layout.dp_rank, layout.dp, cfg.seed, cfg.data.shuffle,
     )  # fmt: skip
+    runner.eod_id = loader.dataset.eod_id  # MTP targets never cross a document's end
 
     start = _resume(resume, optimizer, loader, layout)
     peaks.end("load")
@@ -226,6 +228,7 @@ def train(
             counter.start()
             ids, labels = global_batch(*to_device(next(loader)), layout)
             faults.before_step(fault, step, layout.rank, cfg.checkpoint.dir)
+            runner.mtp_coef = mtp_coef_at(step + 1, cfg)  # the MTP weight's schedule
             with faults.mid_step(fault, step, layout.rank, runner.part):
                 if fsdp:
                     loss = sharding.forward_backward_on_device(
@@ -240,9 +243,12 @@ def train(
                 with counter.paused():  # logged only: not the step's traffic
                     z_loss = mean_z_loss(runner.schedule, layout)
             load = expert_load.gather(runner.balance) if expert_load else None
+            with counter.paused():  # logged only
+                mtp = runner.mtp_values()  # [2, D]: each depth's loss and accuracy
             # The step's one read of the device's values (the skip needs them before the
-            # update): loss, gradient norm, z-loss and the expert load, one copy.
-            loss, norm, z_loss, load = scalars.read(loss, norm_on_device, z_loss, load)
+            # update): loss, gradient norm, z-loss, the expert load and the MTP's, one copy.
+            loss, norm, z_loss, load, mtp = scalars.read(loss, norm_on_device, z_loss, load, mtp)
+            depths = model_config.num_mtp_layers
             lr = lr_at(step, cfg)
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if skipped:
@@ -276,6 +282,8 @@ def train(
                     int(state_bytes),
                     **throughput.figures(tokens_per_step / max(slowest, 1e-9)),
                     **(expert_load.figures(load) if expert_load else {}),
+                    mtp_loss=mtp[:depths] if mtp else None,
+                    mtp_accuracy=mtp[depths:] if mtp else None,
                 )
             )
             profiler.end(step + 1)
