@@ -97,3 +97,15 @@ def test_train_exits_2_naming_the_key():
     result = twinpipe("train", "--model", "tiny-deepseek-v3", "--mtp-loss-coef-steps",
                      "10:0.3,5:0.1", "--steps", "1")  # fmt: skip
     assert result.returncode == 2 and "mtp.loss_coef_steps" in result.stderr
+
+
+def test_the_estimator_counts_the_mtp_layers():
+    """FLOPs (MFU's numerator): per depth a decoder layer, eh_proj and one more head."""
+    from optimized.estimator.flops import layer_flops, training_flops  # noqa: PLC0415
+
+    plain, mtp = preset("tiny-deepseek-v3"), preset("tiny-deepseek-v3", num_mtp_layers=2)
+    h, v, n = plain.hidden_size, plain.vocab_size, plain.num_hidden_layers
+    layers = sum(layer_flops(mtp, n + k, 32).total for k in range(2))
+    extra = layers + 2 * (2 * 2 * h * h + 2 * h * v)
+    more = training_flops(mtp, 32).model - training_flops(plain, 32).model
+    assert math.isclose(more, 3 * extra)
