@@ -69,7 +69,7 @@ def _oracle(case: str, layers: int, parallel: ParallelConfig) -> list[dict]:
 
 def _worker(runs, oracles):
     out = []
-    for ((case, layers, parallel), trajectory) in zip(runs, oracles, strict=True):
+    for (case, layers, parallel), trajectory in zip(runs, oracles, strict=True):
         if parallel.world_size != torch.distributed.get_world_size():
             continue
         layout = make_layout(parallel)
