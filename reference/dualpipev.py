@@ -37,7 +37,7 @@ from collections import deque
 
 import torch
 
-from models.network import StepBalance
+from models.network import MtpStep, StepBalance, mtp_loss
 from models.runtime import (
     BACKWARD,
     FORWARD,
@@ -71,6 +71,8 @@ class ReferenceDualPipeV:
         (`models.runtime.p2p`)."""
         self.balance: StepBalance | None = None
         """The last training step's routing controls (load, balancing losses)."""
+        self.mtp: MtpStep | None = None
+        """What the next step's MTP loss needs (set by the runner; None: no MTP)."""
 
     defers_weight_gradients = False
     """A backward computes its weight gradients at once; the W steps complete nothing."""
@@ -174,6 +176,12 @@ class ReferenceDualPipeV:
             loss = self.part.loss_sum(hidden, labels) / self.token_count
             self.loss = self.loss + loss.detach()
             output = loss
+            if self.mtp is not None and balance is not None:  # training: after the main loss
+                normed = self.part.model.norm(hidden)
+                mtp = mtp_loss(self.part, normed, input_ids, labels, self.mtp, balance)
+                output = loss + mtp.objective
+                self.mtp_losses += mtp.losses
+                self.mtp_correct += mtp.correct
             if balance is not None:
                 balance.close(input_ids.numel())
         else:
@@ -286,6 +294,9 @@ class ReferenceDualPipeV:
                 self.part.config, self.num_micro_batches, self.layout, self.device
             )
         self.pooled = self.training and self.balance.balancing.pooled
+        depths = self.part.config.num_mtp_layers
+        self.mtp_losses = torch.zeros(depths, dtype=torch.float32, device=self.device)
+        self.mtp_correct = torch.zeros(depths, dtype=torch.long, device=self.device)
         self.stats_shape = (2, self.part.config.num_experts)
 
     def _end(self) -> torch.Tensor:

@@ -98,6 +98,12 @@ class Oracle:
         """The last step's load-balancing loss and z-loss."""
         self.load: torch.Tensor | None = None
         """The last step's copies per expert of every MoE layer, ``[layers, E]``."""
+        self.eod_id: int | None = None
+        """The data's end-of-document token (MTP targets never cross it)."""
+        self.mtp_coef: float | None = None
+        """This step's MTP loss weight; None: the model's ``mtp_loss_coef``."""
+        self.mtp: torch.Tensor | None = None
+        """The last step's MTP figures, ``[2, D]``: each depth's loss and top-1 accuracy."""
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -107,14 +113,58 @@ class Oracle:
             hidden = layer(hidden, self.model.ops, recorder)
         count = (labels != IGNORE_INDEX).sum().clamp(min=1)
         loss = self.model.loss_sum(hidden, labels) / count
+        mtp = self._mtp(hidden, ids, labels, recorder)
         aux, z = self._balancing(recorder.records, ids.shape[0])
-        (loss + aux + z).backward()
+        (loss + mtp + aux + z).backward()
         self.values = torch.stack([aux.detach(), z.detach()]).float()
         self.load = self._load(recorder.records)
         for param in self.model.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         return float(loss.detach())
+
+    def _mtp(self, hidden, ids, labels, recorder) -> torch.Tensor:
+        """DeepSeek-V3's MTP objective ``(lambda / D) sum_k L_k``, from its report's
+        equations position by position (`models.network.mtp` says which conventions)."""
+        model, depths = self.model, self.config.num_mtp_layers
+        if not depths:
+            return torch.zeros((), device=hidden.device)
+        lam = self.config.mtp_loss_coef if self.mtp_coef is None else self.mtp_coef
+        batch, seq = ids.shape
+        h = model.model.norm(hidden)  # h^0: the main model's final state, after its norm
+        objective, figures = 0.0, []
+        for k, layer in enumerate(model.mtp_layers, start=1):
+            # Emb(t_{i+k}) at position i; no token past the end (0 there: never labelled).
+            ahead = [[int(ids[b, i + k]) if i + k < seq else 0 for i in range(seq)]
+                     for b in range(batch)]  # fmt: skip
+            emb = model.embed(torch.tensor(ahead, device=ids.device))
+            h_in = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
+            h = layer.shared_head.norm(layer(h_in, model.ops, recorder))
+            logits = model.lm_head(h).reshape(batch * seq, -1)
+            # Target t_{i+k+1} = labels[i+k], kept when t_{i+1}..t_{i+k} are labelled tokens
+            # of one document.
+            target = []
+            for b in range(batch):
+                for i in range(seq):
+                    between = [int(labels[b, i + j]) for j in range(k) if i + j < seq]
+                    kept = i + k < seq and all(
+                        t != IGNORE_INDEX and t != self.eod_id for t in between
+                    )
+                    target.append(int(labels[b, i + k]) if kept else IGNORE_INDEX)
+            target = torch.tensor(target, device=ids.device)
+            valid = target != IGNORE_INDEX
+            count = valid.sum().clamp(min=1)
+            # In float32, as the main loss (`reference.ops.ReferenceOps.cross_entropy`).
+            ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX,
+                                 reduction="sum") / count  # fmt: skip
+            objective = objective + lam / depths * ce
+            accuracy = ((logits.argmax(-1) == target) & valid).sum() / count
+            figures.append(torch.stack([ce.detach().float(), accuracy.float()]))
+        self.mtp = torch.stack(figures, dim=1)
+        return objective
+
+    def mtp_values(self) -> torch.Tensor | None:
+        return self.mtp
 
     def _balancing(self, records: list[RouterRecord], batch: int) -> tuple[torch.Tensor, ...]:
         """The mean over micro-batches of each one's load-balancing loss and z-loss."""

@@ -201,7 +201,7 @@ def test_our_config_json_round_trips():
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"num_nextn_predict_layers": 1}, r"num_nextn_predict_layers = 1 .*set it to 0"),
+        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers = -1 .*integer >= 0"),
         ({"scoring_func": "softmax"}, r"scoring_func = 'softmax'.*'sigmoid'"),
         ({"topk_method": "greedy"}, r"topk_method = 'greedy'.*'noaux_tc'"),
         ({"moe_layer_freq": 2}, r"moe_layer_freq = 2"),

@@ -24,11 +24,13 @@
 - `tolerances`: DESIGN.md's fixed bounds, and a whole-tensor comparison for one process;
 - `verdict`: the report from the ranks' records;
 - `balancing`: each stack's balancing losses, load and expert biases, read on a rank and
-  judged in the report;
+  judged in the report; `mtp`: each stack's multi-token-prediction losses, judged beside
+  the loss;
 - `estimates`: the memory estimator's figures beside each measured peak;
 - `communication`: the report's communication section, measured beside predicted;
 - `planted`: known bugs to plant in the optimized stack, to see the verdict catch them;
-  `planted_balancing`: the routing controls' bugs peers shipped;
+  `planted_balancing`: the routing controls' bugs peers shipped; `planted_mtp`: the
+  multi-token prediction's;
 - `bisect`: the first layer, stage and tensor where two stacks part, in one rank process.
 
 May import `harness.memory`, `harness.report`, `models`, `optimized` and `reference`;

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from harness.compare.mtp import stack_mtp
 from models.runtime import moe_routers
 
 JUDGED_ROUTING = ("pinned", "balanced")
@@ -58,6 +59,7 @@ def stack_balance(side: Any) -> dict[str, Any]:
         "values": [float(v) for v in values],
         "load": dict(zip(layers, rows)),
         "bias": {layer: bias.tolist() for layer, bias in _biases(side).items()},
+        "mtp": stack_mtp(side),  # judged beside the loss (`harness.compare.mtp`)
     }
 
 

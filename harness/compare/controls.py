@@ -3,7 +3,8 @@
 The flags are the trainer's ``[moe]`` names (`models.network.Balancing`): ``--aux-loss``
 (``auto``: what the model's config asks; ``none``; or a form of
 `models.network.balancing.AUX_FORMS`), ``--aux-loss-coef``, ``--z-loss-coef``,
-``--expert-bias`` and ``--expert-bias-rate``. They are applied to the `ModelConfig` before
+``--expert-bias`` and ``--expert-bias-rate``; and multi-token prediction's ``--mtp-layers``
+and ``--mtp-loss-coef`` (the ``[mtp]`` section). They are applied to the `ModelConfig` before
 any rank starts (`with_controls`), so both stacks and the oracle train with the same
 objective, and a bad value exits 2 naming its flag. A flag that would change nothing is
 refused too: a coefficient for a loss that is off, a rate for a bias that is off.
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--expert-bias-rate", type=float, help="how far a step moves the bias (default 1e-3)"
     )
+    group.add_argument(
+        "--mtp-layers", type=int, help="multi-token prediction's depth D (default: the config's)"
+    )
+    group.add_argument(
+        "--mtp-loss-coef", type=float, help="the MTP losses' weight lambda (default 0.1)"
+    )
 
 
 def with_controls(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
@@ -59,7 +66,19 @@ def with_controls(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
         value = getattr(args, field.removeprefix("router_"))
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{FLAGS[field]}={value!r} is invalid: expected a finite float >= 0")
+    if args.mtp_layers is not None and args.mtp_layers < 0:
+        raise ValueError(f"--mtp-layers={args.mtp_layers!r} is invalid: expected an integer >= 0")
+    if args.mtp_loss_coef is not None and not (
+        math.isfinite(args.mtp_loss_coef) and args.mtp_loss_coef >= 0
+    ):
+        raise ValueError(
+            f"--mtp-loss-coef={args.mtp_loss_coef!r} is invalid: expected a finite float >= 0"
+        )
     changes = {"aux_loss": args.aux_loss}
+    if args.mtp_layers is not None:
+        changes["num_mtp_layers"] = args.mtp_layers
+    if args.mtp_loss_coef is not None:
+        changes["mtp_loss_coef"] = args.mtp_loss_coef
     if args.aux_loss_coef is not None:
         changes["aux_loss_coef"] = args.aux_loss_coef
     if args.z_loss_coef is not None:

@@ -31,7 +31,10 @@ on the tiny presets and docs/compare.md gives the commands at real widths.
 - the routing controls' bugs peers shipped (`harness.compare.planted_balancing`): the expert
   bias moved every micro-batch, from counts not summed over DP or kept in bfloat16, on no
   rank whose first chunk is dense, or by a forward-only pass; the aux-loss gradient scaled
-  by 1/M twice or by the DP size.
+  by 1/M twice or by the DP size;
+- multi-token prediction's bugs (`harness.compare.planted_mtp`): the depth one short, the
+  concatenation swapped, the embedding's gradient kept out, the loss not divided by D,
+  the targets wrapped around.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 
 from harness.compare.planted_balancing import BALANCING_PATCHES, BALANCING_PLANTS
+from harness.compare.planted_mtp import MTP_PATCHES, MTP_PLANTS
 
 PLANTS = (
     "activation-round-to-zero",
@@ -54,6 +58,7 @@ PLANTS = (
     "group-score-from-max",
     "nan-to-zero-store",
     *BALANCING_PLANTS,
+    *MTP_PLANTS,
 )
 
 
@@ -237,6 +242,7 @@ def planted(name: str | None) -> Iterator[None]:
         "group-score-from-max": _group_score_from_max,
         "nan-to-zero-store": lambda: _nan_to_zero_store(ReferenceOps, OptimizedOps),
         **BALANCING_PATCHES,
+        **MTP_PATCHES,
     }
     if name not in patches:
         raise ValueError(f"unknown planted bug {name!r}; expected one of {PLANTS}")

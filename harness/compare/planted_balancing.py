@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.compare.planted_mtp import MTP_PLANTS
+from harness.compare.planted_mtp import plant_problem as mtp_plant_problem
 from models.network import MicroBatchBalance, ModelConfig, expert_bias_update
 from models.runtime import (
     ParallelConfig,
@@ -219,6 +221,8 @@ def plant_problem(
     """Why plant ``name`` could not show at these settings (None: it can, or it is no
     balancing plant). ``stages``: the layers per stage both stacks run (None: the optimized
     stack's own choice)."""
+    if name in MTP_PLANTS:
+        return mtp_plant_problem(name, model)
     if name not in BALANCING_PLANTS:
         return None
     controls = model.balancing()

@@ -31,6 +31,7 @@ from harness.compare import noise_floor
 from harness.compare.balancing import balancing_section
 from harness.compare.estimates import add_estimates
 from harness.compare.inplace import compare_sums, group_of
+from harness.compare.mtp import mtp_section
 from harness.compare.tolerances import tolerance
 from harness.report import git_commit, machine_line
 
@@ -215,6 +216,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
             problems += [f"evaluation: {p}" for p in eval_routing["problems"]]
     balancing, balancing_problems = balancing_section(plan, per_rank, judged, tol["loss_rel"])
     problems += balancing_problems
+    mtp, mtp_problems = mtp_section(plan, per_rank[0]["steps"], judged, tol["loss_rel"])
+    problems += mtp_problems
     report: dict[str, Any] = {
         "passed": not problems,
         "problems": problems,
@@ -265,6 +268,8 @@ def build_report(plan, per_rank: list[dict], label: str | None = None) -> dict:
     }
     if balancing is not None:
         report["balancing"] = balancing
+    if mtp is not None:
+        report["mtp"] = mtp
     if per_rank[0].get("device"):  # rank 0's (`harness.compare.arithmetic`); all ranks alike
         report["device"] = per_rank[0]["device"]
     if floor:

@@ -57,6 +57,14 @@ timing) and every reader here copes with its absence.
                  "range": [[[min, max], ...], ...],      # [steps][layers], the baseline's
                  "eval_change": {"baseline": float, "candidate": float}}  # by the evaluation
       },
+      "mtp": {                              # multi-token prediction (harness.compare.mtp;
+                                            # absent without it)
+        "depths": int, "loss_coef": float,
+        "baseline": {"loss": [[float, ...], ...],       # [steps][depths]: each L_k
+                     "accuracy": [[float, ...], ...]},  # top-1 on each depth's target
+        "candidate": {...same keys...},
+        "rel_error": [[float, ...], ...]    # [steps][depths], judged at the loss bound
+      },
       "tolerance": {"loss_rel": float, "grad_one_minus_cos": float, "grad_rel": float | None},
       "git_commit": str,
       "machine": str,

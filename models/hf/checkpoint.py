@@ -256,7 +256,7 @@ def validate_checkpoint(
         wrong_dtype += _fp8_problems(tensors, scales, block)
     check_tensors(
         f"checkpoint {path}",
-        expected_hf_shapes(config, quantization if quantization == MXFP4 else None),
+        _read_shapes(config, quantization),
         {name: torch.Size(t.shape) for name, t in tensors.items()},
         config,
         frozenset(optional),
@@ -264,6 +264,13 @@ def validate_checkpoint(
         wrong_dtype,
     )
     return CheckpointLayout(path, config, quantization, tensors, block)
+
+
+def _read_shapes(config, quantization: str | None) -> dict[str, torch.Size]:
+    """The tensors a checkpoint of ``config`` must hold for a read: the MTP layers' copies of
+    the embedding and the head are written, not read (`skipped_on_disk`)."""
+    shapes = expected_hf_shapes(config, quantization if quantization == MXFP4 else None)
+    return {name: shape for name, shape in shapes.items() if not skipped_on_disk(name, config)}
 
 
 def _fp8_block(raw: dict, config_file: str) -> tuple[int, int] | None:

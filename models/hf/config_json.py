@@ -113,16 +113,64 @@ UNSUPPORTED: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...]
      "'silu' (SwiGLU experts)"),
     (_ALL, "attention_dropout", _zero, "0 (no dropout)"),
     (_ALL, "hidden_dropout", _zero, "0 (no dropout)"),
-    (_ALL, "num_nextn_predict_layers", _zero,
-     "0 (no multi-token-prediction layers: twinpipe trains the main model only; to train "
-     "DeepSeek-V3's without its MTP module, set it to 0 -- the module's weights, "
-     "model.layers.<num_hidden_layers>.*, are then skipped, as transformers skips them)"),
     (("qwen3_moe",), "use_sliding_window", _is(None, False), "false (full attention)"),
     (("deepseek_v2", "deepseek_v3", "qwen3_moe"), "layer_types",
      lambda v: v is None or (isinstance(v, list) and set(v) <= {"full_attention"}),
      "absent or every entry 'full_attention'"),
     (_ALL, "partial_rotary_factor", _one, "1 (rotary over the whole rotary width)"),
 )  # fmt: skip
+
+
+INTEGER_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "max_position_embeddings",
+    "n_group", "topk_group", "n_shared_experts", "first_k_dense_replace", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim",
+    "sliding_window", "decoder_sparse_step", "num_nextn_predict_layers",
+    "rope_parameters.original_max_position_embeddings",
+)  # fmt: skip
+"""Fields read as whole numbers (null allowed: a field that must be set is refused by name
+later, as missing or out of range)."""
+FLOAT_FIELDS = (
+    "rms_norm_eps", "rope_theta", "initializer_range", "routed_scaling_factor",
+    "router_aux_loss_coef", "aux_loss_alpha", "swiglu_alpha", "swiglu_limit",
+    "rope_parameters.rope_theta", "rope_parameters.factor", "rope_parameters.beta_fast",
+    "rope_parameters.beta_slow", "rope_parameters.mscale", "rope_parameters.mscale_all_dim",
+    "rope_parameters.attention_factor",
+)  # fmt: skip
+"""Fields read as real numbers (an integer is one too)."""
+NON_NEGATIVE = ("num_nextn_predict_layers",)
+"""Counts that may be 0 but not negative (the others' ranges are `ModelConfig`'s)."""
+
+
+def numeric_problems(raw: dict[str, Any]) -> list[str]:
+    """One line per numeric field of ``raw`` holding what is not a number of its kind: a
+    string, a list, a boolean, a float where a count is meant, NaN or an infinity. So the
+    error names the field instead of Python's ``could not convert string to float``.
+    ``rope_parameters.*`` are looked for in ``rope_parameters`` and ``rope_scaling``."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    problems = []
+    for names, integer in ((INTEGER_FIELDS, True), (FLOAT_FIELDS, False)):
+        for name in names:
+            holder, key = raw, name
+            if name.startswith("rope_parameters."):
+                holder, key = rope, name.split(".", 1)[1]
+            if not isinstance(holder, dict) or holder.get(key) is None:
+                continue
+            value = holder[key]
+            if integer:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+                valid = "an integer"
+                if ok and name in NON_NEGATIVE and value < 0:
+                    ok, valid = False, "an integer >= 0"
+            else:
+                ok = (isinstance(value, int | float) and not isinstance(value, bool)
+                      and math.isfinite(value))  # fmt: skip
+                valid = "a finite number"
+            if not ok:
+                problems.append(f"{name} = {value!r} is invalid: expected {valid}")
+    return problems
 
 
 def unsupported_fields(raw: dict[str, Any]) -> list[str]:
@@ -142,6 +190,9 @@ def unsupported_fields(raw: dict[str, Any]) -> list[str]:
 def check_supported(raw: dict[str, Any], where: str) -> None:
     """Raise `ModelConfigError` naming every math-changing field of ``raw`` that twinpipe
     would otherwise ignore."""
+    numbers = numeric_problems(raw)
+    if numbers:
+        raise ModelConfigError(f"{where}: " + "; ".join(numbers))
     problems = unsupported_fields(raw)
     if problems:
         raise ModelConfigError(

@@ -81,6 +81,9 @@ def _from_raw(raw: dict[str, Any], model_type: str) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         initializer_range=raw.get("initializer_range", 0.02),
         attention_bias=raw.get("attention_bias", model_type == "gpt_oss"),
+        # DeepSeek-V3's MTP depth; absent: none (transformers' default of 1 builds nothing:
+        # its modeling skips the MTP module's weights).
+        num_mtp_layers=raw.get("num_nextn_predict_layers") or 0,
     )
     if model_type == "deepseek_v2":
         return ModelConfig(
@@ -179,6 +182,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         attention_bias=config.attention_bias,
         hidden_act="silu",
     )
+    if config.num_mtp_layers:  # transformers' modeling ignores the MTP layers it names
+        out["num_nextn_predict_layers"] = config.num_mtp_layers
     if config.model_type == "deepseek_v2":
         out.update(
             architectures=["DeepseekV2ForCausalLM"],
@@ -220,7 +225,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim,
             rope_interleave=config.rope_interleave,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=config.num_mtp_layers,
             aux_loss_alpha=config.aux_loss_alpha,
             seq_aux=config.seq_aux,
         )

@@ -23,8 +23,11 @@ trained bias has no tensor to go to, so writing leaves it out (and `twinpipe exp
 and a read starts it at zero.
 
 DeepSeek-V3's published checkpoint also holds its multi-token-prediction module as one more
-layer (``model.layers.61.*``): transformers skips it, and so does `validate_checkpoint`'s
-check (`skipped_on_disk`); twinpipe trains the main model only.
+layer (``model.layers.61.*``, `models.network.mtp`), which transformers skips. twinpipe
+reads and writes its ``num_nextn_predict_layers`` layers under the same names as in memory;
+each also holds copies of the embedding and the output layer (``embed_tokens.weight``,
+``shared_head.head.weight``), which are written from the main model's and skipped on read
+(`skipped_on_disk`), as are layers past the MTP depth.
 
 DeepSeek in transformers always builds shared experts, of width
 ``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width
@@ -85,13 +88,20 @@ def experts_split_on_disk(config: ModelConfig) -> bool:
     return config.model_type != "gpt_oss"
 
 
+MTP_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")
+"""An MTP layer's copies of the embedding and the output layer on disk (the model shares them)."""
+
+
 def skipped_on_disk(name: str, config: ModelConfig) -> bool:
-    """Whether a tensor on disk belongs to what twinpipe does not build and transformers skips
-    on load: DeepSeek-V3's multi-token-prediction layers, past ``num_hidden_layers``."""
-    if config.model_type != "deepseek_v3":
-        return False
+    """Whether a tensor on disk belongs to what twinpipe does not build: DeepSeek-V3's
+    multi-token-prediction layers past the run's MTP depth (all of them at depth 0, as
+    transformers skips them), and each MTP layer's copies of the embedding and the head."""
     layer = LAYER_INDEX.match(name)
-    return layer is not None and int(layer[1]) >= config.num_hidden_layers
+    if layer is None or int(layer[1]) < config.num_hidden_layers:
+        return False
+    if int(layer[1]) < config.num_hidden_layers + config.num_mtp_layers:
+        return name.endswith(MTP_COPIES)
+    return config.model_type == "deepseek_v3"
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -176,7 +186,13 @@ def to_hf_state_dict(
 
 def hf_tensors(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our whole tensor ``name`` as the tensors that store it on disk (views, no copy):
-    itself, or one per expert (gate and up rows of ``gate_up_proj`` apart)."""
+    itself, or one per expert (gate and up rows of ``gate_up_proj`` apart); the embedding
+    and the output layer also as each MTP layer's copy (`MTP_COPIES`)."""
+    copy = {"model.embed_tokens.weight": MTP_COPIES[0], "lm_head.weight": MTP_COPIES[1]}
+    if name in copy and config.num_mtp_layers:
+        first = config.num_hidden_layers
+        layers = range(first, first + config.num_mtp_layers)
+        return {name: tensor, **{f"model.layers.{i}{copy[name]}": tensor for i in layers}}
     fused = FUSED_EXPERTS.match(name)
     if not (fused and experts_split_on_disk(config)):
         return {name: tensor}

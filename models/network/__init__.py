@@ -12,6 +12,7 @@ Modules:
 - `decoder`: a decoder layer as the five stages DualPipeV overlaps (attention, dispatch,
   experts, combine, aggregate), and expert parallelism's layout of them;
 - `model`: `CausalLM` and the part of it one rank builds (`build_part`);
+- `mtp`: DeepSeek-V3's multi-token prediction: its layers, targets and loss;
 - `balancing`: the routing controls (load-balancing losses, router z-loss, the expert
   bias) and the per-step and per-micro-batch objects that hold them to one value at every
   layout;
@@ -66,6 +67,16 @@ from models.network.model import (
     is_expert_parameter,
     shift_labels,
 )
+from models.network.mtp import (
+    MTPLayer,
+    MtpOut,
+    MtpStep,
+    mtp_input_ids,
+    mtp_labels,
+    mtp_loss,
+    mtp_step,
+    top1_correct,
+)
 from models.network.ops import ExpertLayout, Ops
 from models.network.presets import PRESET_NAMES, preset
 from models.network.router import Router, Routing, max_group_scores, top2_group_scores
@@ -104,8 +115,11 @@ __all__ = [
     "FAMILIES",
     "HostCopy",
     "IGNORE_INDEX",
+    "MTPLayer",
     "MicroBatchBalance",
     "ModelConfig",
+    "MtpOut",
+    "MtpStep",
     "Ops",
     "PRESET_NAMES",
     "Progress",
@@ -135,11 +149,16 @@ __all__ = [
     "keep_float32",
     "layer_aux",
     "max_group_scores",
+    "mtp_input_ids",
+    "mtp_labels",
+    "mtp_loss",
+    "mtp_step",
     "pooled_aux",
     "preset",
     "sequence_aux",
     "shift_labels",
     "state_buffers",
+    "top1_correct",
     "top2_group_scores",
     "z_loss",
 ]

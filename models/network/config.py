@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from math import inf
 from typing import Any
 
 from models.network.balancing import AUX_FORMS, Balancing
@@ -109,7 +110,12 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     """GPT-OSS: clamp of the gate (above) and up (both sides) projections."""
     num_mtp_layers: int = 0
-    """Multi-token-prediction layers (counted by the estimator; twinpipe trains none)."""
+    """Multi-token prediction (DeepSeek-V3's MTP module, `models.network.mtp`): its depth
+    ``D``, one extra decoder layer per depth (HF: ``num_nextn_predict_layers``; the run's
+    ``[mtp] layers``); 0: none."""
+    mtp_loss_coef: float = 0.1
+    """The MTP losses' weight ``lambda`` in ``L_main + lambda / D * sum_k L_k`` (the run's
+    ``[mtp] loss_coef``; Megatron's default 0.1)."""
     # Routing controls (`models.network.balancing`): the HF fields, then a run's choices.
     output_router_logits: bool = False
     """Qwen3-MoE, GPT-OSS (HF): train on the language-model loss plus
@@ -163,14 +169,21 @@ class ModelConfig:
         return True  # GPT-OSS: every layer
 
     def layer_type(self, layer: int) -> str:
-        if self.layer_types is None:
-            return "full_attention"
+        if self.layer_types is None or layer >= self.num_hidden_layers:
+            return "full_attention"  # an MTP layer attends over the whole sequence
         return self.layer_types[layer]
 
     @property
     def moe_layers(self) -> int:
         """How many decoder layers route to experts."""
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def routed_layers(self) -> int:
+        """MoE layers of the main model and of the MTP module: the layers the pooled
+        load-balancing loss counts (`models.network.balancing`)."""
+        n = self.num_hidden_layers
+        return self.moe_layers + sum(self.is_moe_layer(n + k) for k in range(self.num_mtp_layers))
 
     def balancing(self) -> Balancing:
         """The routing controls this config trains with (`models.network.Balancing`)."""
@@ -322,6 +335,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise bad(name, value, "expected a float >= 0")
+        mtp = self.num_mtp_layers
+        if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+            raise bad("num_mtp_layers", mtp, "expected an integer >= 0 (the MTP depth D)")
+        coef = self.mtp_loss_coef
+        if not isinstance(coef, int | float) or isinstance(coef, bool) or not 0 <= coef < inf:
+            raise bad("mtp_loss_coef", coef, "expected a finite float >= 0")
         if self.aux_loss_coef is not None and not (
             isinstance(self.aux_loss_coef, int | float) and self.aux_loss_coef >= 0
         ):

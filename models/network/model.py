@@ -15,6 +15,7 @@ from torch import nn
 from models.network.config import ModelConfig
 from models.network.decoder import SINGLE, DecoderLayer, ExpertParallel
 from models.network.layers import OutputLayer, RMSNorm
+from models.network.mtp import IGNORE_INDEX, MTPLayer
 from models.network.weights import (
     SeededWeights,
     WeightSource,
@@ -22,8 +23,6 @@ from models.network.weights import (
     keep_float32,
     materialise,
 )
-
-IGNORE_INDEX = -100
 
 
 def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -43,6 +42,10 @@ class Backbone(nn.Module):
         if embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, ep) for i in layers})
+        if head:  # the MTP module lives with the head (and the embedding): the loss stage
+            for depth in range(1, config.num_mtp_layers + 1):
+                mtp = MTPLayer(config, depth, ep)
+                self.layers[str(mtp.layer)] = mtp
         if head:
             self.norm = RMSNorm(
                 config.hidden_size, config.rms_norm_eps, config.model_type == "gpt_oss"
@@ -54,7 +57,8 @@ class CausalLM(nn.Module):
 
     The whole model lives on one process unless ``ep`` shards the routed experts.
     A pipeline rank builds a *part*: only some ``layers``, and the embedding and
-    the head (final norm, output layer) only where its stages need them. Parameter
+    the head (final norm, output layer) only where its stages need them. The MTP module
+    (`models.network.mtp`, ``config.num_mtp_layers`` layers) is built with the head. Parameter
     names stay those of the whole model, so parts and the whole compare by name.
 
     ``ops`` comes from the caller (`reference.ops.ReferenceOps` or
@@ -99,7 +103,13 @@ class CausalLM(nn.Module):
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
-        return list(self.model.layers.values())
+        """The main model's layers this part holds (not the MTP module's)."""
+        return [layer for layer in self.model.layers.values() if not isinstance(layer, MTPLayer)]
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        """The MTP module's layers, depth 1 first (on a part with the head; else none)."""
+        return [layer for layer in self.model.layers.values() if isinstance(layer, MTPLayer)]
 
     def layer(self, index: int) -> DecoderLayer:
         return self.model.layers[str(index)]

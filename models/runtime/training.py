@@ -20,6 +20,7 @@ from models.network import (
     StepBalance,
     expert_bias_update,
     is_expert_parameter,
+    mtp_step,
     shift_labels,
 )
 from models.runtime.distributed import Layout, ParallelConfig
@@ -125,13 +126,29 @@ def shared_loss(loss: torch.Tensor, layout: Layout) -> torch.Tensor:
     return loss
 
 
+def shared_mtp(schedule, layout: Layout) -> torch.Tensor | None:
+    """The step's MTP figures on every rank, ``[2, D]`` float32: each depth's loss ``L_k``
+    (the global mean) and its top-1 accuracy over its kept positions, from the schedule's
+    shares on pp-rank 0 (`shared_loss`'s collectives); None without MTP."""
+    step = getattr(schedule, "mtp", None)
+    if step is None or getattr(schedule, "mtp_losses", None) is None:
+        return None
+    values = torch.stack([schedule.mtp_losses.float(), schedule.mtp_correct.float()])
+    if layout.dp > 1:
+        dist.all_reduce(values, group=layout.dp_group)
+    if layout.pp > 1:
+        dist.broadcast(values, src=layout.global_rank(0), group=layout.pp_group)
+    values[1] = values[1] / step.counts.float()
+    return values
+
+
 def step_balance(
     config: ModelConfig, micro_batches: int, layout: Layout, device: torch.device
 ) -> StepBalance:
     """A rank's `models.network.StepBalance` for one training step of ``micro_batches`` per
     DP rank: one micro-batch's balancing terms weigh ``1 / (M x DP)``."""
     return StepBalance(
-        config.balancing(), config.moe_layers, config.num_experts, micro_batches * layout.dp,
+        config.balancing(), config.routed_layers, config.num_experts, micro_batches * layout.dp,
         device,
     )  # fmt: skip
 
@@ -139,7 +156,7 @@ def step_balance(
 def moe_routers(part: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """``{layer: router}`` of the MoE layers ``part`` holds, in layer order."""
     found = {}
-    for layer in getattr(part, "decoder_layers", []):
+    for layer in [*getattr(part, "decoder_layers", []), *getattr(part, "mtp_layers", [])]:
         if layer.is_moe:
             found[layer.layer] = layer.mlp.router_module
     return dict(sorted(found.items()))
@@ -198,6 +215,19 @@ class PipelineRunner:
     name = "pipeline"
     parallel: ParallelConfig
     layout: Layout
+    eod_id: int | None = None
+    """The data's end-of-document token: MTP targets never cross it (`models.network.mtp`)."""
+    mtp_coef: float | None = None
+    """This step's MTP loss weight (the trainer's ``mtp.loss_coef_steps``); None: the
+    model's ``mtp_loss_coef``."""
+
+    def set_mtp_step(self, labels: torch.Tensor) -> None:
+        """Tell the schedule what the global batch's MTP loss needs (`models.network.MtpStep`)."""
+        self.schedule.mtp = mtp_step(self.part.config, labels, self.eod_id, self.mtp_coef)
+
+    def mtp_values(self) -> torch.Tensor | None:
+        """`shared_mtp` of the last step (collectives on every rank); None without MTP."""
+        return shared_mtp(self.schedule, self.layout)
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         """Forward and backward of one global batch; gradients reduced, not yet applied."""
@@ -208,6 +238,7 @@ class PipelineRunner:
         trainer reads it once a step together with the other logged scalars."""
         self.optimizer.zero_grad(set_to_none=True)
         batches = micro_batches_of(ids, labels, self.parallel, self.layout.dp_rank)
+        self.set_mtp_step(labels)
         loss = self.schedule.step(batches, token_count(labels))
         reduce_gradients(self.part, self.layout)
         return shared_loss(loss, self.layout)

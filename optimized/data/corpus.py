@@ -38,6 +38,13 @@ class Corpus:
         return [s.name for s in self.sources]
 
     @property
+    def eod_id(self) -> int | None:
+        """The end-of-document id the sources share (`open_corpus` refuses mismatched
+        tokenizers); None: unknown (a bare Megatron prefix)."""
+        ids = {s.eod_id for s in self.sources}
+        return ids.pop() if len(ids) == 1 else None
+
+    @property
     def num_samples(self) -> int:
         return sum(w.num_samples for w, weight in zip(self.windows, self.weights) if weight > 0)
 

@@ -29,7 +29,10 @@ input projections and the attention products, no o (measured by the tests). MFU 
 ``model``; HFU (hardware FLOPs utilisation) ``hardware``. A fused attention kernel's backward
 recomputes the scores (FlashAttention's is 2.5x its forward, not 2x); like PaLM and
 Megatron-LM, the count keeps 2x.
-Multi-token-prediction layers are not counted: twinpipe trains none.
+Multi-token prediction (`models.network.mtp`) adds, per depth, one decoder layer of the
+model's kind, its ``eh_proj`` (``2H x H``) and one more output layer (``H x V``): it is
+part of the objective, so of the model FLOPs. (The optimized stack's top-1 accuracy
+figure reruns each depth's output layer without gradients; it is not counted.)
 
 **Peaks.** `GPU_PEAKS` holds the dense (no 2:4 sparsity) tensor-core peaks of NVIDIA's
 datasheets, in TFLOP/s: bf16, TF32 (float32 matmuls when torch allows TF32), and the
@@ -76,7 +79,9 @@ class ForwardFlops:
     dense_mlp: float = 0.0
     """The MLP of dense layers (DeepSeek-V2's first layers, Qwen3's ``mlp_only_layers``)."""
     head: float = 0.0
-    """The output layer, ``H x V``."""
+    """The output layer, ``H x V`` (once more per MTP depth)."""
+    mtp_projection: float = 0.0
+    """Each MTP depth's ``eh_proj``, ``2H x H``."""
 
     @property
     def recomputed(self) -> float:
@@ -155,9 +160,14 @@ def layer_flops(
 
 
 def forward_flops(model: ModelConfig, seq_len: int, dense_attention: bool = False) -> ForwardFlops:
-    """The whole model's forward FLOPs per token: every layer and the output layer."""
-    total = ForwardFlops(head=2 * model.hidden_size * model.vocab_size)
-    for layer in range(model.num_hidden_layers):
+    """The whole model's forward FLOPs per token: every layer and the output layer, and each
+    MTP depth's layer, projection and output layer."""
+    hidden, depths = model.hidden_size, model.num_mtp_layers
+    total = ForwardFlops(
+        head=2 * hidden * model.vocab_size * (1 + depths),
+        mtp_projection=2 * 2 * hidden * hidden * depths,
+    )
+    for layer in range(model.num_hidden_layers + depths):
         total = total + layer_flops(model, layer, seq_len, dense_attention)
     return total
 

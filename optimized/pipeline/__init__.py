@@ -11,6 +11,7 @@
   passes in;
 - `gradient_sync`: when FSDP2 reduces gradients and reshards parameters within a step
   (once per unit, at the last backward or W step the schedule gives its chunk);
+- `mtp_stage`: DeepSeek-V3's multi-token prediction at the loss stage;
 - `runner`: `OptimizedPipeline`, the stack's runner as the harness and trainer drive it.
 
 May import `models`, `optimized.ops` and `optimized.estimator`; never `optimized.train`,
@@ -25,6 +26,7 @@ from optimized.pipeline.execution import (
     free_storage,
     start_exchange,
 )
+from optimized.pipeline.mtp_stage import MtpStage
 from optimized.pipeline.partition import (
     choose_partition,
     even_partition,
@@ -37,6 +39,7 @@ from optimized.pipeline.runner import OptimizedPipeline, default_partition
 from optimized.pipeline.sharding import ShardedOptimizedPipeline, apply_fsdp, held_rows
 
 __all__ = [
+    "MtpStage",
     "STAGES",
     "Exchange",
     "ExecutionContext",

@@ -58,6 +58,7 @@ from models.runtime import (
 from optimized.estimator.schedule import send_completions
 from optimized.ops import linear_cross_entropy
 from optimized.pipeline.execution import ExecutionContext
+from optimized.pipeline.mtp_stage import MtpStage
 from optimized.pipeline.overlap import (
     LayerRun,
     backward_layers,
@@ -151,6 +152,18 @@ class OptimizedDualPipeV:
         (`models.runtime.p2p`)."""
         self.balance: StepBalance | None = None
         """The last training step's routing controls (load, balancing losses)."""
+        self.mtp = None
+        """What the next step's MTP loss needs (`models.network.MtpStep`, set by the runner)."""
+        self.mtp_stage = MtpStage(part, self.loss_fn)
+        """The MTP module at the loss stage (`optimized.pipeline.mtp_stage`)."""
+
+    @property
+    def mtp_losses(self) -> torch.Tensor | None:
+        return self.mtp_stage.losses
+
+    @property
+    def mtp_correct(self) -> torch.Tensor | None:
+        return self.mtp_stage.correct
 
     defers_weight_gradients = True
     """Zero-bubble backwards leave expert weight gradients to W steps (`sync_marks`)."""
@@ -292,6 +305,9 @@ class OptimizedDualPipeV:
             ids, labels = self.micro_batches[start.micro_batch]
             output = self._loss_sum(head_input, labels) / self.token_count
             self.loss = self.loss + output.detach()
+            if self.mtp is not None and start.balance is not None:  # training
+                mtp = self.mtp_stage.objective(head_input, ids, labels, self.mtp, start.balance)
+                output = output + mtp
             if start.balance is not None:
                 start.balance.close(ids.numel())
         else:
@@ -460,6 +476,7 @@ class OptimizedDualPipeV:
             )
         self.pooled = self.training and self.balance.balancing.pooled
         self.stats_shape = (2, self.part.config.num_experts)
+        self.mtp_stage.begin(self.device)
 
     def _end(self) -> torch.Tensor:
         self._finish_sends(None)

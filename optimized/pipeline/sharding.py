@@ -230,6 +230,7 @@ def forward_backward_on_device(runner, optimizer, sharded: set[str], ids, labels
     layout = runner.layout
     sync = runner.schedule.gradient_sync or install_gradient_sync(runner)
     batches = micro_batches_of(ids, labels, runner.parallel, layout.dp_rank)
+    runner.set_mtp_step(labels)
     sync.begin()
     loss = runner.schedule.step(batches, token_count(labels))
     sync.finish(runner.part)

@@ -14,8 +14,9 @@
   the run it plans;
 - `trainer`: the training loop on one rank; `faults`: the faults tests inject into it
   (crashes, signals, NaN mid-step); `objective`: z-loss and label smoothing
-  (the optimized runner only), the z-loss for the log, and the ``[moe]`` section set on
-  the model; `metrics`: a step's figures, its log line with TFLOP/s and MFU, the
+  (the optimized runner only), the z-loss for the log, and the ``[moe]`` and ``[mtp]``
+  sections set on the model; `mtp_coef`: the MTP loss weight over a run; `metrics`: a
+  step's figures, its log line with TFLOP/s and MFU, the
   JSON-lines and TensorBoard sink; `expert_load`: the tokens each expert got, per MoE
   layer and step, gathered in one collective; `phases`: the
   peak memory of each phase (load, warm-up, train, save); `profiling`: torch.profiler

@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from optimized.train.mtp_coef import MtpSection, check_mtp
 from optimized.train.schedule import (  # noqa: F401 - lr_at and warmup_of re-exported
-    DECAY_STYLES,
     DEFAULT_WARMUP_STEPS,
-    LR_SCHEDULES,
-    decay_start,
+    check_schedule,
     lr_at,
     warmup_of,
 )
+
+SECTION_FILES = (Path(__file__), Path(__file__).with_name("mtp_coef.py"))
 
 DTYPES = ("float32", "bfloat16")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")
@@ -268,6 +269,8 @@ class TrainConfig:
     """The objective: z-loss and label smoothing."""
     moe: MoeSection = field(default_factory=MoeSection)
     """Expert balancing: load-balancing loss, router z-loss, expert bias."""
+    mtp: MtpSection = field(default_factory=MtpSection)
+    """Multi-token prediction: depth and loss weight."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Saving and resuming."""
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -292,10 +295,10 @@ class ConfigField(NamedTuple):
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
-    """``(class name, field name) -> docstring`` read from this module's source."""
-    tree = ast.parse(Path(__file__).read_text())
+    """``(class name, field name) -> docstring`` read from this module's source (and the
+    ``[mtp]`` section's, `optimized.train.mtp_coef`)."""
     docs = {}
-    for node in tree.body:
+    for node in [n for f in SECTION_FILES for n in ast.parse(f.read_text()).body]:
         if not isinstance(node, ast.ClassDef):
             continue
         for before, after in zip(node.body, node.body[1:]):
@@ -410,25 +413,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         "optim.warmup_steps",
         f"must be in [0, steps = {cfg.steps}], or unset for min({DEFAULT_WARMUP_STEPS}, steps)",
     )
-    check(
-        opt.lr_schedule in LR_SCHEDULES,
-        "optim.lr_schedule",
-        f"must be one of {', '.join(LR_SCHEDULES)}",
-    )
-    check(
-        finite(opt.decay_fraction) and 0 < opt.decay_fraction <= 1,
-        "optim.decay_fraction",
-        "must be in (0, 1]",
-    )
-    check(
-        opt.decay_style in DECAY_STYLES,
-        "optim.decay_style",
-        f"must be one of {', '.join(DECAY_STYLES)}",
-    )
-    if opt.lr_schedule == "wsd" and not problems and decay_start(cfg) < warmup_of(cfg):
-        check(False, "optim.decay_fraction",
-              f"the decay would start at step {decay_start(cfg) + 1}, inside the warmup of "
-              f"{warmup_of(cfg)} steps: use a smaller fraction or a shorter warmup")  # fmt: skip
+    check_schedule(cfg, check, bool(problems))
     check(finite(opt.weight_decay) and opt.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     check(all(0 <= b < 1 for b in opt.betas), "optim.betas", "each must be in [0, 1)")
     check(
@@ -468,6 +453,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     check(rate is None or (finite(rate) and rate >= 0), "moe.expert_bias_rate",
           "must be a finite number >= 0 (0 keeps the bias fixed; moe.expert_bias = off "
           "turns it off), or unset for the model's own")  # fmt: skip
+    check_mtp(cfg.mtp, check)
 
     check(data.eval_every >= 0, "data.eval_every", "must be >= 0 (0: at the end only)")
     check(data.eval_batches >= 1, "data.eval_batches", "must be >= 1")

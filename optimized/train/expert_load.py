@@ -55,8 +55,10 @@ class ExpertLoad:
     def __init__(
         self, config: ModelConfig, part: torch.nn.Module, layout: Layout, device: torch.device
     ) -> None:
-        self.layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-        """The model's MoE layers, in order: the rows of every per-layer figure."""
+        total = config.num_hidden_layers + config.num_mtp_layers
+        self.layers = [i for i in range(total) if config.is_moe_layer(i)]
+        """The model's MoE layers (the MTP module's last), in order: the rows of every
+        per-layer figure."""
         self.experts = config.num_experts
         self.balancing = config.balancing()
         self.device = device
@@ -126,5 +128,5 @@ class ExpertLoad:
 def traffic_bytes(config: ModelConfig) -> int:
     """Bytes of the tensor `ExpertLoad.gather` all-reduces each step (0: no MoE layer): what a
     communication model adds per step, over the world group."""
-    layers = config.moe_layers
+    layers = config.routed_layers
     return 0 if layers == 0 else 8 * (layers * (config.num_experts + 2) + 2)

@@ -91,6 +91,12 @@ class StepMetrics:
     step that does not evaluate."""
     validation_perplexity: float | None = None
     """``exp(validation_loss)``."""
+    mtp_loss: list[float] | None = None
+    """Per MTP depth, its mean cross-entropy on its targets (`models.network.mtp`; None
+    without MTP). Not part of ``loss``, which stays the main model's."""
+    mtp_accuracy: list[float] | None = None
+    """Per MTP depth, the share of its targets its top-1 prediction gets right (a proxy for
+    speculative decoding's acceptance rate, as Megatron-Core logs it)."""
 
     def line(self) -> str:
         cross_entropy, z_loss = self.loss, ""
@@ -101,7 +107,7 @@ class StepMetrics:
             f"cross-entropy-loss {cross_entropy:.4f} | {z_loss}"
             f"learning-rate {self.learning_rate:.6e} | "
             f"gradient-norm {self.gradient_norm:.4f} | "
-            f"{self._load()}"
+            f"{self._load()}{self._mtp()}"
             f"tokens-per-second {self.tokens_per_second:,.0f} | "
             f"{self._throughput()}"
             f"peak-memory {self.peak_memory_bytes / 1e9:.2f} GB"
@@ -114,6 +120,13 @@ class StepMetrics:
     def _load(self) -> str:
         worst = self.load_max_over_mean_worst
         return "" if worst is None else f"load-max/mean {worst:.2f} | "
+
+    def _mtp(self) -> str:
+        if self.mtp_loss is None:
+            return ""
+        losses = "/".join(f"{v:.4f}" for v in self.mtp_loss)
+        accuracy = "/".join(f"{v:.1%}" for v in self.mtp_accuracy)
+        return f"mtp-loss {losses} | mtp-accuracy {accuracy} | "
 
     def _throughput(self) -> str:
         if self.tflops is None:
@@ -265,6 +278,9 @@ class MetricsSink:
                 if getattr(m, key) is not None:
                     self.writer.add_scalar(key, getattr(m, key), m.step)
             self._load_scalars(m)
+            for key in ("mtp_loss", "mtp_accuracy"):
+                for depth, value in enumerate(getattr(m, key) or [], start=1):
+                    self.writer.add_scalar(f"mtp/{key[4:]}/depth_{depth}", value, m.step)
         if self.bar:
             done = int(30 * m.step / m.steps)
             sys.stderr.write(f"[{'#' * done}{'.' * (30 - done)}] {m.step}/{m.steps}")

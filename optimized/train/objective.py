@@ -97,3 +97,19 @@ def with_moe(cfg: TrainConfig, model: ModelConfig) -> ModelConfig:
             "unset the coefficient"
         )
     return balanced
+
+
+def with_mtp(cfg: TrainConfig, model: ModelConfig) -> ModelConfig:
+    """``model`` with ``cfg.mtp`` applied: the depth (unset: the model's own) and the loss
+    weight; `BadInput` naming the ``mtp.`` key when the model cannot take it."""
+    mtp = cfg.mtp
+    changes = {"mtp_loss_coef": mtp.loss_coef}
+    if mtp.layers is not None:
+        changes["num_mtp_layers"] = mtp.layers
+    try:
+        return model.replace(**changes)
+    except ValueError as error:
+        text = str(error)
+        for key, field in (("layers", "num_mtp_layers"), ("loss_coef", "mtp_loss_coef")):
+            text = text.replace(f"ModelConfig.{field}=", f"mtp.{key} = ")
+        raise BadInput(f"{text} (model {model.model_type})") from None

@@ -44,7 +44,7 @@ from models.network import ModelConfig
 from models.runtime import BadInput, ParallelConfig, check_output_dir, check_output_file, read_text
 from optimized.train import checkpointing
 from optimized.train.config import TrainConfig
-from optimized.train.objective import objective_options, with_moe
+from optimized.train.objective import objective_options, with_moe, with_mtp
 
 
 class NothingToDo(Exception):
@@ -80,7 +80,7 @@ _PARALLEL_KEYS = {
 
 def plan_run(cfg: TrainConfig) -> RunPlan:
     """Check ``cfg`` against the files it names; the plan, or `BadInput` / `NothingToDo`."""
-    model = with_moe(cfg, _model(cfg))
+    model = with_mtp(cfg, with_moe(cfg, _model(cfg)))
     _layout(cfg, model)
     if cfg.model.init_from:
         _init_from(cfg.model.init_from, model)

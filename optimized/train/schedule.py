@@ -30,6 +30,7 @@ why a resume is refused otherwise (the trainer's preflight exits 2 with it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 TrainConfig = Any
@@ -46,6 +47,30 @@ DECAY_STYLES = {
     "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
 }
 """WSD's decay shapes ``f(r)``, ``r`` in [0, 1] from the decay's start to its end."""
+
+
+def check_schedule(cfg: TrainConfig, check: Callable[[bool, str, str], None],
+                   earlier_problems: bool) -> None:
+    """`optimized.train.config.validate_config`'s checks of the schedule's own fields; the
+    WSD decay's start only once every other field is valid (``earlier_problems`` false)."""
+    opt = cfg.optim
+    failed: list[str] = []
+
+    def checked(ok: bool, key: str, valid: str) -> None:
+        failed.extend([] if ok else [key])
+        check(ok, key, valid)
+
+    checked(opt.lr_schedule in LR_SCHEDULES, "optim.lr_schedule",
+            f"must be one of {', '.join(LR_SCHEDULES)}")  # fmt: skip
+    checked(math.isfinite(opt.decay_fraction) and 0 < opt.decay_fraction <= 1,
+            "optim.decay_fraction", "must be in (0, 1]")  # fmt: skip
+    checked(opt.decay_style in DECAY_STYLES, "optim.decay_style",
+            f"must be one of {', '.join(DECAY_STYLES)}")  # fmt: skip
+    valid = not (earlier_problems or failed)
+    if opt.lr_schedule == "wsd" and valid and decay_start(cfg) < warmup_of(cfg):
+        check(False, "optim.decay_fraction",
+              f"the decay would start at step {decay_start(cfg) + 1}, inside the warmup of "
+              f"{warmup_of(cfg)} steps: use a smaller fraction or a shorter warmup")  # fmt: skip
 
 
 def warmup_of(cfg: TrainConfig) -> int:

@@ -86,6 +86,7 @@ from optimized.train.metrics import (
     slowest_rank,
     step_traffic,
 )
+from optimized.train.mtp_coef import mtp_coef_at
 from optimized.train.objective import mean_z_loss, objective_options
 from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
@@ -204,10 +205,10 @@ def train(
         )  # fmt: skip
         runner.optimizer = optimizer  # the runner zeroes gradients through it
         data = cfg.data  # the blend's training part, every rank's own slice of each global batch
-        loader = open_corpus(plan.data_dir, data.seq_len, "data.path", data.split).loader(
-            cfg.seed, data.shuffle, data.micro_batches, data.micro_batch_size, layout.dp_rank,
-            layout.dp,
-        )  # fmt: skip
+        corpus = open_corpus(plan.data_dir, data.seq_len, "data.path", data.split)
+        loader = corpus.loader(cfg.seed, data.shuffle, data.micro_batches, data.micro_batch_size,
+                               layout.dp_rank, layout.dp)  # fmt: skip
+        runner.eod_id = corpus.eod_id  # MTP targets never cross a document's end
         evaluation = Evaluation.of(cfg, plan.data_dir, runner, device, fsdp)
 
         start = _resume(resume, optimizer, loader, layout)
@@ -245,6 +246,7 @@ def train(
             _log_data_notes(loader.blend, layout)
             ids, labels = global_batch(*to_device(batch), layout)
             faults.before_step(fault, step, layout.rank, cfg.checkpoint.dir)
+            runner.mtp_coef = mtp_coef_at(step + 1, cfg)  # the MTP weight's schedule
             with faults.mid_step(fault, step, layout.rank, runner.part):
                 if fsdp:
                     loss = sharding.forward_backward_on_device(
@@ -259,9 +261,12 @@ def train(
                 with counter.paused():  # logged only: not the step's traffic
                     z_loss = mean_z_loss(runner.schedule, layout)
             load = expert_load.gather(runner.balance) if expert_load else None
+            with counter.paused():  # logged only
+                mtp = runner.mtp_values()  # [2, D]: each depth's loss and accuracy
             # The step's one read of the device's values (the skip needs them before the
-            # update): loss, gradient norm, z-loss and the expert load, one copy.
-            loss, norm, z_loss, load = scalars.read(loss, norm_on_device, z_loss, load)
+            # update): loss, gradient norm, z-loss, the expert load and the MTP's, one copy.
+            loss, norm, z_loss, load, mtp = scalars.read(loss, norm_on_device, z_loss, load, mtp)
+            depths = model_config.num_mtp_layers
             lr = lr_at(step, cfg)
             skipped = not (math.isfinite(loss) and math.isfinite(norm))
             if skipped:
@@ -301,6 +306,8 @@ def train(
                     validation_perplexity=held and held[1],
                     **throughput.figures(tokens_per_step / max(slowest, 1e-9)),
                     **(expert_load.figures(load) if expert_load else {}),
+                    mtp_loss=mtp[:depths] if mtp else None,
+                    mtp_accuracy=mtp[depths:] if mtp else None,
                 )
             )
             profiler.end(step + 1)
