@@ -49,8 +49,9 @@ DECAY_STYLES = {
 """WSD's decay shapes ``f(r)``, ``r`` in [0, 1] from the decay's start to its end."""
 
 
-def check_schedule(cfg: TrainConfig, check: Callable[[bool, str, str], None],
-                   earlier_problems: bool) -> None:
+def check_schedule(
+    cfg: TrainConfig, check: Callable[[bool, str, str], None], earlier_problems: bool
+) -> None:
     """`optimized.train.config.validate_config`'s checks of the schedule's own fields; the
     WSD decay's start only once every other field is valid (``earlier_problems`` false)."""
     opt = cfg.optim
