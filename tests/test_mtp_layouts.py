@@ -4,7 +4,7 @@ D = 1 and D = 2 gives the oracle's main loss, MTP losses and accuracies, every g
 MTP layer's too) and the expert biases after the step, in both pipeline stacks, at (PP,
 DP, EP) = (1,1,1), (2,1,1), (2,2,2) and PP 4 with 8 layers, at the balancing tests' bars.
 
-One launch per world size runs every case there; the oracle (`reference.oracle`, which
+One launch per world size (a test each) runs every case there; the oracle (`reference.oracle`, which
 writes the MTP position by position from the report's equations) runs once per case here."""
 
 from __future__ import annotations
@@ -116,18 +116,16 @@ def moe_routers_of(cfg) -> list[int]:
 LAYOUTS = [(4, (1, 1, 1)), (4, (2, 1, 1)), (4, (2, 2, 2)), (8, (4, 1, 1))]
 
 
-@pytest.fixture(scope="module")
-def results():
-    runs = [(case, layers, _parallel(*layout)) for case in CASES for layers, layout in LAYOUTS]
+RUNS = [(case, layers, _parallel(*layout)) for case in CASES for layers, layout in LAYOUTS]
+WORLDS = sorted({parallel.world_size for _, _, parallel in RUNS})
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_layout_and_stack_is_the_oracle(world):
+    """One launch per world size (each its own test, so no one test holds them all)."""
+    runs = [run for run in RUNS if run[2].world_size == world]
     oracles = [_oracle(case, layers, parallel) for case, layers, parallel in runs]
-    out = []
-    for world in sorted({parallel.world_size for _, _, parallel in runs}):
-        for rank in launch(_worker, world, (runs, oracles)):
-            out.extend(rank)
-    return out
-
-
-def test_every_layout_and_stack_is_the_oracle(results):
+    results = [r for rank in launch(_worker, world, (runs, oracles)) for r in rank]
     seen = set()
     for r in results:
         where = r["where"]
@@ -142,10 +140,16 @@ def test_every_layout_and_stack_is_the_oracle(results):
         assert r["worst"][0] <= GRAD_REL, (where, r["worst"])
         assert r["load_equal"], where
         assert r["bias"] == 0.0, (where, r["bias"])
-    assert len(seen) == len(CASES) * len(LAYOUTS)
+    assert len(seen) == len(runs)
     # The loss stage (pp-rank 0) holds the MTP layers, and their router is balanced.
     first = [r for r in results if r["mtp_grads"]]
     assert first and all(r["layers"][-1] >= 4 for r in first)
+
+
+def test_the_runs_cover_every_depth_at_every_layout():
+    assert {(case, layers, p.pp, p.dp, p.ep) for case, layers, p in RUNS} == {
+        (case, layers, *layout) for case in CASES for layers, layout in LAYOUTS
+    }
 
 
 def test_targets_never_wrap_nor_cross_a_document():
