@@ -123,7 +123,7 @@ def check_run(tmp_path, world: int, clip: float, *overrides: str) -> None:
     trainer_state = torch.load(folder / "trainer_state.pt", weights_only=False)
     assert trainer_state["step"] == STEPS
     global_batch = world * cfg.data.micro_batches * cfg.data.micro_batch_size
-    assert trainer_state["loader"]["sampler"]["offset"] == STEPS * global_batch
+    assert trainer_state["loader"]["blend"]["position"] == STEPS * global_batch
     assert set(saved) == set(truth["state"]), set(saved) ^ set(truth["state"])
     for key, want in truth["state"].items():
         got = saved[key].double().reshape(want.shape)

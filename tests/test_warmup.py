@@ -5,6 +5,7 @@ phase that ran out; the timeouts' flags checked before any rank starts."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -25,7 +26,14 @@ from models.runtime import (
 )
 from optimized.train import apply_overrides, validate_config
 from optimized.train.phases import PhasePeaks
-from tests.test_train import _cli, config, train
+from tests._cli import REFERENCE_RUNNER, twinpipe
+from tests.test_train import config, train
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``twinpipe train ARGS`` in a subprocess, the reference runner for speed."""
+    return twinpipe("train", *args, TWINPIPE_RUNNER=REFERENCE_RUNNER)
+
 
 
 def _warm_rank() -> dict:

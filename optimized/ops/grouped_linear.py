@@ -214,7 +214,7 @@ def grouped_mm(
     if _looped(a.dtype, ends):
         out = a.new_zeros((a.shape[0], b.shape[-1]))
         for group, (start, end) in enumerate(_group_bounds(offsets, ends)):
-            out[start:end] = a[start:end] @ b[group]
+            torch.mm(a[start:end], b[group], out=out[start:end])  # in place: no staging copy
         return out
     out = F.grouped_mm(_aligned(a), _aligned(b), offs=offsets)
     return zero_rows_past_groups_(out, offsets)
@@ -241,11 +241,13 @@ def grouped_weight_grad(
     """
     num_groups = offsets.shape[0]
     if x.shape[0] == 0 or _looped(x.dtype, ends):
-        grad = x.new_zeros((num_groups, x.shape[1], grad_out.shape[1]))
-        if column_major:
-            grad = grad.transpose(1, 2).contiguous().transpose(1, 2)
+        shape = (num_groups, x.shape[1], grad_out.shape[1])
+        if column_major:  # allocated in that layout: one buffer, never a second for a copy
+            grad = x.new_zeros((shape[0], shape[2], shape[1])).transpose(1, 2)
+        else:
+            grad = x.new_zeros(shape)
         for group, (start, end) in enumerate(_group_bounds(offsets, ends)):
-            grad[group] = x[start:end].t() @ grad_out[start:end]
+            grad[group].addmm_(x[start:end].t(), grad_out[start:end])  # into the zeros in place
         return grad
     if column_major:
         return F.grouped_mm(_aligned(grad_out).t(), _aligned(x), offs=offsets).transpose(1, 2)
