@@ -11,6 +11,8 @@ Modules:
   MXFP4 blocks and scales), shapes a checkpoint must have;
 - `checkpoint`: safetensors read as memory-mapped row slices into a rank's parameters
   (`CheckpointWeights`), ``from_pretrained``, checks of a folder before any work;
+- `mtp_copies`: DeepSeek-V3's MTP layers' copies of the embedding and the head, held
+  equal to the main model's on read;
 - `checkpoint_write`: sharded safetensors written tensor by tensor (``save_pretrained``),
   MXFP4 written;
 - `mxfp4`: GPT-OSS's MXFP4 expert weights, dequantised per slice (and quantised for tests);
