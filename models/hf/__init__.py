@@ -63,6 +63,7 @@ from models.hf.hf_layout import (
     shard_file_name,
     to_hf_state_dict,
 )
+from models.hf.mtp_copies import copy_names as mtp_copy_names
 from models.hf.mxfp4 import dequantize, quantize
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "hf_tensors",
     "is_state_buffer",
     "load_state_dict_hf",
+    "mtp_copy_names",
     "mxfp4_shapes",
     "plan_shards",
     "quantize",
