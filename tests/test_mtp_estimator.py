@@ -67,3 +67,35 @@ def test_traffic_counts_the_mtp_layers_exchanges(fsdp):
         assert calls == more * 5 * 4, rank
         reduced = mtp[("all_reduce", "dp")].sent - plain[("all_reduce", "dp")].sent
         assert (reduced > 0) == bool(more), rank
+
+
+def test_plan_counts_the_mtp_layer(tmp_path, capsys):
+    """`twinpipe plan` of a config.json with D = 1: each layout's pp-rank 0 peak and its
+    traffic above the same layout's at D = 0, the other ranks' peaks unmoved (the estimate
+    it ranks is the one above)."""
+    import json
+
+    from harness.cli import main
+    from models.hf import config_to_hf
+
+    layouts = {}
+    for depths in (0, 1):
+        folder = tmp_path / str(depths)
+        folder.mkdir()
+        model = preset("tiny-deepseek-v3", num_mtp_layers=depths)
+        (folder / "config.json").write_text(json.dumps(config_to_hf(model)))
+        argv = ["plan", "--model", str(folder / "config.json"), "--gpus", "4",
+                "--gpu-memory", "64MiB", "--seq-len", "32", "--global-batch", "8", "--json",
+                "--top", "3"]  # fmt: skip
+        capsys.readouterr()
+        assert main(argv) == 0
+        found = json.loads(capsys.readouterr().out)["layouts"]
+        layouts[depths] = {(x["pp"], x["dp"], x["ep"], x["recompute_attention"]): x for x in found}
+    common = layouts[0].keys() & layouts[1].keys()
+    assert common
+    for key in common:
+        plain, mtp = layouts[0][key], layouts[1][key]
+        first, *rest = mtp["peak_bytes_per_rank"]
+        assert first > plain["peak_bytes_per_rank"][0], key  # pp-rank 0: the loss stage
+        assert rest == plain["peak_bytes_per_rank"][1:], key
+        assert mtp["bytes_sent_per_step"]["total"] > plain["bytes_sent_per_step"]["total"], key
