@@ -26,6 +26,7 @@ May import `models.network` and `models.runtime`; never `reference`, `optimized`
 from models.hf.checkpoint import (
     CheckpointWeights,
     check_hf_checkpoint,
+    checked_weights,
     from_pretrained,
     load_state_dict_hf,
     read_exactly,
@@ -79,6 +80,7 @@ __all__ = [
     "ShardWriter",
     "WEIGHTS_NAME",
     "check_hf_checkpoint",
+    "checked_weights",
     "config_from_hf",
     "config_to_hf",
     "dequantize",

@@ -57,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointWeights",
     "check_hf_checkpoint",
+    "checked_weights",
     "from_pretrained",
     "load_state_dict_hf",
     "save_pretrained",
@@ -330,7 +331,7 @@ def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
     if not folder.is_dir():
         raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
     try:
-        CheckpointWeights(folder, config).check_mtp_copies()
+        checked_weights(folder, config)
     except (ValueError, OSError) as error:
         raise BadInput(f"{flag} {str(path)!r}: {error}") from None
 
@@ -414,6 +415,16 @@ class CheckpointWeights:
                 out[i].copy_(dequantize(blocks, scales, out.dtype)[0].transpose(0, 1))
         else:
             self._into(name, out, start)
+
+
+def checked_weights(
+    path: str | os.PathLike, config: ModelConfig | None = None
+) -> CheckpointWeights:
+    """`CheckpointWeights` of a folder whose MTP copies were also held equal to the main
+    model's (`CheckpointWeights.check_mtp_copies`): what a parent builds before any rank."""
+    source = CheckpointWeights(path, config)
+    source.check_mtp_copies()
+    return source
 
 
 def from_pretrained(
