@@ -267,7 +267,7 @@ def dry_run_report(
     published checkpoint, from parts built on the meta device: totals against the
     checkpoint's size; ``per_rank`` adds each rank's count and bytes, ``tensors`` its reads
     (our tensor name, first row, rows -- experts, for routed experts -- and bytes on disk)."""
-    from models.hf import MXFP4, expected_hf_shapes, expected_state_shapes
+    from models.hf import MXFP4, expected_hf_shapes, expected_state_shapes, mtp_copy_names
     from models.network import CausalLM, ExpertParallel, preset, state_buffers
     from models.runtime import ParallelConfig, even_partition, rank_chunks
     from optimized.pipeline import default_partition, held_rows
@@ -285,6 +285,9 @@ def dry_run_report(
     shapes = expected_hf_shapes(config, MXFP4 if fmt == "mxfp4" else None)
     whole = expected_state_shapes(config)
     checkpoint = sum(_checkpoint_bytes(n, s, fmt) for n, s in shapes.items())
+    # The MTP layers' copies of the embedding and the head: no rank reads them; the parent's
+    # check reads each once, with the tensor it copies (`models.hf.mtp_copies`).
+    copies = sum(_checkpoint_bytes(n, shapes[n], fmt) for n in mtp_copy_names(config))
     ranks, total, count = [], 0, 0
     for pp_rank in range(pp):
         chunks = rank_chunks(stages, pp_rank)
@@ -315,7 +318,8 @@ def dry_run_report(
         ),
         "stages": " ".join(f"{s[0]}-{s[-1]}" if s else "-" for s in stages),
         "checkpoint_bytes": checkpoint, "bytes_read_by_all_ranks": total,
-        "equal": total == checkpoint, "tensor_slices": count,
+        "mtp_copies_bytes": copies, "bytes_read_by_the_copies_check": 2 * copies,
+        "equal": total + copies == checkpoint, "tensor_slices": count,
         "largest_rank_bytes": max(r["bytes"] for r in ranks),
         "smallest_rank_bytes": min(r["bytes"] for r in ranks),
     }  # fmt: skip

@@ -38,8 +38,10 @@ def test_published_totals():
     assert model_params(cfg("deepseek-v2-lite")).total == 15_706_484_224
     assert model_params(cfg("gpt-oss-20b")).total == 20_914_757_184
     assert model_params(cfg("qwen3-30b-a3b")).total == 30_532_122_624
-    # Counted by transformers on the meta device (DeepSeek-V3 without its MTP module).
-    assert model_params(cfg("deepseek-v3")).total == 671_026_404_352
+    # Counted by transformers on the meta device (DeepSeek-V3 without its MTP module), and
+    # its MTP layer (the preset's, as published) counted by our model built on the meta device.
+    assert model_params(cfg("deepseek-v3", num_mtp_layers=0)).total == 671_026_404_352
+    assert model_params(cfg("deepseek-v3")).total == 671_026_404_352 + 11_610_067_968
     assert model_params(cfg("moonlight-16b-a3b")).total == 15_960_108_544
 
 

@@ -171,7 +171,14 @@ def test_megatron_counts_deepseek_v3_as_we_do():
     args = megatron_args(config)
     assert args.multi_latent_attention and args.q_lora_rank == 1536
     assert args.moe_layer_freq == [0] * 3 + [1] * 58
-    assert megatron_shard(args).total_parameters == model_params(config).total
+    assert args.mtp_num_layers == 1  # the preset's MTP layer, as published
+    # Megatron's count of the MTP block is its decoder layer's: it leaves out eh_proj [H, 2H]
+    # and the three norms (enorm, hnorm, the shared head's), which we count.
+    left_out = 7168 * 2 * 7168 + 3 * 7168
+    assert megatron_shard(args).total_parameters + left_out == model_params(config).total
+    plain = EstimateConfig(preset("deepseek-v3", num_mtp_layers=0), pp=8, dp=8, ep=8,
+                           num_microbatches=16)  # fmt: skip
+    assert megatron_shard(megatron_args(plain)).total_parameters == model_params(plain).total
 
 
 def test_megatron_mtp_whole_on_the_last_stage_and_of_the_last_layers_kind():

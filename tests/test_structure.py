@@ -495,6 +495,12 @@ MODELS_DEEP_IMPORTS_ALLOWED = {
     ("tests/test_fp8.py", "models.hf.checkpoint"): (
         "the test replaces the module's `safe_open` to prove a load maps no checkpoint file"
     ),
+    ("tests/test_mtp_copies.py", "models.hf.checkpoint"): (
+        "the test counts the module's `read_rows` calls to prove each block is read once"
+    ),
+    ("tests/test_mtp_copies.py", "models.hf.mtp_copies"): (
+        "the test shrinks the module's compared block (`BLOCK_BYTES`) to exercise it"
+    ),
 }
 """(file, module) -> why it may import a file inside a `models` subpackage."""
 

@@ -36,7 +36,7 @@ from harness.compare.planted_balancing import plant_problem
 from harness.compare.rank import RankPlan
 from harness.compare.stacks import SIDES, STACKS, device_problem
 from harness.compare.verdict import build_report
-from models.hf import CheckpointWeights, resolve_model
+from models.hf import checked_weights, resolve_model
 from models.network import SeededWeights
 from models.runtime import (
     DeviceError,
@@ -257,7 +257,7 @@ def _plan(args: argparse.Namespace) -> tuple[RankPlan, DevicePlan] | int:
     try:
         # The ranks read their own slices of the weights; a checkpoint is checked here first.
         source = (
-            CheckpointWeights(args.checkpoint, model)
+            checked_weights(args.checkpoint, model)
             if args.checkpoint
             else SeededWeights(model, args.seed)
         )

@@ -11,6 +11,8 @@ Modules:
   MXFP4 blocks and scales), shapes a checkpoint must have;
 - `checkpoint`: safetensors read as memory-mapped row slices into a rank's parameters
   (`CheckpointWeights`), ``from_pretrained``, checks of a folder before any work;
+- `mtp_copies`: DeepSeek-V3's MTP layers' copies of the embedding and the head, held
+  equal to the main model's on read;
 - `checkpoint_write`: sharded safetensors written tensor by tensor (``save_pretrained``),
   MXFP4 written;
 - `mxfp4`: GPT-OSS's MXFP4 expert weights, dequantised per slice (and quantised for tests);
@@ -24,6 +26,7 @@ May import `models.network` and `models.runtime`; never `reference`, `optimized`
 from models.hf.checkpoint import (
     CheckpointWeights,
     check_hf_checkpoint,
+    checked_weights,
     from_pretrained,
     load_state_dict_hf,
     read_exactly,
@@ -61,6 +64,7 @@ from models.hf.hf_layout import (
     shard_file_name,
     to_hf_state_dict,
 )
+from models.hf.mtp_copies import copy_names as mtp_copy_names
 from models.hf.mxfp4 import dequantize, quantize
 
 __all__ = [
@@ -76,6 +80,7 @@ __all__ = [
     "ShardWriter",
     "WEIGHTS_NAME",
     "check_hf_checkpoint",
+    "checked_weights",
     "config_from_hf",
     "config_to_hf",
     "dequantize",
@@ -89,6 +94,7 @@ __all__ = [
     "hf_tensors",
     "is_state_buffer",
     "load_state_dict_hf",
+    "mtp_copy_names",
     "mxfp4_shapes",
     "plan_shards",
     "quantize",

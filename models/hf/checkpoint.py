@@ -46,6 +46,7 @@ from models.hf.hf_layout import (
     skipped_on_disk,
     to_hf_state_dict,
 )
+from models.hf.mtp_copies import compare_copies, copy_names
 from models.hf.mxfp4 import dequantize
 from models.network import SINGLE, CausalLM, ExpertParallel, ModelConfig, Reporting, build_part
 from models.runtime import BadInput, ProgressLine, read_json
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointWeights",
     "check_hf_checkpoint",
+    "checked_weights",
     "from_pretrained",
     "load_state_dict_hf",
     "save_pretrained",
@@ -206,6 +208,8 @@ class CheckpointLayout(NamedTuple):
     """Every tensor on disk, by name (DeepSeek-V3's MTP layers left out)."""
     block: tuple[int, int] | None = None
     """FP8: the block of rows and columns that shares one scale (None: one per tensor)."""
+    copies: dict[str, StoredTensor] | None = None
+    """The MTP layers' copies of the embedding and the head on disk (`mtp_copies`), by name."""
 
 
 def validate_checkpoint(
@@ -247,7 +251,9 @@ def validate_checkpoint(
             raise CheckpointError(f"tensor {name} is listed for {file} but that file lacks it")
     if index:
         tensors = {name: t for name, t in tensors.items() if name in index}
-    tensors = {name: t for name, t in tensors.items() if not skipped_on_disk(name, config)}
+    copies = {name: tensors[name] for name in copy_names(config) if name in tensors}
+    copies |= {scale_name(n): tensors[scale_name(n)] for n in copies if scale_name(n) in tensors}
+    tensors = {n: t for n, t in tensors.items() if not (skipped_on_disk(n, config) or n in copies)}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     wrong_dtype = [p for n, t in tensors.items() if (p := _dtype_problem(n, t, quantization))]
     if quantization == FP8:
@@ -263,7 +269,7 @@ def validate_checkpoint(
         {name: t.file for name, t in tensors.items()},
         wrong_dtype,
     )
-    return CheckpointLayout(path, config, quantization, tensors, block)
+    return CheckpointLayout(path, config, quantization, tensors, block, copies)
 
 
 def _read_shapes(config, quantization: str | None) -> dict[str, torch.Size]:
@@ -318,13 +324,14 @@ def check_hf_checkpoint(path: str | os.PathLike, config, flag: str) -> None:
     """A Hugging Face checkpoint folder that holds ``config``'s model: its ``config.json``
     is of the same family, every tensor is there with its shape, no file is truncated,
     every weight is a float (or GPT-OSS's MXFP4 experts), no quantisation we do not read.
-    Reads only ``config.json``, the index and the headers
-    (`validate_checkpoint`)."""
+    Reads only ``config.json``, the index and the headers (`validate_checkpoint`), and
+    the MTP layers' copies of the embedding and the head with what they copy
+    (`CheckpointWeights.check_mtp_copies`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise BadInput(f"{flag} {str(path)!r}: expected a Hugging Face checkpoint folder")
     try:
-        validate_checkpoint(folder, config)
+        checked_weights(folder, config)
     except (ValueError, OSError) as error:
         raise BadInput(f"{flag} {str(path)!r}: {error}") from None
 
@@ -361,12 +368,19 @@ class CheckpointWeights:
         lacks starts at zero (`models.network.materialise`)."""
         return name in self.layout.tensors
 
+    def check_mtp_copies(self) -> None:
+        """Each MTP layer's copy of the embedding and the head on disk equal to the main
+        model's, which the layer shares: read once, a block of rows of both at a time
+        (`models.hf.mtp_copies`); `CheckpointError` naming the tensors where they differ."""
+        compare_copies(self.layout.copies or {}, self.config, self._into, self.layout.path)
+
     def _into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Rows ``[start, start + len(out))`` of a tensor on disk, read into ``out`` (an FP8
         one dequantised, with the rows of its scale grid that cover them)."""
-        stored = self.layout.tensors[name]
+        tensors = {**self.layout.tensors, **(self.layout.copies or {})}
+        stored = tensors[name]
         if stored.dtype == "F8_E4M3":
-            scales = self.layout.tensors[scale_name(name)]
+            scales = tensors[scale_name(name)]
             dequantize_rows(stored, scales, self.layout.block, out, start, read_rows)
         else:
             read_rows(stored, out, start)
@@ -403,6 +417,16 @@ class CheckpointWeights:
             self._into(name, out, start)
 
 
+def checked_weights(
+    path: str | os.PathLike, config: ModelConfig | None = None
+) -> CheckpointWeights:
+    """`CheckpointWeights` of a folder whose MTP copies were also held equal to the main
+    model's (`CheckpointWeights.check_mtp_copies`): what a parent builds before any rank."""
+    source = CheckpointWeights(path, config)
+    source.check_mtp_copies()
+    return source
+
+
 def from_pretrained(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -417,6 +441,7 @@ def from_pretrained(
     tensors and GB read.
     """
     source = CheckpointWeights(path)
+    source.check_mtp_copies()
     line = ProgressLine(f"loading {os.fspath(path)}", enabled=progress)
     model = build_part(source.config, Reporting(source, line), ops=ops, ep=ep, dtype=dtype)
     line.close()
@@ -435,6 +460,7 @@ def load_state_dict_hf(
     embedding's stored dtype). With tied embeddings ``lm_head.weight`` is the embedding.
     """
     source = CheckpointWeights(path, config)
+    source.check_mtp_copies()
     if dtype is None:
         with safe_open(source.layout.tensors["model.embed_tokens.weight"].file, "pt") as f:
             dtype = f.get_slice("model.embed_tokens.weight").get_dtype()

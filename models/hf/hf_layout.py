@@ -26,8 +26,9 @@ DeepSeek-V3's published checkpoint also holds its multi-token-prediction module 
 layer (``model.layers.61.*``, `models.network.mtp`), which transformers skips. twinpipe
 reads and writes its ``num_nextn_predict_layers`` layers under the same names as in memory;
 each also holds copies of the embedding and the output layer (``embed_tokens.weight``,
-``shared_head.head.weight``), which are written from the main model's and skipped on read
-(`skipped_on_disk`), as are layers past the MTP depth.
+``shared_head.head.weight``), which are written from the main model's and not loaded on
+read (`skipped_on_disk`; `models.hf.mtp_copies` holds them equal to the main model's), and
+layers past the MTP depth are skipped.
 
 DeepSeek in transformers always builds shared experts, of width
 ``moe_intermediate_size * n_shared_experts``: with none, its files hold zero-width

@@ -98,9 +98,9 @@ _PRESETS: dict[str, dict] = {
         max_position_embeddings=40960,
         router_aux_loss_coef=0.001,
     ),
-    # DeepSeek-V3 without its multi-token-prediction module (config.json's
-    # num_nextn_predict_layers = 1; twinpipe trains the main model, as transformers builds
-    # it): 671 B parameters.
+    # DeepSeek-V3 as published: 671 B parameters in the main model, and its one
+    # multi-token-prediction layer (config.json's num_nextn_predict_layers = 1; 11.5 B more,
+    # sharing the embedding and the head); num_mtp_layers=0 is the main model alone.
     "deepseek-v3": dict(
         model_type="deepseek_v3",
         vocab_size=129280,
@@ -140,6 +140,7 @@ _PRESETS: dict[str, dict] = {
         aux_loss_alpha=0.001,
         seq_aux=True,
         expert_bias=True,
+        num_mtp_layers=1,
     ),
     # Moonlight-16B-A3B (moonshotai): DeepSeek-V3's architecture at 16 B, one expert group.
     "moonlight-16b-a3b": dict(

@@ -359,6 +359,30 @@ def head_saved(config: EstimateConfig) -> list[Saved]:
     return saved
 
 
+def mtp_depth_saved(config: EstimateConfig) -> list[Saved]:
+    """What one multi-token-prediction depth (`models.network.mtp`, in the loss stage) keeps
+    for one micro-batch before its head: its shifted ids (the embedding's indices), the two
+    input norms, the ``eh_proj`` input (``[tokens, 2H]``), a decoder layer of the last
+    layer's kind, and the shared head's norm."""
+    m, b, tokens = config.model, config.param_bytes, config.tokens
+    hidden, gpt_oss = m.hidden_size, m.model_type == "gpt_oss"
+    depth = [Saved("mtp.embedding.indices", tokens * I64)]
+    depth += _norm("mtp.enorm", tokens, hidden, b, False, gpt_oss)
+    depth += _norm("mtp.hnorm", tokens, hidden, b, False, gpt_oss)
+    depth.append(Saved("mtp.eh_proj.input", tokens * 2 * hidden * b, weight_input=True))
+    depth += layer_saved(config, m.num_hidden_layers - 1, config.moe_layers()[-1])
+    depth += _norm("mtp.shared_head.norm", tokens, hidden, b, True, gpt_oss)
+    return depth
+
+
+def mtp_saved(config: EstimateConfig) -> list[Saved]:
+    """Every MTP depth's `mtp_depth_saved` and its own logits' loss state, as `head_saved`
+    keeps the main head's."""
+    head = [item for item in head_saved(config) if item.name.startswith("loss.")]
+    head = [item for item in head if item.name != "loss.target"]
+    return (mtp_depth_saved(config) + head) * config.mtp_layers
+
+
 def chunk_boundary_bytes(config: EstimateConfig) -> int:
     """The stage's input a pipeline holds beyond what autograd saves: in float32 the first
     norm saves the input itself; in 16-bit it saves a float copy, so the input is extra."""

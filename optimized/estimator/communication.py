@@ -200,7 +200,8 @@ def _all_to_all(
     if config.ep == 1:
         return
     m, ep = config.model, config.ep
-    moe_layers = sum(1 for layer in part.decoder_layers if layer.is_moe)
+    # The MTP layers (pp-rank 0's loss stage) exchange like any MoE layer.
+    moe_layers = sum(1 for layer in part.decoder_layers + part.mtp_layers if layer.is_moe)
     if not moe_layers:  # a rank of dense layers only exchanges nothing
         return
     calls = moe_layers * config.num_microbatches
@@ -234,7 +235,7 @@ def _loss(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
 
 def _balancing(config: EstimateConfig, part, counts: Counts) -> None:
     """The expert bias's load all-reduce (see the module docstring)."""
-    moe = sum(1 for layer in part.decoder_layers if layer.is_moe)
+    moe = sum(1 for layer in part.decoder_layers + part.mtp_layers if layer.is_moe)
     if balancing(config).expert_bias and config.dp > 1 and moe:
         moved = (config.dp - 1) * moe * config.model.num_experts * I64
         _add(counts, "all_reduce", "dp", moved, moved)
@@ -327,9 +328,13 @@ def _off_fsdp(config: EstimateConfig, part, counts: Counts) -> None:
 
 
 def _tied(config: EstimateConfig, name: str) -> bool:
-    """A parameter kept off FSDP2 although its group has > 1 rank: the tied embedding."""
-    tied = config.model.tie_word_embeddings
-    return tied and (name.startswith("model.embed_tokens.") or name.startswith("lm_head."))
+    """A parameter kept off FSDP2 although its group has > 1 rank: the tied embedding, and
+    the MTP layers' (`optimized.pipeline.fsdp_modules` does not shard them today)."""
+    m = config.model
+    first_mtp = m.num_hidden_layers
+    mtp = any(name.startswith(f"model.layers.{first_mtp + k}.") for k in range(m.num_mtp_layers))
+    tied = m.tie_word_embeddings
+    return mtp or tied and (name.startswith("model.embed_tokens.") or name.startswith("lm_head."))
 
 
 # ------------------------------------------------------------------ the API

@@ -28,6 +28,7 @@ from optimized.estimator.activations import (
     F32,
     I64,
     layer_saved,
+    mtp_saved,
     routed_rows,
 )
 from optimized.estimator.activations import head_saved as head_saved_items
@@ -241,6 +242,7 @@ def chunk_profile(
         head_saved = sum(
             item.nbytes for item in head_saved_items(config) if item.name != "loss.target"
         )
+        head_saved += sum(item.nbytes for item in mtp_saved(config))  # each MTP depth's
         logits = tokens * (m.vocab_size // config.tp)
         if config.stack == "reference":
             head_fwd = logits * b + (logits * F32 if b != F32 else 0)

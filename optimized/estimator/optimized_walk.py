@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from optimized.estimator.activations import (
     F32,
+    mtp_depth_saved,
 )
 from optimized.estimator.balancing import pooled_stats_bytes, pooled_totals_bytes
 from optimized.estimator.config import EstimateConfig
@@ -27,6 +28,7 @@ from optimized.estimator.memory import (
     timeline_moment,
     with_optimizer_step,
 )
+from optimized.estimator.params import mtp_params
 from optimized.estimator.schedule import send_completions, walk
 from optimized.estimator.sharded_step import FsdpWalk, FsdpWalkState, with_sharded_optimizer_step
 from optimized.estimator.steps import step_profile
@@ -86,6 +88,13 @@ def estimate_rank_optimized(
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + th
     head += th + 8
     fused_loss = fused_loss_transient(config)
+    # Each MTP depth (`models.network.mtp`, after the head in the loss stage) keeps its
+    # layers' saved tensors and its own head's, as the main head does, to the backward; its
+    # parameters are off FSDP2, so its gradients are whole (routed experts: this rank's).
+    mtp = config.mtp_layers * (sum(item.nbytes for item in mtp_depth_saved(config)) + head)
+    mtp_numel = mtp_params(config).scaled(config.mtp_layers).numel
+    mtp_grad = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
+    mtp_grad = (mtp_grad + mtp_numel["routed_experts"] // config.ep) * config.grad_bytes
     state = FsdpWalkState() if config.fsdp else WalkState()
     fsdp = FsdpWalk(
         config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
@@ -188,7 +197,7 @@ def estimate_rank_optimized(
     def f_end(chunk, mb):
         if is_loss(chunk):
             state.moment(th)
-            state.activations += head + totals
+            state.activations += head + totals + mtp
             if mb == 0 and not sharded_head:  # grad_weight becomes lm_head.grad
                 state.grad((chunk, "head"), head_weight)
             else:
@@ -204,7 +213,9 @@ def estimate_rank_optimized(
         fsdp.backward(chunk)
         if is_loss(chunk):
             state.moment(th + fsdp.running("head"))
-            state.activations -= head + (head_weight if mb or sharded_head else 0)
+            state.activations -= head + mtp + (head_weight if mb or sharded_head else 0)
+            if mtp:
+                state.grad((chunk, "mtp"), mtp_grad)
             state.activations += th  # head_input.grad
             if sharded_head:  # FSDP2 shards dim 0, rows rounded up
                 rows = -(-m.vocab_size // head_divisor)
