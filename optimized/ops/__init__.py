@@ -14,6 +14,10 @@
 - `optimized_ops`: `OptimizedOps`, the stack's `models.network.Ops`;
 - `tuning`: every autotuned kernel tuned before the first step (`pretune`), its choices kept
   in a JSON file (`TuningCache`).
+- `precompile`: every other Triton kernel of a rank's step launched once before it, on dummy
+  tensors of the step's shapes (`precompile`);
+- `launches`: every Triton launch counted by kernel and Triton's specialisation key, and the
+  keys first met inside a scheduled step (`first_seen_in_step`).
 
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.

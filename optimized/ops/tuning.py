@@ -73,7 +73,7 @@ def attention_keys(part: torch.nn.Module, micro_batch_size: int, seq_len: int) -
     return sorted(keys, key=repr)
 
 
-def _run(key: AttentionKey, device: torch.device, blocks) -> None:
+def run_attention_key(key: AttentionKey, device: torch.device, blocks) -> None:
     """Forward and backward of one key on dummy tensors (compiles; tunes where asked)."""
     dtype = getattr(torch, key.dtype)
     generator = torch.Generator().manual_seed(0)
@@ -173,7 +173,7 @@ def pretune(
         report["loaded"] = cache.load()
     device = next(part.parameters()).device
     for key in keys:
-        _run(key, device, blocks)
+        run_attention_key(key, device, blocks)
     report["benchmarks"] = sum(BENCHMARKS.values()) - timed
     if cache is not None:
         cache.save()
