@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from models.runtime import in_scheduled_step
 
