@@ -11,7 +11,7 @@ dtype, so the step meets no new key:
 - attention: each `optimized.ops.tuning.AttentionKey` of the part, with the ops' launch
   choice (`pretune` tunes, and so compiles, the autotuned ones; this covers the fixed
   blocks);
-- the routed experts: each `models.network.layers.Experts` module's own forward (grouped
+- the routed experts: each `models.network.Experts` module's own forward (grouped
   linears, SiLU-and-multiply or the clamped SwiGLU, the zero-tail kernel) on 128 rows per
   local expert, as the expert-order buffer pads every group (so the row counts, and with
   them every key, are the step's);
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from models.network import IGNORE_INDEX
-from models.network.layers import Experts
+from models.network import IGNORE_INDEX, Experts
 from optimized.ops import launches
 from optimized.ops.expert_order import GROUPED_GEMM_ROW_ALIGNMENT, aligned_empty
 from optimized.ops.optimized_ops import OptimizedOps
