@@ -11,10 +11,8 @@ so the measured steps run exactly what was tuned; a key missing from the file is
 added. Inside a step the autotuners refuse to time anything
 (`optimized.ops.attention_blocks.benchmark`).
 
-What it leaves to step 1: the kernels that are compiled but not tuned (cross-entropy,
-gather, grouped GEMM, activations) compile at their first call. Compiling is host work and
-needs no device sync, but it takes seconds: the collective limit of the first step is the
-compile limit (`models.runtime.warmup.PhaseLimits`).
+The kernels that are compiled but not tuned (cross-entropy, the grouped GEMM's zero-tail
+kernel, activations) are launched once before the step by `optimized.ops.precompile`.
 
 On the interpreter the attention kernels run one fixed block unless asked for the
 autotuner (``OptimizedOps.attention_blocks = AUTOTUNED``): `pretune` then tunes there too
