@@ -17,11 +17,13 @@ load before them. Together they are a phase of their own for the memory figures
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
 
 from models.runtime import Layout, phase_limit, tighten, warm_up
+from optimized.ops import launches
 from optimized.ops.tuning import TuningCache, cache_path
 from optimized.train.config import TrainConfig
 
@@ -67,7 +69,7 @@ def describe(done: dict[str, Any]) -> str:
         )
     if "compiled_keys" in tuned:
         line += (
-            f"; {tuned['compiled_keys']} other kernel keys compiled in "
+            f"; {tuned['compiled_keys']} other kernel keys launched (compiled on a GPU) in "
             f"{tuned['compile_seconds']:g} s"
         )
     if "outside_allocator_bytes" in connected:
@@ -76,3 +78,18 @@ def describe(done: dict[str, Any]) -> str:
             f"the allocator (CUDA context, NCCL)"
         )
     return line
+
+
+def first_step_kernels(layout: Layout) -> list[str]:
+    """The Triton kernel keys the first step met for the first time (`optimized.ops.launches`:
+    each a compile inside the schedule on a GPU), said on stderr with the rank when any; the
+    list (empty when `optimized.ops.precompile` covered the step)."""
+    first = launches.first_seen_in_step()
+    if first:
+        shown = "; ".join(first[:3]) + (f"; and {len(first) - 3} more" if len(first) > 3 else "")
+        print(
+            f"warning: rank {layout.rank}: step 1 launched {len(first)} Triton kernel key(s) "
+            f"not launched before it (compiled mid-step on a GPU): {shown}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return first

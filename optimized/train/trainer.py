@@ -92,7 +92,7 @@ from optimized.train.optimizer import ShardedAdamW
 from optimized.train.phases import PhasePeaks, format_peaks, peak_memory
 from optimized.train.preflight import RunPlan, claim, plan_run, runner_class
 from optimized.train.profiling import StepProfiler, parse_steps
-from optimized.train.startup import before_first_step, describe
+from optimized.train.startup import before_first_step, describe, first_step_kernels
 
 
 class NonFiniteError(RuntimeError):
@@ -255,6 +255,8 @@ def train(
                 else:
                     loss = runner.forward_backward_on_device(ids, labels)
             faults.after_backward(fault, step, layout.rank, runner.part)
+            if step == start:  # every kernel launched before it (optimized.ops.precompile)
+                result["kernels_first_in_step"] = first_step_kernels(layout)
             norm_on_device = optimizer.prepare_gradients_on_device()
             z_loss = None
             if cfg.loss.z_loss:
