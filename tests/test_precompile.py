@@ -105,3 +105,21 @@ def test_without_the_preparation_the_check_fails(steps):
     first = steps[False]["first"]
     short = {line.split(" ", 1)[0].rsplit(".", 1)[-1] for line in first}
     assert EXPECTED <= short, first
+
+
+@pytest.mark.slow
+def test_compare_meets_no_kernel_key_first_in_step_one():
+    """`twinpipe compare`'s ranks (`Rank.prepare`, then the steps): the optimized candidate's
+    first step meets no Triton kernel key it had not launched before (one rank, PP 1, seq 16,
+    a tiny GPT-OSS: sinks, a window, biases and the clamped SwiGLU)."""
+    from harness.compare.rank import RankPlan  # noqa: PLC0415
+    from models.network import SeededWeights, preset  # noqa: PLC0415
+    from models.runtime import OptimizerConfig, ParallelConfig, launch  # noqa: PLC0415
+    from tests._compare import _run_plans  # noqa: PLC0415
+
+    model = preset("tiny-gpt-oss")
+    parallel = ParallelConfig(pp=1, micro_batches=2, seq_len=SEQ_LEN)
+    plan = RankPlan(model, parallel, SeededWeights(model), "reference", "optimized", 1,
+                    OptimizerConfig(), track_memory=False, progress=False)  # fmt: skip
+    (results,) = launch(_run_plans, 1, ([plan],))
+    assert results[0]["kernels_first_in_step"] == [], results[0]["kernels_first_in_step"]
