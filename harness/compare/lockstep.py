@@ -69,7 +69,7 @@ from harness.compare.stacks import (
     take_gradients,
 )
 from models.runtime import synthetic_batch
-from optimized.train.startup import first_step_kernels
+from optimized.ops import first_step_kernels
 
 __all__ = [
     "copied_step",
@@ -286,7 +286,7 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         rank.start_step()
         step_function(rank, batches, record)
         if step == 0:  # every kernel launched before it (optimized.ops.precompile)
-            first_in_step = first_step_kernels(rank.layout)
+            first_in_step = first_step_kernels(rank.layout.rank)
         del batches
         sides = {"baseline": rank.baseline, "candidate": rank.candidate}
         record.balancing = {key: stack_balance(side) for key, side in sides.items()}

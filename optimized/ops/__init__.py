@@ -37,6 +37,7 @@ from optimized.ops.expert_order import (
 )
 from optimized.ops.gather import GATHER_ROW_ALIGNMENT, padded_index_gather, scatter_add_rows
 from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
+from optimized.ops.launches import first_step_kernels
 from optimized.ops.linear_cross_entropy import linear_cross_entropy
 from optimized.ops.optimized_ops import OptimizedOps
 
@@ -49,6 +50,7 @@ __all__ = [
     "all_to_all",
     "clamped_swiglu",
     "cross_entropy",
+    "first_step_kernels",
     "flash_attention",
     "gather_from_grouped",
     "grouped_linear",

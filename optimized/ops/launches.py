@@ -25,6 +25,7 @@ The state is per process, shared by threads (the CPU model runs ranks as threads
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from typing import NamedTuple
 
@@ -140,11 +141,26 @@ def forget() -> None:
         _compiled_in_step.clear()
 
 
+def first_step_kernels(rank: int) -> list[str]:
+    """`first_seen_in_step` after a run's first step (a compile inside the schedule on a GPU
+    for each), said on stderr with ``rank`` when any; the list (empty when
+    `optimized.ops.precompile` covered the step). The trainer and compare call it."""
+    first = first_seen_in_step()
+    if first:
+        shown = "; ".join(first[:3]) + (f"; and {len(first) - 3} more" if len(first) > 3 else "")
+        print(
+            f"warning: rank {rank}: step 1 launched {len(first)} Triton kernel key(s) not "
+            f"launched before it (compiled mid-step on a GPU): {shown}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return first
+
+
 def kernel_name(kernel) -> str:
     return _signature(kernel)[0]
 
 
 __all__ = [
-    "Launches", "compile_cache_size", "first_seen_in_step", "forget", "kernel_name",
-    "note_compile", "record", "seen", "specialisation",
+    "Launches", "compile_cache_size", "first_seen_in_step", "first_step_kernels", "forget",
+    "kernel_name", "note_compile", "record", "seen", "specialisation",
 ]  # fmt: skip

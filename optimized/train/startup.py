@@ -17,13 +17,11 @@ load before them. Together they are a phase of their own for the memory figures
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import torch
 
 from models.runtime import Layout, phase_limit, tighten, warm_up
-from optimized.ops import launches
 from optimized.ops.tuning import TuningCache, cache_path
 from optimized.train.config import TrainConfig
 
@@ -79,17 +77,3 @@ def describe(done: dict[str, Any]) -> str:
         )
     return line
 
-
-def first_step_kernels(layout: Layout) -> list[str]:
-    """The Triton kernel keys the first step met for the first time (`optimized.ops.launches`:
-    each a compile inside the schedule on a GPU), said on stderr with the rank when any; the
-    list (empty when `optimized.ops.precompile` covered the step)."""
-    first = launches.first_seen_in_step()
-    if first:
-        shown = "; ".join(first[:3]) + (f"; and {len(first) - 3} more" if len(first) > 3 else "")
-        print(
-            f"warning: rank {layout.rank}: step 1 launched {len(first)} Triton kernel key(s) "
-            f"not launched before it (compiled mid-step on a GPU): {shown}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-    return first
