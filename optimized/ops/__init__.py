@@ -38,6 +38,7 @@ from optimized.ops.expert_order import (
 from optimized.ops.gather import GATHER_ROW_ALIGNMENT, padded_index_gather, scatter_add_rows
 from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
 from optimized.ops.launches import first_step_kernels
+from optimized.ops.launches import watch as watch_launches
 from optimized.ops.linear_cross_entropy import linear_cross_entropy
 from optimized.ops.optimized_ops import OptimizedOps
 
@@ -59,4 +60,5 @@ __all__ = [
     "scatter_add_rows",
     "scatter_for_grouped_gemm",
     "silu_and_mul",
+    "watch_launches",
 ]

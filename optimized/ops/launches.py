@@ -19,6 +19,12 @@ with ``do_not_specialize`` arguments (none in this package). Compiled (CUDA), `l
 also watches Triton's own kernel cache: a compile inside a step is counted
 (``compiled_in_step``) even where this key would have missed it.
 
+Cost. Keying a launch takes tens of microseconds of host time, as much as a compiled launch
+itself, so keys are taken while the registry watches: from `watch` (a runner's preparation;
+a fresh process starts watching) until `first_step_kernels` has reported the first step,
+whose shapes every later step repeats. Triton's cache is watched in every step (two
+lengths read per launch).
+
 The state is per process, shared by threads (the CPU model runs ranks as threads).
 """
 
@@ -44,6 +50,7 @@ _lock = threading.Lock()
 _seen: dict[tuple[str, tuple], Launches] = {}
 _compiled_in_step: list[str] = []
 _signatures: dict[int, tuple[str, inspect.Signature]] = {}
+_watching = [True]
 
 
 def _python_function(kernel):
@@ -90,8 +97,15 @@ def specialisation(kernel, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     return name, (tuple(key), options, device)
 
 
-def record(kernel, args: tuple, kwargs: dict) -> tuple[str, tuple]:
-    """Count one launch (see the module docstring); its ``(name, key)``."""
+def watch() -> None:
+    """Key every launch from now until `first_step_kernels` (a run's preparation begins)."""
+    _watching[0] = True
+
+
+def record(kernel, args: tuple, kwargs: dict) -> tuple[str, tuple] | None:
+    """Count one launch while watching (see the module docstring); its ``(name, key)``."""
+    if not _watching[0]:
+        return None
     entry = specialisation(kernel, args, kwargs)
     with _lock:
         seen = _seen.get(entry)
@@ -135,7 +149,8 @@ def first_seen_in_step() -> list[str]:
 
 
 def forget() -> None:
-    """Clear the registry (a test's fresh start)."""
+    """Clear the registry and watch (a test's fresh start)."""
+    _watching[0] = True
     with _lock:
         _seen.clear()
         _compiled_in_step.clear()
@@ -146,6 +161,7 @@ def first_step_kernels(rank: int) -> list[str]:
     for each), said on stderr with ``rank`` when any; the list (empty when
     `optimized.ops.precompile` covered the step). The trainer and compare call it."""
     first = first_seen_in_step()
+    _watching[0] = False  # later steps repeat the first one's shapes
     if first:
         shown = "; ".join(first[:3]) + (f"; and {len(first) - 3} more" if len(first) > 3 else "")
         print(
@@ -162,5 +178,5 @@ def kernel_name(kernel) -> str:
 
 __all__ = [
     "Launches", "compile_cache_size", "first_seen_in_step", "first_step_kernels", "forget",
-    "kernel_name", "note_compile", "record", "seen", "specialisation",
+    "kernel_name", "note_compile", "record", "seen", "specialisation", "watch",
 ]  # fmt: skip

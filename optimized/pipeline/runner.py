@@ -13,7 +13,7 @@ import torch
 from models.network import ModelConfig, WeightSource, build_part
 from models.runtime import Layout, OptimizerConfig, ParallelConfig, PipelineRunner, rank_chunks
 from optimized.estimator.config import EstimateConfig
-from optimized.ops import OptimizedOps
+from optimized.ops import OptimizedOps, watch_launches
 from optimized.ops.precompile import precompile
 from optimized.ops.tuning import TuningCache, pretune
 from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
@@ -79,6 +79,7 @@ class OptimizedPipeline(PipelineRunner):
         ``cache`` when given (`optimized.ops.tuning.pretune`), then every other Triton kernel
         of the step launched once on them (`optimized.ops.precompile`); what it did."""
         parallel = self.parallel
+        watch_launches()  # the step's kernels keyed until step 1 is reported
         done = pretune(self.part, parallel.micro_batch_size, parallel.seq_len, cache)
         compiled = precompile(self.part, parallel.micro_batch_size, parallel.seq_len,
                               self.schedule.loss_fn)  # fmt: skip
