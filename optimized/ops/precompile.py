@@ -18,10 +18,10 @@ dtype, so the step meets no new key:
 - the loss: the head's own fused loss (``loss_fn``, the schedule's) on ``micro_batch_size x
   seq_len`` dummy hidden states.
 
-Gradients go to the dummy inputs only (`torch.autograd.grad`): no parameter's ``.grad`` is
-touched. What is not covered (named in docs/gpus.md, "Before the first step"): the MTP
-heads' plain cross-entropy, whose logits' shape is the step's too but whose loss this pass
-does not run.
+The MTP layers' kernels are the same modules' and the same loss's. Gradients go to the
+dummy inputs only (`torch.autograd.grad`): no parameter's ``.grad`` is touched. What is not
+covered is named in docs/gpus.md ("Before the first step"): work outside the steps, such as
+the held-out evaluation's plain cross-entropy.
 """
 
 from __future__ import annotations
