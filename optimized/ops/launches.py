@@ -84,7 +84,7 @@ def specialisation(kernel, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     params = {key: value for key, value in kwargs.items() if key in signature.parameters}
     options = tuple(sorted((key, repr(value)) for key, value in kwargs.items()
                            if key not in signature.parameters))  # fmt: skip
-    bound = signature.bind(*args, **params)
+    bound = signature.bind_partial(*args, **params)  # an autotuner supplies its configs'
     bound.apply_defaults()
     key, device = [], None
     for parameter_name, value in bound.arguments.items():
