@@ -76,4 +76,3 @@ def describe(done: dict[str, Any]) -> str:
             f"the allocator (CUDA context, NCCL)"
         )
     return line
-
