@@ -69,6 +69,7 @@ from harness.compare.stacks import (
     take_gradients,
 )
 from models.runtime import synthetic_batch
+from optimized.ops import first_step_kernels
 
 __all__ = [
     "copied_step",
@@ -284,6 +285,8 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         record = StepRecord()
         rank.start_step()
         step_function(rank, batches, record)
+        if step == 0:  # every kernel launched before it (optimized.ops.precompile)
+            first_in_step = first_step_kernels(rank.layout.rank)
         del batches
         sides = {"baseline": rank.baseline, "candidate": rank.candidate}
         record.balancing = {key: stack_balance(side) for key, side in sides.items()}
@@ -313,4 +316,5 @@ def _run_steps(plan: RankPlan, rank: Rank) -> dict[str, Any]:
         "lockstep": rank.lockstep,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "sharded": {k: is_sharded(getattr(rank, k)) for k in ("baseline", "candidate")},
+        "kernels_first_in_step": first_in_step if plan.steps else [],
     }

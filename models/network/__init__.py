@@ -53,6 +53,7 @@ from models.network.decoder import (
 )
 from models.network.host_copy import HostCopy, host_side, host_side_depth
 from models.network.layers import (
+    Experts,
     GroupedQueryAttention,
     MultiHeadLatentAttention,
     RMSNorm,
@@ -111,6 +112,7 @@ __all__ = [
     "DispatchOut",
     "ExpertLayout",
     "ExpertParallel",
+    "Experts",
     "ExpertsOut",
     "FAMILIES",
     "HostCopy",

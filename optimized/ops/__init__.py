@@ -14,6 +14,10 @@
 - `optimized_ops`: `OptimizedOps`, the stack's `models.network.Ops`;
 - `tuning`: every autotuned kernel tuned before the first step (`pretune`), its choices kept
   in a JSON file (`TuningCache`).
+- `precompile`: every other Triton kernel of a rank's step launched once before it, on dummy
+  tensors of the step's shapes (`precompile`);
+- `launches`: every Triton launch counted by kernel and Triton's specialisation key, and the
+  keys first met inside a scheduled step (`first_seen_in_step`).
 
 `_triton` is imported first so that, without CUDA, the Triton interpreter is
 switched on before any kernel module imports `triton`.
@@ -33,6 +37,8 @@ from optimized.ops.expert_order import (
 )
 from optimized.ops.gather import GATHER_ROW_ALIGNMENT, padded_index_gather, scatter_add_rows
 from optimized.ops.grouped_linear import WeightGradStore, grouped_linear
+from optimized.ops.launches import first_step_kernels
+from optimized.ops.launches import watch as watch_launches
 from optimized.ops.linear_cross_entropy import linear_cross_entropy
 from optimized.ops.optimized_ops import OptimizedOps
 
@@ -45,6 +51,7 @@ __all__ = [
     "all_to_all",
     "clamped_swiglu",
     "cross_entropy",
+    "first_step_kernels",
     "flash_attention",
     "gather_from_grouped",
     "grouped_linear",
@@ -53,4 +60,5 @@ __all__ = [
     "scatter_add_rows",
     "scatter_for_grouped_gemm",
     "silu_and_mul",
+    "watch_launches",
 ]

@@ -140,6 +140,9 @@ else:
     )
 
 
+from optimized.ops import launches  # noqa: E402  (after triton: it keys launches)
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, leaving no memory behind on the interpreter.
 
@@ -150,9 +153,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     optimized stack for garbage no GPU run has. Here the collector is held off during the
     launch, so the cycle is still in the youngest generation afterwards, and that
     generation is collected at once. Compiled launches (CUDA) are untouched.
+
+    Every launch is counted by kernel and Triton's specialisation key, and a compile
+    inside a scheduled step noted (`optimized.ops.launches`).
     """
+    launches.record(kernel, args, kwargs)  # `optimized.ops.launches`: first keys in a step
     if not INTERPRETED:
+        before = launches.compile_cache_size(kernel)
         kernel[grid](*args, **kwargs)
+        if before is not None and launches.compile_cache_size(kernel) != before:
+            launches.note_compile(launches.kernel_name(kernel))
         return
     was_enabled = gc.isenabled()
     gc.disable()

@@ -57,6 +57,7 @@ from optimized.ops.cross_entropy_kernels import (
 __all__ = [
     "VALID_REDUCTIONS",
     "FusedCrossEntropy",
+    "aligned_target",
     "LossOptions",
     "check_inputs",
     "check_targets",
@@ -77,6 +78,16 @@ def check_inputs(logits: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"logits dtype {logits.dtype} is not float32, bfloat16 or float16")
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target dtype {target.dtype} is not int64 or int32")
+
+
+def aligned_target(target: torch.Tensor) -> torch.Tensor:
+    """``target`` contiguous and starting on a 16-byte boundary (a copy of ``tokens x 8``
+    bytes when not). Triton specialises a kernel on its pointers' alignment, and labels are
+    often a view one token into a row (``ids[:, 1:]``): aligned here, the kernels' key is
+    the same whatever view the caller passes, so the one compiled before the first step
+    is the one the step runs (`optimized.ops.precompile`)."""
+    target = target.contiguous()
+    return target if target.data_ptr() % 16 == 0 else target.clone()
 
 
 def check_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> None:
@@ -138,7 +149,7 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, options):
-        target = target.contiguous()
+        target = aligned_target(target)
         check_targets(target, options.ignore_index, logits.shape[1])
         grad_scale = grad_scale_for(target, options)
         losses, z_losses, stats = _losses_and_stats(logits, target, options)
@@ -204,7 +215,7 @@ def cross_entropy(
         loss, z_loss = FusedCrossEntropy.apply(logits, target, options)
     else:
         with torch.no_grad():
-            target = target.contiguous()
+            target = aligned_target(target)
             check_targets(target, options.ignore_index, logits.shape[1])
             grad_scale = grad_scale_for(target, options)
             losses, z_losses, _ = _losses_and_stats(logits, target, options)

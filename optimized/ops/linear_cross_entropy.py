@@ -50,6 +50,7 @@ import torch
 
 from optimized.ops.cross_entropy import (
     LossOptions,
+    aligned_target,
     check_targets,
     grad_scale_for,
     reduce_rows,
@@ -258,7 +259,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, options, chunk_vocab, accumulate_dtype):
         needs = tuple(ctx.needs_input_grad[:2])
-        target = target.contiguous()
+        target = aligned_target(target)
         check_targets(target, options.ignore_index, weight.shape[0])
         grad_scale = grad_scale_for(target, options)
         deferred = options.reduction == "none"

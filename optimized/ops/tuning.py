@@ -11,10 +11,8 @@ so the measured steps run exactly what was tuned; a key missing from the file is
 added. Inside a step the autotuners refuse to time anything
 (`optimized.ops.attention_blocks.benchmark`).
 
-What it leaves to step 1: the kernels that are compiled but not tuned (cross-entropy,
-gather, grouped GEMM, activations) compile at their first call. Compiling is host work and
-needs no device sync, but it takes seconds: the collective limit of the first step is the
-compile limit (`models.runtime.warmup.PhaseLimits`).
+The kernels that are compiled but not tuned (cross-entropy, the grouped GEMM's zero-tail
+kernel, activations) are launched once before the step by `optimized.ops.precompile`.
 
 On the interpreter the attention kernels run one fixed block unless asked for the
 autotuner (``OptimizedOps.attention_blocks = AUTOTUNED``): `pretune` then tunes there too
@@ -73,7 +71,7 @@ def attention_keys(part: torch.nn.Module, micro_batch_size: int, seq_len: int) -
     return sorted(keys, key=repr)
 
 
-def _run(key: AttentionKey, device: torch.device, blocks) -> None:
+def run_attention_key(key: AttentionKey, device: torch.device, blocks) -> None:
     """Forward and backward of one key on dummy tensors (compiles; tunes where asked)."""
     dtype = getattr(torch, key.dtype)
     generator = torch.Generator().manual_seed(0)
@@ -173,7 +171,7 @@ def pretune(
         report["loaded"] = cache.load()
     device = next(part.parameters()).device
     for key in keys:
-        _run(key, device, blocks)
+        run_attention_key(key, device, blocks)
     report["benchmarks"] = sum(BENCHMARKS.values()) - timed
     if cache is not None:
         cache.save()

@@ -13,7 +13,8 @@ import torch
 from models.network import ModelConfig, WeightSource, build_part
 from models.runtime import Layout, OptimizerConfig, ParallelConfig, PipelineRunner, rank_chunks
 from optimized.estimator.config import EstimateConfig
-from optimized.ops import OptimizedOps
+from optimized.ops import OptimizedOps, watch_launches
+from optimized.ops.precompile import precompile
 from optimized.ops.tuning import TuningCache, pretune
 from optimized.pipeline.dualpipev import OptimizedDualPipeV, SummedLinearCrossEntropy
 from optimized.pipeline.partition import choose_partition
@@ -75,6 +76,12 @@ class OptimizedPipeline(PipelineRunner):
     def prepare(self, cache: TuningCache | None = None) -> dict:
         """Before the first step: every attention key of this rank's layers tuned and
         compiled on dummy tensors of the run's shapes, the choices loaded from and saved to
-        ``cache`` when given (`optimized.ops.tuning.pretune`); what it did."""
+        ``cache`` when given (`optimized.ops.tuning.pretune`), then every other Triton kernel
+        of the step launched once on them (`optimized.ops.precompile`); what it did."""
         parallel = self.parallel
-        return pretune(self.part, parallel.micro_batch_size, parallel.seq_len, cache)
+        watch_launches()  # the step's kernels keyed until step 1 is reported
+        done = pretune(self.part, parallel.micro_batch_size, parallel.seq_len, cache)
+        compiled = precompile(self.part, parallel.micro_batch_size, parallel.seq_len,
+                              self.schedule.loss_fn)  # fmt: skip
+        return {**done, "compiled_keys": compiled["keys"],
+                "compile_seconds": compiled["seconds"]}  # fmt: skip

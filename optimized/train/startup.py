@@ -5,6 +5,8 @@
 2. Tune: every attention key of this rank's layers tuned, and so compiled, on dummy tensors
    of its own shapes (`optimized.ops.tuning.pretune`), the choices kept in
    ``<checkpoint.dir>/tuning/rank<r>.json`` (or ``$TWINPIPE_TUNING_DIR``) for the next run.
+   Then every other Triton kernel of the step launched once on such tensors
+   (`optimized.ops.precompile`).
 3. Tighten: every group's collective timeout set to the steps' ``--timeout``.
 
 Each of 1 and 2 runs under ``--setup-timeout`` (`models.runtime.phase_limit`), as does the
@@ -62,6 +64,11 @@ def describe(done: dict[str, Any]) -> str:
         line += (
             f"; {tuned['keys']} attention keys tuned ({tuned['loaded']} choices loaded, "
             f"{tuned['benchmarks']} configurations timed) in {tuned['seconds']:g} s"
+        )
+    if "compiled_keys" in tuned:
+        line += (
+            f"; {tuned['compiled_keys']} other kernel keys launched (compiled on a GPU) in "
+            f"{tuned['compile_seconds']:g} s"
         )
     if "outside_allocator_bytes" in connected:
         line += (

@@ -71,6 +71,7 @@ from models.runtime import (
 )
 from optimized.data.corpus import open_corpus
 from optimized.data.loader import BatchToDevice
+from optimized.ops import first_step_kernels
 from optimized.pipeline import sharding
 from optimized.train import checkpointing, faults
 from optimized.train.checkpoint_weights import TrainingCheckpointWeights
@@ -255,6 +256,8 @@ def train(
                 else:
                     loss = runner.forward_backward_on_device(ids, labels)
             faults.after_backward(fault, step, layout.rank, runner.part)
+            if step == start:  # every kernel launched before it (optimized.ops.precompile)
+                result["kernels_first_in_step"] = first_step_kernels(layout.rank)
             norm_on_device = optimizer.prepare_gradients_on_device()
             z_loss = None
             if cfg.loss.z_loss:
