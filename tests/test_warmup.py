@@ -35,7 +35,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return twinpipe("train", *args, TWINPIPE_RUNNER=REFERENCE_RUNNER)
 
 
-
 def _warm_rank() -> dict:
     layout = make_layout(ParallelConfig(pp=2, dp=2, ep=2, micro_batches=4))
     counter = CommunicationCounter(group_names(layout)).install()
