@@ -19,7 +19,7 @@ import numpy as np
 
 from models.runtime import read_json
 from optimized.data.indexed import DEFAULT_PREFIX, SIDECAR_FILE, IndexedWriter, token_dtype
-from optimized.data.preparation import FORMAT_NAME, FORMAT_VERSION, OLD_INDEX_FILE
+from optimized.data.preparation import OLD_INDEX_FILE, sidecar_header
 
 OLD_TOKENS_FILE = "tokens.bin"
 OLD_FORMAT = ("twinpipe-tokens", 1)
@@ -72,12 +72,7 @@ def convert_old_folder(old: str | os.PathLike, new: str | os.PathLike) -> dict:
             writer.add_documents(block.astype(dtype), np.diff(bounds))
         writer.finalize()
         sidecar = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "prefix": DEFAULT_PREFIX,
-            "dtype": dtype.name,
-            "num_tokens": writer.num_tokens,
-            "num_documents": writer.num_documents,
+            **sidecar_header(writer, dtype),
             "vocab_size": vocab,
             "eod_id": int(index["eod_id"]),
             "tokenizer": index.get("tokenizer"),

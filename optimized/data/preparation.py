@@ -113,6 +113,19 @@ class _Progress:
         self.bar.close()
 
 
+def sidecar_header(writer: IndexedWriter, dtype: np.dtype) -> dict:
+    """The fields every prepared folder's sidecar starts with: the format and what
+    ``writer`` (finalized) wrote; the caller adds the tokenizer and the sources."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "prefix": DEFAULT_PREFIX,
+        "dtype": dtype.name,
+        "num_tokens": writer.num_tokens,
+        "num_documents": writer.num_documents,
+    }
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output {str(out)!r} exists and is not a folder")
@@ -177,12 +190,7 @@ def prepare_data(
             )
         writer.finalize()
         sidecar = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "prefix": DEFAULT_PREFIX,
-            "dtype": dtype.name,
-            "num_tokens": writer.num_tokens,
-            "num_documents": writer.num_documents,
+            **sidecar_header(writer, dtype),
             "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id,
             "tokenizer": tokenizer.describe(),
