@@ -25,6 +25,10 @@ from optimized.data.tokenizers import Tokenizer
 
 BATCH_DOCUMENTS = 512
 BATCH_BYTES = 1 << 20
+IN_FLIGHT_PER_WORKER = 4
+"""Batches submitted ahead per worker. Results are taken in input order, so a worker that
+finishes the batches queued behind a slower one idles until the slow one is taken; four per
+worker (4 MB of text each) keeps every worker busy through that."""
 
 
 def default_workers() -> int:
@@ -126,7 +130,7 @@ def encode_ordered(
     try:
         for numbers, texts, _ in batches(documents):
             pending.append((numbers, pool.submit(_encode_in_worker, texts)))
-            while len(pending) >= 2 * workers:
+            while len(pending) >= IN_FLIGHT_PER_WORKER * workers:
                 done_numbers, future = pending.popleft()
                 yield done_numbers, *future.result()
         while pending:
