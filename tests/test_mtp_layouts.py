@@ -17,11 +17,14 @@ from models.network import SeededWeights, mtp_labels, preset
 from models.runtime import (
     OptimizerConfig,
     ParallelConfig,
+    counted_step,
     launch,
     make_layout,
     moe_routers,
     synthetic_batch,
 )
+from optimized.estimator import EstimateConfig
+from optimized.estimator.communication import predict_traffic
 from optimized.pipeline import OptimizedPipeline
 from optimized.pipeline.sharding import apply_fsdp, forward_backward
 from optimized.train.optimizer import ShardedAdamW
@@ -111,8 +114,12 @@ def _worker(runs, oracles):
                       for p, _ in module.named_parameters(recurse=False)}  # fmt: skip
             for step, oracle in enumerate(trajectory):
                 ids, labels = synthetic_batch(cfg, parallel, step)
-                if fsdp:
-                    loss = forward_backward(pipe, pipe.optimizer, sharded, ids, labels)
+                traffic = None
+                if fsdp:  # FSDP2's own collectives counted, for the traffic estimator
+                    steps: list = []
+                    with counted_step(layout, steps):
+                        loss = forward_backward(pipe, pipe.optimizer, sharded, ids, labels)
+                    traffic = _fsdp_figures(steps[0])
                 else:
                     loss = pipe.forward_backward(ids, labels)
                 mtp = pipe.mtp_values()
@@ -145,9 +152,25 @@ def _worker(runs, oracles):
                     load_equal=load_equal, bias=bias, layers=list(routers),
                     mtp_grads=[n for n in dict(pipe.part.named_parameters())
                                if n.startswith(f"model.layers.{layers}.")],
-                    mtp_sharded=fsdp_names,
+                    mtp_sharded=fsdp_names, traffic=traffic,
+                    rank=layout.pp_rank * parallel.dp + layout.dp_rank,
                 ))  # fmt: skip
     return out
+
+
+def _fsdp_figures(counts) -> dict:
+    """``(kind, group) -> (calls, sent, received)`` of FSDP2's all-gathers and
+    reduce-scatters."""
+    return {key: (t.calls, t.sent, t.received) for key, t in counts.items()
+            if key[0] in ("all_gather", "reduce_scatter")}  # fmt: skip
+
+
+def _estimate(case: str, layers: int, parallel: ParallelConfig) -> EstimateConfig:
+    return EstimateConfig(
+        _config(case, layers), pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+        micro_batch_size=parallel.micro_batch_size, seq_len=parallel.seq_len,
+        num_microbatches=parallel.micro_batches, fsdp=True, shard_optimizer=True,
+    )  # fmt: skip
 
 
 def moe_routers_of(cfg) -> list[int]:
@@ -179,8 +202,13 @@ def test_every_layout_and_stack_is_the_oracle(world):
     for r in results:
         where = r["where"]
         seen.add((*where[:5], where[-1]))
-        if where[-1] and r["mtp_grads"]:  # FSDP2: every MTP parameter sharded (DP2 EP1)
-            assert r["mtp_sharded"] == sorted(r["mtp_grads"]), (where, r["mtp_sharded"])
+        if where[-1]:
+            if r["mtp_grads"]:  # FSDP2: every MTP parameter sharded (DP2 EP1)
+                assert r["mtp_sharded"] == sorted(r["mtp_grads"]), (where, r["mtp_sharded"])
+            # Its gathers and reductions as the traffic estimator predicts them: one of each
+            # per unit, the MTP layer's included, the head the MTP module reruns too.
+            predicted = predict_traffic(_estimate(*where[:2], _parallel(*where[2:5])), r["rank"])
+            assert r["traffic"] == _fsdp_figures(predicted), (where, r["rank"])
         oracle, pipe = r["loss"]
         assert abs(pipe - oracle) <= LOSS_REL * abs(oracle), (where, oracle, pipe)
         mtp_o, mtp_p = r["mtp"]
