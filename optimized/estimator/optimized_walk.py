@@ -53,7 +53,7 @@ def estimate_rank_optimized(
     optimizer = 0 if config.first_step else state_bytes
     chunk_layers = [list(partition[s]) for s in stages]
     rank_layers = [x for c in chunk_layers for x in c]
-    weights += buffer_bytes(config, rank_layers)
+    weights += buffer_bytes(config, rank_layers, mtp=rank == 0)
     held = batch_bytes(config, rank_layers)  # the batch and the step's balancing state
     # The pooled loss's counts of a micro-batch on a chunk, and its totals.
     stats, totals = pooled_stats_bytes(config), pooled_totals_bytes(config)
@@ -94,7 +94,10 @@ def estimate_rank_optimized(
     # whole until the loss stage's last backward reduces them (``grad_sync="step"``), this
     # rank's rows with ``micro-batch``, routed experts this EP rank's. Its backward also
     # adds into the embedding's gradient, before chunk 0's first backward does.
-    mtp = config.mtp_layers * (sum(item.nbytes for item in mtp_depth_saved(config)) + head)
+    # ``head`` counts the depth's ``shared_head.norm`` as the main head's final norm (the fused
+    # loss keeps no copy of its input), so the depth's own count of that norm is left out.
+    depth = [i for i in mtp_depth_saved(config) if not i.name.startswith("mtp.shared_head.")]
+    mtp = config.mtp_layers * (sum(item.nbytes for item in depth) + head)
     mtp_numel = mtp_params(config).scaled(config.mtp_layers).numel
     mtp_dense = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
     mtp_grad = -(-mtp_dense // grad_divisor(config))
