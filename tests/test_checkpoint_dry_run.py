@@ -71,10 +71,11 @@ def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
     one rank; a rank also reads the scale rows its rows need, so a 128-row block cut by an
     FSDP2 boundary has its scales read by both ranks, and each DP rank of a stage reads its
     layers' expert biases (buffers, not sharded). The MTP layer (on pp-rank 0, with the
-    head) is read like a main layer, except that FSDP2 does not shard its non-expert
-    parameters today (`optimized.pipeline.fsdp_modules`): each DP rank of pp-rank 0 reads
-    them whole. Its copies of the embedding and the head are read by no rank (the parent's
-    check reads them, `models.hf.mtp_copies`). That, and nothing else, is read twice."""
+    head) is read like a main layer: FSDP2 shards its non-expert parameters over pp-rank
+    0's 8 DP ranks (`optimized.pipeline.fsdp_modules`), EP its experts, so each of its rows
+    is read once. Its copies of the embedding and the head are read by no rank (the
+    parent's check reads them, `models.hf.mtp_copies`). That, and nothing else, is read
+    twice."""
     report = dry_run_report("deepseek-v3", pp=4, dp=8, ep=8, partition="even", tensors=True)
     assert report["format"] == "bf16 + FP8 linear weights"
     assert report["checkpoint_bytes"] == DEEPSEEK_V3_FP8_BYTES
@@ -91,8 +92,7 @@ def test_the_ranks_read_deepseek_v3_fp8_once_but_shared_scale_rows():
             on_disk[read["tensor"]] += read["bytes"]
     duplicated = 0
     for name, pieces in rows.items():
-        replicated = name.startswith("model.layers.61.") and ".mlp.experts." not in name
-        if name.endswith("e_score_correction_bias") or replicated:
+        if name.endswith("e_score_correction_bias"):
             assert sorted(pieces) == [(0, whole[name][0])] * 8, name  # every DP rank of its stage
             duplicated += on_disk[name] * 7 // 8
             continue

@@ -1,6 +1,8 @@
 """The estimator with DeepSeek-V3's MTP layer (`models.network.mtp`): on pp-rank 0 (the loss
 stage) its parameters, gradients and optimizer state, and each depth's activations; its
-MoE all-to-all counted like any MoE layer's, its parameters off FSDP2 all-reduced."""
+MoE all-to-all counted like any MoE layer's; at DP > 1 its FSDP2 units sharded, gathered
+and reduced as `optimized.pipeline.sharding` runs them (tests/test_mtp_layouts.py holds the
+traffic against a counted run)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from models.network import CausalLM, preset
 from optimized.estimator import EstimateConfig, estimate
 from optimized.estimator.activations import mtp_depth_saved
 from optimized.estimator.communication import predict_traffic
+from optimized.estimator.sharded_step import unit_groups
 
 
 def _config(depths: int, **fields) -> EstimateConfig:
@@ -18,22 +21,29 @@ def _config(depths: int, **fields) -> EstimateConfig:
     return EstimateConfig(model, num_microbatches=2 * fields.get("pp", 1), seq_len=32, **fields)
 
 
-def _mtp_numel() -> int:
-    """The MTP layer's parameters as our model builds them (layer 4 of tiny-deepseek-v3)."""
+def _mtp_numel(experts: bool = True) -> int:
+    """The MTP layer's parameters as our model builds them (layer 4 of tiny-deepseek-v3);
+    ``experts`` False: without its routed experts."""
     with torch.device("meta"):
         model = CausalLM(preset("tiny-deepseek-v3", num_mtp_layers=1))
-    return sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers.4."))
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers.4.")
+               and (experts or ".mlp.experts." not in n))  # fmt: skip
 
 
 def test_memory_moves_by_the_mtp_layer_on_pp_rank_0_only():
-    """Weights and gradients by the layer's parameters exactly, AdamW's two moments at least
-    twice that; the loss forward's rise by at most a depth's saved tensors (eh_proj's
-    [tokens, 2H] input, the decoder layer, the shared head's norm) and its head's kept
-    state; the other rank unmoved."""
+    """Weights by the layer's parameters and buffers (its rotary table and expert bias, 80
+    bytes here: as a measured run holds them), gradients by its parameters exactly, AdamW's
+    two moments at least twice that; the loss forward's rise by at most a depth's saved
+    tensors (eh_proj's [tokens, 2H] input, the decoder layer, the shared head's norm) and
+    its head's kept state; the other rank unmoved."""
     plain, mtp = estimate(_config(0, pp=2)), estimate(_config(1, pp=2))
     numel = _mtp_numel()
     zero, one = plain["ranks"][0], mtp["ranks"][0]
-    assert one["weights_bytes"] - zero["weights_bytes"] == numel * 4
+    with torch.device("meta"):
+        model = CausalLM(preset("tiny-deepseek-v3", num_mtp_layers=1))
+    buffers = sum(b.numel() * 4 for n, b in model.named_buffers() if ".layers.4." in n)
+    assert buffers == 80
+    assert one["weights_bytes"] - zero["weights_bytes"] == numel * 4 + buffers
     assert one["gradients_bytes"] - zero["gradients_bytes"] == numel * 4
     assert one["optimizer_bytes"] - zero["optimizer_bytes"] >= 2 * numel * 4
     assert mtp["params"]["total"] - plain["params"]["total"] == numel
@@ -57,16 +67,59 @@ def test_memory_moves_by_the_mtp_layer_on_pp_rank_0_only():
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_traffic_counts_the_mtp_layers_exchanges(fsdp):
     """At PP2 DP2 EP2 pp-rank 0 exchanges one more MoE layer's all-to-all per micro-batch
-    (5 calls: the counts, dispatch and combine, and their backwards); pp-rank 1 none more;
-    the MTP layer's gradients are all-reduced over DP (off FSDP2)."""
+    (5 calls: the counts, dispatch and combine, and their backwards); pp-rank 1 none more.
+    Plain, the MTP layer's gradients are all-reduced over DP; under FSDP2 its units (the
+    non-expert modules: EP = DP keeps the experts whole) are gathered and reduce-scattered
+    once a step, and the all-reduce grows only by one more router's expert-bias load."""
     fields = dict(pp=2, dp=2, ep=2, fsdp=fsdp)
+    model = preset("tiny-deepseek-v3")
+    numel = _mtp_numel(experts=False)
+    with torch.device("meta"):
+        built = CausalLM(preset("tiny-deepseek-v3", num_mtp_layers=1))
+    half_rows = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0])
+                    for n, p in built.named_parameters()
+                    if n.startswith("model.layers.4.") and ".mlp.experts." not in n)  # fmt: skip
     for rank, more in ((0, 1), (2, 0)):
         plain = predict_traffic(_config(0, **fields), rank)
         mtp = predict_traffic(_config(1, **fields), rank)
         calls = mtp[("all_to_all", "ep")].calls - plain[("all_to_all", "ep")].calls
         assert calls == more * 5 * 4, rank
         reduced = mtp[("all_reduce", "dp")].sent - plain[("all_reduce", "dp")].sent
-        assert (reduced > 0) == bool(more), rank
+        if not fsdp:
+            assert reduced == more * (numel * 4 + model.num_experts * 8), rank  # + bias load
+            continue
+        assert reduced == more * model.num_experts * 8, rank  # the bias load (int64)
+        for kind in ("all_gather", "reduce_scatter"):
+            # This rank sends its half of each unit's rows (rounded up), once a step, in
+            # float32, and nothing for the experts.
+            grew = mtp[(kind, "dp")].sent - plain[(kind, "dp")].sent
+            assert grew == more * half_rows * 4, (kind, rank)
+
+
+def test_fsdp_shards_the_mtp_layer_as_it_runs():
+    """PP2 DP2 EP1 with FSDP2 (its defaults: reduced once a step, gathered from the loss
+    stage's first forward to its last backward): pp-rank 0's weights grow by the MTP
+    layer's half rows (its shard, 1/DP, experts over their 2 replicas too) plus the whole
+    layer gathered at the peak, 1.5 x its 514,528 bytes = 771,792; with reshard-after-
+    forward by the shard alone. Its gradients are whole at the peak (accumulated until the
+    loss stage's last backward), its AdamW moments half (plus a step per tensor), and after
+    the step every gradient is this rank's half."""
+    numel = _mtp_numel()
+    layout = dict(pp=2, dp=2, ep=1, fsdp=True)
+    for reshard, gathered in ((False, numel), (True, 0)):
+        fields = dict(layout, reshard_after_forward=reshard)
+        plain, mtp = estimate(_config(0, **fields)), estimate(_config(1, **fields))
+        zero, one = plain["ranks"][0], mtp["ranks"][0]
+        grew = one["weights_bytes"] - zero["weights_bytes"] - 80  # its buffers, whole
+        assert grew == (numel // 2 + gathered) * 4, reshard
+        assert one["gradients_bytes"] - zero["gradients_bytes"] == numel * 4, reshard
+        assert one["optimizer_bytes"] - zero["optimizer_bytes"] == 2 * numel // 2 * 4 + 19 * 4
+        assert one["all_gradients_bytes"] - zero["all_gradients_bytes"] == numel // 2 * 4
+        for key in ("weights_bytes", "gradients_bytes", "activation_bytes", "peak_bytes"):
+            assert mtp["ranks"][1][key] == plain["ranks"][1][key], key
+    # The FSDP2 unit groups hold the layer: non-expert rows over DP, experts over replicas.
+    groups = unit_groups(_config(1, **layout), [0, 3], True)
+    assert groups["dense.4"].sharded_grads + groups["experts.4"].sharded_grads == numel // 2 * 4
 
 
 def test_plan_counts_the_mtp_layer(tmp_path, capsys):

@@ -129,8 +129,8 @@ def _sharded_build_worker(cases):
     from optimized.pipeline.sharding import apply_fsdp, held_rows
 
     out = []
-    for name, ep in cases:
-        config = preset(name)
+    for name, ep, fields in cases:
+        config = preset(name, **fields)
         layout = make_layout(ParallelConfig(pp=1, dp=2, ep=ep, micro_batches=2))
         source = Recording(SeededWeights(config, 4))
 
@@ -155,19 +155,27 @@ def _sharded_build_worker(cases):
 def test_fsdp_on_meta_reads_exactly_the_planned_rows():
     """FSDP2 applied to the meta part (DP=2; EP=1, experts over 2 replicas, and EP=2):
     each rank reads once, for every parameter, exactly the rows `held_rows` plans without a
-    process group (the dry run's figures), and holds those rows of the whole model."""
+    process group (the dry run's figures), and holds those rows of the whole model; the
+    MTP layer's (tiny-deepseek-v3, D = 1) as a main layer's."""
     from models.runtime import launch
 
-    cases = [("tiny-gpt-oss", 1), ("tiny-deepseek-v2", 2)]
+    cases = [("tiny-gpt-oss", 1, {}), ("tiny-deepseek-v2", 2, {}),
+             ("tiny-deepseek-v3", 1, {"num_mtp_layers": 1})]  # fmt: skip
     per_rank = launch(_sharded_build_worker, 2, (cases,))
-    for index, (name, _) in enumerate(cases):
-        whole = build_model(preset(name), seed=4).state_dict()
+    for index, (name, _, fields) in enumerate(cases):
+        whole = build_model(preset(name, **fields), seed=4).state_dict()
         total = 0
         for rank in per_rank:
             plan, calls, held = rank[index]
-            assert calls == {n: rows for n, rows in plan.items() if rows[1]}, name
+            # Read too: DeepSeek-V3's expert biases, buffers (whole on every rank).
+            params = {n: rows for n, rows in calls.items() if not n.endswith("correction_bias")}
+            assert params == {n: rows for n, rows in plan.items() if rows[1]}, name
             for param_name, (start, count) in plan.items():
                 assert torch.equal(held[param_name], whole[param_name][start : start + count])
                 total += held[param_name].numel()
         # EP and FSDP2 together: every element of the model is held once over the 2 ranks.
-        assert total == sum(t.numel() for t in whole.values()), name
+        params = [t for n, t in whole.items() if not n.endswith("correction_bias")]
+        assert total == sum(t.numel() for t in params), name
+    plan = per_rank[1][2][0]  # rank 1's rows of tiny-deepseek-v3: the second half of each
+    mtp = {n: rows for n, rows in plan.items() if n.startswith("model.layers.4.")}
+    assert len(mtp) > 10 and all(start > 0 for start, _ in mtp.values()), mtp

@@ -35,8 +35,10 @@ all-reduce) and a ``step_load`` asked without the expert bias are not counted.
 - **FSDP2** (``fsdp``, `optimized.pipeline.sharding`): the units are each layer's two norms
   and attention, its dense MLP or router and shared experts, the embedding, the final norm
   and the output layer over ``dp``, the routed experts over ``expert_replica`` (only where
-  that group has > 1 rank); a unit's all-gather moves its parameters' padded dim-0 shards
-  (``ceil(rows / n)`` rows each), its reduce-scatter ``n`` such shards of gradient. With
+  that group has > 1 rank); each MTP layer's like a layer's, with its ``enorm``, ``hnorm``,
+  ``eh_proj`` and ``shared_head.norm``, in pp-rank 0's loss stage (chunk 1); a unit's
+  all-gather moves its parameters' padded dim-0 shards (``ceil(rows / n)`` rows each), its
+  reduce-scatter ``n`` such shards of gradient. With
   ``reshard_after_forward`` a unit is gathered for each forward and each backward (2 M a
   step), without it once a step. With ``grad_sync="step"`` each unit is reduced once a step
   (`optimized.estimator.sync_marks`); with ``micro-batch`` after every backward that leaves
@@ -121,6 +123,13 @@ class Unit:
     def __init__(self, shapes, group: str, size: int, chunk: int, experts: bool) -> None:
         self.shapes, self.group, self.size, self.chunk = shapes, group, size, chunk
         self.experts = experts
+        self.calls = 2
+        """Forward and backward calls of the module per micro-batch (each gathers it with
+        ``reshard_after_forward``): 2, more where the MTP module runs it again."""
+        self.also: int | None = None
+        """The other chunk whose backwards also give it a gradient (the embedding, which the
+        MTP module runs in the loss stage, chunk 1), reduced after each with
+        ``micro-batch``."""
 
     def shard_numel(self, which=None) -> int:
         """Elements of this rank's padded shards (``which``: indices of the parameters)."""
@@ -144,12 +153,21 @@ def fsdp_units(config: EstimateConfig, part, chunks, pp_rank: int) -> list[Unit]
     tied = config.model.tie_word_embeddings
     units: list[Unit] = []
 
-    def add(module, chunk, group="dp", size=dp, experts=False):
-        if module is not None and size > 1:
-            units.append(Unit(_shapes(module), group, size, chunk, experts))
+    def add(module, chunk, group="dp", size=dp, experts=False) -> Unit | None:
+        if module is None or size == 1:
+            return None
+        units.append(Unit(_shapes(module), group, size, chunk, experts))
+        return units[-1]
+
+    depths = len(part.mtp_layers)  # pp-rank 0: each depth runs the embedding and the head
+
+    def again(unit: Unit | None, calls: int, also: int | None = None) -> None:
+        if unit is not None and depths:
+            unit.calls += calls
+            unit.also = also
 
     if pp_rank == 0 and not tied:
-        add(part.model.embed_tokens, 0)
+        again(add(part.model.embed_tokens, 0), 2 * depths, 1)
     for chunk, layers in enumerate(chunks):
         for index in layers:
             layer = part.layer(index)
@@ -162,9 +180,20 @@ def fsdp_units(config: EstimateConfig, part, chunks, pp_rank: int) -> list[Unit]
             add(layer.mlp.shared_experts, chunk)
             add(layer.mlp.experts, chunk, "expert_replica", replicas, experts=True)
     if pp_rank == 0:
-        add(part.model.norm, 1)
-        if not tied:
-            add(part.lm_head, 1)
+        again(add(part.model.norm, 1), 2)  # h^0, forward and backward
+        if not tied:  # each depth's loss (forward, backward) and top-1 (forward)
+            again(add(part.lm_head, 1), 3 * depths)
+    for layer in part.mtp_layers:  # pp-rank 0's loss stage: complete at its backward
+        for module in (layer.enorm, layer.hnorm, layer.eh_proj, layer.input_layernorm,
+                       layer.self_attn, layer.post_attention_layernorm):  # fmt: skip
+            add(module, 1)
+        if not layer.is_moe:
+            add(layer.mlp, 1)
+        else:
+            add(layer.mlp.router_module, 1)
+            add(layer.mlp.shared_experts, 1)
+            add(layer.mlp.experts, 1, "expert_replica", replicas)
+        add(layer.shared_head.norm, 1)
     return units
 
 
@@ -280,6 +309,8 @@ def _micro_batch_reductions(config: EstimateConfig, units, pp_rank: int, counts:
         defer = action.deferred and config.stack == "optimized"
         for unit in units:
             if unit.chunk != chunk:
+                if unit.also == chunk:
+                    _reduce_scatter(config, unit, counts)
                 continue
             if not unit.experts or not defer or pending[chunk]:
                 _reduce_scatter(config, unit, counts)
@@ -298,8 +329,8 @@ def _micro_batch_reductions(config: EstimateConfig, units, pp_rank: int, counts:
 
 
 def _fsdp(config: EstimateConfig, units: list[Unit], pp_rank: int, counts: Counts) -> None:
-    gathers = 2 * config.num_microbatches if config.reshard_after_forward else 1
     for unit in units:
+        gathers = unit.calls * config.num_microbatches if config.reshard_after_forward else 1
         moved = (unit.size - 1) * unit.shard_numel() * config.param_bytes
         _add(counts, "all_gather", unit.group, moved, moved, gathers)
     if config.grad_sync == "step":
@@ -328,13 +359,10 @@ def _off_fsdp(config: EstimateConfig, part, counts: Counts) -> None:
 
 
 def _tied(config: EstimateConfig, name: str) -> bool:
-    """A parameter kept off FSDP2 although its group has > 1 rank: the tied embedding, and
-    the MTP layers' (`optimized.pipeline.fsdp_modules` does not shard them today)."""
-    m = config.model
-    first_mtp = m.num_hidden_layers
-    mtp = any(name.startswith(f"model.layers.{first_mtp + k}.") for k in range(m.num_mtp_layers))
-    tied = m.tie_word_embeddings
-    return mtp or tied and (name.startswith("model.embed_tokens.") or name.startswith("lm_head."))
+    """A parameter kept off FSDP2 although its group has > 1 rank: the tied embedding (and
+    output layer)."""
+    tied = config.model.tie_word_embeddings
+    return tied and (name.startswith("model.embed_tokens.") or name.startswith("lm_head."))
 
 
 # ------------------------------------------------------------------ the API

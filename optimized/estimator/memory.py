@@ -315,13 +315,16 @@ def rank_params(config: EstimateConfig, stages: tuple[int, int], partition) -> P
     return count
 
 
-def buffer_bytes(config: EstimateConfig, layers) -> int:
+def buffer_bytes(config: EstimateConfig, layers, mtp: bool = False) -> int:
     """Non-parameter buffers the registered modules hold: each attention's rotary
     ``inv_freq`` (half the rotary width), in float32 whatever the run dtype, as transformers
     keeps it (`models.network.layers._init_rope_buffer`), and with the expert bias on each
-    MoE router's float32 ``e_score_correction_bias``."""
+    MoE router's float32 ``e_score_correction_bias``; ``mtp``: the MTP layers' too (the
+    rank holding the head), each of the last layer's kind."""
     m, layers = config.model, list(layers)
     rotary = m.qk_rope_head_dim if m.is_deepseek else m.head_dim
+    if mtp:
+        layers += [m.num_hidden_layers - 1] * config.mtp_layers
     return len(layers) * (rotary // 2) * F32 + bias_buffer_bytes(config, layers)
 
 

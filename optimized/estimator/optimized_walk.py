@@ -53,7 +53,7 @@ def estimate_rank_optimized(
     optimizer = 0 if config.first_step else state_bytes
     chunk_layers = [list(partition[s]) for s in stages]
     rank_layers = [x for c in chunk_layers for x in c]
-    weights += buffer_bytes(config, rank_layers)
+    weights += buffer_bytes(config, rank_layers, mtp=rank == 0)
     held = batch_bytes(config, rank_layers)  # the batch and the step's balancing state
     # The pooled loss's counts of a micro-batch on a chunk, and its totals.
     stats, totals = pooled_stats_bytes(config), pooled_totals_bytes(config)
@@ -89,12 +89,20 @@ def estimate_rank_optimized(
     head += th + 8
     fused_loss = fused_loss_transient(config)
     # Each MTP depth (`models.network.mtp`, after the head in the loss stage) keeps its
-    # layers' saved tensors and its own head's, as the main head does, to the backward; its
-    # parameters are off FSDP2, so its gradients are whole (routed experts: this rank's).
-    mtp = config.mtp_layers * (sum(item.nbytes for item in mtp_depth_saved(config)) + head)
+    # layers' saved tensors and its own head's, as the main head does, to the backward. Its
+    # parameters are FSDP2 units like a layer's (`optimized.pipeline.sharding`): gradients
+    # whole until the loss stage's last backward reduces them (``grad_sync="step"``), this
+    # rank's rows with ``micro-batch``, routed experts this EP rank's. Its backward also
+    # adds into the embedding's gradient, before chunk 0's first backward does.
+    # ``head`` counts the depth's ``shared_head.norm`` as the main head's final norm (the fused
+    # loss keeps no copy of its input), so the depth's own count of that norm is left out.
+    depth = [i for i in mtp_depth_saved(config) if not i.name.startswith("mtp.shared_head.")]
+    mtp = config.mtp_layers * (sum(item.nbytes for item in depth) + head)
     mtp_numel = mtp_params(config).scaled(config.mtp_layers).numel
-    mtp_grad = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
-    mtp_grad = (mtp_grad + mtp_numel["routed_experts"] // config.ep) * config.grad_bytes
+    mtp_dense = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
+    mtp_grad = -(-mtp_dense // grad_divisor(config))
+    mtp_grad += -(-(mtp_numel["routed_experts"] // config.ep) // grad_divisor(config, True))
+    mtp_grad *= config.grad_bytes
     state = FsdpWalkState() if config.fsdp else WalkState()
     fsdp = FsdpWalk(
         config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
@@ -216,6 +224,11 @@ def estimate_rank_optimized(
             state.activations -= head + mtp + (head_weight if mb or sharded_head else 0)
             if mtp:
                 state.grad((chunk, "mtp"), mtp_grad)
+                if (0, "embedding") in state.created:  # the table's gradient, added in
+                    state.moment(embedding_backward_bytes(config) + fsdp.running("embedding"))
+                state.grad((0, "embedding"), embedding_grad_bytes(config))
+                for group in fsdp.mtp_groups:
+                    fsdp.done(state, chunk, group)
             state.activations += th  # head_input.grad
             if sharded_head:  # FSDP2 shards dim 0, rows rounded up
                 rows = -(-m.vocab_size // head_divisor)

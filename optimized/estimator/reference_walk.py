@@ -39,7 +39,7 @@ def estimate_rank_reference(
     # The first step's forward and backward run before AdamW has created its state.
     optimizer = 0 if config.first_step else state_bytes
     layers = [layer for s in dict.fromkeys(stages) for layer in partition[s]]
-    weights += buffer_bytes(config, layers)
+    weights += buffer_bytes(config, layers, mtp=config.num_stages - 1 in stages)
     held = batch_bytes(config, layers)  # the batch and the step's balancing state
     # The pooled loss's counts of a micro-batch on a chunk, and its totals: held by the
     # micro-batch's balance until its backward ends, and by a pending send to the step's end.

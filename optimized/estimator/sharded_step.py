@@ -53,9 +53,9 @@ class SliceBytes(NamedTuple):
 def part_parameters(config: EstimateConfig, layers: list[int], first: bool) -> list:
     """``(name, shape)`` of this pp-rank's part in `named_parameters` order, as the runner
     builds it (`models.network.CausalLM`: the embedding, the layers of chunk 0 then chunk 1,
-    the final norm and the output layer, the embedding and the head on pp-rank 0 only; an
-    output layer tied to the embedding is the same parameter); each layer's from a
-    meta-device `DecoderLayer` (no storage), built once per process."""
+    the MTP layers, the final norm and the output layer, all but the layers on pp-rank 0
+    only; an output layer tied to the embedding is the same parameter); each layer's from a
+    meta-device `DecoderLayer` or `MTPLayer` (no storage), built once per process."""
     key = ("part_parameters", tuple(layers), first)
     if key not in config.cache:
         m = config.model
@@ -67,6 +67,8 @@ def part_parameters(config: EstimateConfig, layers: list[int], first: bool) -> l
         for layer in layers:
             out += _layer_parameters(model_key, layer, config.ep)
         if first:
+            for depth in range(1, config.mtp_layers + 1):  # the MTP layers, with the head
+                out += _layer_parameters(model_key, m.num_hidden_layers + depth - 1, config.ep)
             out.append(("model.norm.weight", (m.hidden_size,)))
             if not m.tie_word_embeddings:
                 out.append(("lm_head.weight", (m.vocab_size, m.hidden_size)))
@@ -81,10 +83,14 @@ _MODELS: dict = {}
 def _layer_parameters(model_key: str, layer: int, ep: int) -> tuple:
     import torch  # noqa: PLC0415
 
-    from models.network import DecoderLayer, ExpertParallel  # noqa: PLC0415
+    from models.network import DecoderLayer, ExpertParallel, MTPLayer  # noqa: PLC0415
 
+    model, ep_of = _MODELS[model_key], ExpertParallel(None, 0, ep)
     with torch.device("meta"):
-        built = DecoderLayer(_MODELS[model_key], layer, ExpertParallel(None, 0, ep))
+        if layer >= model.num_hidden_layers:  # an MTP depth (`models.network.mtp`)
+            built = MTPLayer(model, layer - model.num_hidden_layers + 1, ep_of)
+        else:
+            built = DecoderLayer(model, layer, ep_of)
     prefix = f"model.layers.{layer}."
     return tuple((prefix + name, tuple(p.shape)) for name, p in built.named_parameters())
 
@@ -258,6 +264,13 @@ class FsdpWalk:
         first = rank == 0
         layers = [*chunk_layers[0], *chunk_layers[1]]
         self.groups = unit_groups(config, layers, first) if config.fsdp else {}
+        mtp = range(
+            config.model.num_hidden_layers, config.model.num_hidden_layers + config.mtp_layers
+        )
+        self.mtp_groups = [f"{kind}.{layer}" for layer in (mtp if first else ())
+                           for kind in ("dense", "experts")]  # fmt: skip
+        """The MTP layers' groups (pp-rank 0's loss stage, chunk 1): their gradients,
+        experts' included, are complete at the loss stage's backward (nothing deferred)."""
         self.chunk_layers = chunk_layers
         self.marks = marks
         self.forwards = [0, 0]
@@ -271,6 +284,8 @@ class FsdpWalk:
                  for kind in ("dense", "experts")]  # fmt: skip
         if first:
             names.append("embedding" if chunk == 0 else "head")
+        if first and chunk == 1:
+            names += self.mtp_groups
         return [n for n in names if n in self.groups]
 
     def begin(self, state, first: bool) -> None:

@@ -23,7 +23,15 @@ by the schedule and sets, per unit, right before the chunk's backward:
   the micro-batches' expert weight gradients, the W steps' included;
 - with ``reshard_after_forward`` off, ``set_reshard_after_backward(last)``: parameters
   are all-gathered at a unit's first forward and stay gathered until its last backward,
-  one all-gather per unit per step instead of one per forward and one per backward.
+  one all-gather per unit per step instead of one per forward and one per backward;
+- a unit of one chunk that the other chunk's backward also runs (``ChunkUnits.shared``:
+  the embedding, which the MTP module runs in pp-rank 0's loss stage) neither syncs nor
+  reshards there: its own chunk's last backward, which comes later, does both;
+- a unit that one micro-batch's pass runs more than once (``ChunkUnits.repeated``: with
+  the MTP module, the loss stage's final norm and output layer) would have its hooks
+  reduce-scatter at each use's post-backward, and, once resharded by the first, gather
+  again for the next: it neither syncs nor reshards inside the backward, and `flush`
+  reduces it once after (`reduce_unit`), resharding it after the chunk's last backward.
 
 ``grad_sync="micro-batch"`` keeps FSDP2's default (a reduction after every backward) and
 reduces the W steps' leftovers at the end (`reduce_pending_gradients`),
@@ -51,6 +59,15 @@ class ChunkUnits(NamedTuple):
     """Everything whose gradients are complete at the chunk's backward."""
     experts: list[FSDPModule]
     """The routed experts, whose weight gradients a zero-bubble backward defers to W."""
+    shared: list[FSDPModule] = []
+    """Units of the other chunk that this chunk also runs, and whose gradients the other
+    chunk's last backward reduces (the embedding, run by the MTP module in pp-rank 0's loss
+    stage, chunk 1: its chunk 0's last backward comes after every backward of chunk 1)."""
+    repeated: list[FSDPModule] = []
+    """Units of this chunk (among ``dense``) that one micro-batch's pass runs more than once
+    (with the MTP module, the loss stage's final norm and output layer: the main loss's and
+    each depth's): their hooks would reduce and reshard at each use, so the sync does both
+    once, after the backward."""
 
 
 def chunk_units(part: nn.Module, chunks: tuple[list[int], list[int]], pp_rank: int) -> tuple:
@@ -67,14 +84,24 @@ def chunk_units(part: nn.Module, chunks: tuple[list[int], list[int]], pp_rank: i
             layer = part.layer(index)
             for name, module in layer.named_modules():
                 (experts if name == "mlp.experts" else dense).append(module)
+        shared: list[nn.Module] = []
+        repeated: list[nn.Module] = []
         if pp_rank == 0 and chunk == 1:
-            dense += [getattr(part.model, "norm", None), getattr(part, "lm_head", None)]
-        out.append(
-            ChunkUnits(
-                [m for m in dense if isinstance(m, FSDPModule)],
-                [m for m in experts if isinstance(m, FSDPModule)],
-            )
-        )
+            head = [getattr(part.model, "norm", None), getattr(part, "lm_head", None)]
+            dense += head
+            # The MTP layers: complete at the backward (their experts run on the part's
+            # ops, which defer nothing to W); they run the head again, and chunk 0's
+            # embedding.
+            for layer in getattr(part, "mtp_layers", []):
+                dense += list(layer.modules())
+            if getattr(part, "mtp_layers", []):
+                shared.append(getattr(part.model, "embed_tokens", None))
+                repeated += head
+
+        def units(modules: list) -> list[FSDPModule]:
+            return [m for m in modules if isinstance(m, FSDPModule)]
+
+        out.append(ChunkUnits(units(dense), units(experts), units(shared), units(repeated)))
     return tuple(out)
 
 
@@ -136,6 +163,9 @@ class GradientSync:
         self.weights = 0
         self.reductions = 0
         """Explicit reductions after W steps in the last step (tests)."""
+        self.pending: list[tuple[FSDPModule, bool]] = []
+        """``(unit, reshard)``: repeated or shared units the last backward left to reduce
+        (`flush`)."""
 
     def all_units(self) -> list[FSDPModule]:
         return [u for chunk in self.units for u in chunk.dense + chunk.experts]
@@ -147,8 +177,20 @@ class GradientSync:
             unit.reshard()  # a forward-only pass with reshard-after-forward off left it gathered
             unit.set_requires_gradient_sync(self.mode == "micro-batch")
 
+    def flush(self) -> None:
+        """Reduce (and, after their chunk's last backward, reshard) the units the last
+        backward ran more than once, or ran for the other chunk (``micro-batch``): at the
+        rank's next backward or W, or the step's end, whichever comes first."""
+        for unit, reshard in self.pending:
+            if reshard:
+                unit.set_reshard_after_backward(True)
+            if not reduce_unit(unit) and reshard:
+                unit.reshard()
+        self.pending = []
+
     def before_backward(self, chunk: int) -> None:
         """The schedule is about to run a backward of ``chunk``."""
+        self.flush()
         ordinal = self.backwards[chunk]
         self.backwards[chunk] += 1
         last = ordinal == self.marks.last_backward[chunk]
@@ -162,9 +204,22 @@ class GradientSync:
         if not self.reshard_after_forward:
             for unit in units.dense + units.experts:
                 unit.set_reshard_after_backward(last)
+        # Neither reduced nor resharded inside this backward: a repeated unit once after it
+        # (`flush`), a shared one by its own chunk's last backward (``micro-batch``: also
+        # reduced once after this one).
+        for unit in units.repeated + units.shared:
+            unit.set_requires_gradient_sync(False)
+            if not self.reshard_after_forward:
+                unit.set_reshard_after_backward(False)
+        if self.mode == "micro-batch" or last:
+            reshard = last and not self.reshard_after_forward
+            self.pending = [(unit, reshard) for unit in units.repeated]
+        if self.mode == "micro-batch":
+            self.pending += [(unit, False) for unit in units.shared]
 
     def after_weight(self) -> None:
         """The schedule has just run a W step."""
+        self.flush()
         ordinal = self.weights
         self.weights += 1
         if self.mode != "step":
@@ -178,6 +233,7 @@ class GradientSync:
         """After the step's last action: micro-batch mode reduces the W steps' leftovers;
         either mode then checks that no unit holds an unreduced gradient (a wrong mark
         would leave one, to be lost or added into the next step)."""
+        self.flush()
         if self.mode == "micro-batch":
             reduce_pending_gradients(part)
         left = [type(u).__name__ for u in self.all_units() if _has_unsharded_grads(u)]

@@ -71,7 +71,9 @@ class MtpStage:
             summed, _ = part.lm_head.fused_loss(hidden, target, self.loss_fn)
             objective = objective + summed * self.weight(step, k)
             self.losses[k - 1] += summed.detach().float() / step.counts[k - 1]
-            self.correct[k - 1] += top1_correct(hidden.detach(), part.lm_head.weight, target)
+            # Through the output layer's registered method, as the loss: FSDP2 gathers its
+            # weight around the call (with reshard-after-forward it is sharded here).
+            self.correct[k - 1] += part.lm_head.fused_loss(hidden.detach(), target, top1_correct)
         return objective
 
 

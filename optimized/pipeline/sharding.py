@@ -27,7 +27,14 @@ the pipeline part as a whole):
   around it. The fused loss finishes ``grad_weight`` in its forward and hands it to
   autograd in the backward, where it lands in the unsharded ``.grad`` as a plain linear's
   would. With tied embeddings the output layer and the embedding share one weight and
-  stay off FSDP2 (below).
+  stay off FSDP2 (below);
+- the MTP layers (`models.network.mtp`, on pp-rank 0 with the head, run by the loss stage
+  of both stacks): units like a main layer's (`_layer_modules`: its ``enorm``, ``hnorm``,
+  ``eh_proj``, its decoder layer's modules and ``shared_head.norm``), their routed experts
+  over the expert replicas like the main layers'. The embedding and the output layer they
+  run are the main model's own units, registered once; the loss stage's MTP also runs the
+  embedding, a unit of chunk 0 (`gradient_sync.GradientSync` keeps it gathered and
+  unreduced through chunk 1's backwards: chunk 0's last backward comes after them).
 
 Deferred expert weight gradients. A zero-bubble backward (`WeightGradStore`) leaves the
 routed experts' weight gradients to a later W step, whose closure adds them into the
@@ -66,28 +73,40 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-from models.network import CausalLM, is_expert_parameter
+from models.network import CausalLM, MTPLayer, is_expert_parameter
 from models.runtime import Layout, PipelineRunner, micro_batches_of, shared_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
 from optimized.pipeline.gradient_sync import GradientSync, chunk_units
 
 
+def _layer_modules(layer) -> list[nn.Module]:
+    """A decoder layer's non-expert FSDP2 units: its norms, attention, and its dense MLP or
+    its router and shared experts; an MTP layer's also its input norms, its projection and
+    its head's norm (`models.network.mtp.MTPLayer`, each called through its ``forward``)."""
+    modules = [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm]
+    if not layer.is_moe:
+        modules.append(layer.mlp)
+    else:
+        modules.append(layer.mlp.router_module)
+        if layer.mlp.shared_experts is not None:
+            modules.append(layer.mlp.shared_experts)
+    if isinstance(layer, MTPLayer):
+        modules = [layer.enorm, layer.hnorm, layer.eh_proj, *modules, layer.shared_head.norm]
+    return modules
+
+
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
     """The modules FSDP2 shards over the DP group: each is called through its ``forward``
-    (the output layer through its registered ``fused_loss``) by both stacks."""
+    (the output layer through its registered ``fused_loss``) by both stacks. The MTP
+    layers' (pp-rank 0, with the head) are units like a main layer's; the embedding and the
+    output layer they share are the main model's, registered once."""
     modules: list[nn.Module] = []
     backbone = part.model
     tied = part.config.tie_word_embeddings
     if getattr(backbone, "embed_tokens", None) is not None and not tied:
         modules.append(backbone.embed_tokens)
-    for layer in part.decoder_layers:
-        modules += [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm]
-        if not layer.is_moe:
-            modules.append(layer.mlp)
-            continue
-        modules.append(layer.mlp.router_module)
-        if layer.mlp.shared_experts is not None:
-            modules.append(layer.mlp.shared_experts)
+    for layer in part.decoder_layers + part.mtp_layers:
+        modules += _layer_modules(layer)
     if getattr(backbone, "norm", None) is not None:
         modules.append(backbone.norm)
     if getattr(part, "lm_head", None) is not None and not tied:
@@ -95,12 +114,17 @@ def fsdp_modules(part: CausalLM) -> list[nn.Module]:
     return modules
 
 
+def _moe_layers(part: CausalLM) -> list:
+    """The MoE layers of the part, its MTP layers' included."""
+    return [layer for layer in part.decoder_layers + part.mtp_layers if layer.is_moe]
+
+
 def expert_modules(part: CausalLM, layout: Layout) -> list[nn.Module]:
-    """The routed experts of each MoE layer, sharded over the expert replicas; none when
-    there is one replica (EP = DP)."""
+    """The routed experts of each MoE layer (the MTP layers' too), sharded over the expert
+    replicas; none when there is one replica (EP = DP)."""
     if layout.dp // layout.ep == 1:
         return []
-    return [layer.mlp.experts for layer in part.decoder_layers if layer.is_moe]
+    return [layer.mlp.experts for layer in _moe_layers(part)]
 
 
 def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple[int, int]]:
@@ -116,10 +140,9 @@ def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple
         for module in fsdp_modules(part):
             over.update({id(p): (dp, dp_rank) for p in module.parameters()})
         if dp // ep > 1:
-            for layer in part.decoder_layers:
-                if layer.is_moe:
-                    experts = layer.mlp.experts.parameters()
-                    over.update({id(p): (dp // ep, dp_rank // ep) for p in experts})
+            for layer in _moe_layers(part):
+                experts = layer.mlp.experts.parameters()
+                over.update({id(p): (dp // ep, dp_rank // ep) for p in experts})
     out = {}
     for prefix, module in part.named_modules():
         for name, param in module.named_parameters(recurse=False):
