@@ -13,7 +13,7 @@ network's lock is the baton: a rank lets go of it only while it waits for the ne
 since the Triton interpreter is not thread-safe; the matching does not depend on the
 interleaving, only on each rank's own order.
 
-Checks, for PP 2, 3, 4, 5 and 8 and M = 2 PP and 2 PP + 3 (past PP 4, M = 2 PP + 3 only): no
+Checks, for PP 2, 3, 4, 5 and 8 and M = 2 PP and 2 PP + 1 (past PP 4, M = 2 PP + 1 only): no
 deadlock (the network sees every live rank blocked and fails at once, naming what each waits for; a
 timeout backs it up); every message taken (none left over); the reference's loss and every gradient
 equal, bit for bit in float32, to the whole model run one micro-batch at a time in one process (in
@@ -69,7 +69,7 @@ TIMEOUT_S = 60.0
 """Backstop only: a deadlock is detected as soon as every live rank is blocked."""
 LOSS_REL, GRAD_COS, GRAD_REL = 1e-5, 1e-8, 1e-5  # DESIGN.md: optimized vs reference, fp32
 FULL_PP = 4
-"""Both Ms up to this PP; past it (a run costs as PP squared) only M = 2 PP + 3, the uneven
+"""Both Ms up to this PP; past it (a run costs as PP squared) only M = 2 PP + 1, the uneven
 one. The even M = 2 PP is held at PP 2 to 4 (odd PP with FIFO matching at PP 3, even at 2
 and 4)."""
 PPS = (2, 3, 4, 5, 8)
@@ -441,7 +441,7 @@ def _one_thread():
     ids=lambda pp: f"pp{pp}",
 )
 def test_both_schedules_right_under_fifo_matching(pp):
-    """M = 2 PP and 2 PP + 3 (past `FULL_PP`, 2 PP + 3 only). The reference in the DualPipeV order
+    """M = 2 PP and 2 PP + 1 (past `FULL_PP`, 2 PP + 1 only). The reference in the DualPipeV order
     and ``sequential``, and forward-only: the loss and every gradient bit for bit the
     single-process model's. The optimized stack (F&B overlap, zero-bubble W steps, early
     frees of sent activations) in its order, and forward-only: within DESIGN.md's float32
@@ -457,7 +457,7 @@ def _check_both_schedules(pp: int) -> None:
     weights = model.state_dict()
     reference = build_schedules("reference", config, pp, weights)
     optimized = build_schedules("optimized", config, pp, weights)
-    for m in (2 * pp, 2 * pp + 3) if pp <= FULL_PP else (2 * pp + 3,):
+    for m in (2 * pp, 2 * pp + 1) if pp <= FULL_PP else (2 * pp + 1,):
         batches = _batches(config, m)
         expected = truth(model, batches)
         modes = ("dualpipev", "sequential") + (("forward-only",) if m > 2 * pp else ())
