@@ -174,7 +174,7 @@ def _matrix(layout_id: str):
         for other in group:
             pp, dp, ep = LAYOUTS[other]
             parallel = ParallelConfig(
-                pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp + 1, seq_len=24
+                pp=pp, dp=dp, ep=ep, micro_batch_size=1, micro_batches=2 * pp + 1, seq_len=32
             )
             repeat = (DETERMINISM_RUN,) if other == DETERMINISM_LAYOUT else ()
             runs.append((other, parallel, CASES[other], repeat))
