@@ -14,7 +14,8 @@ The cases (`CASES`) cover the combinations pairwise, not their full product (doc
 both stacks in every case. With attention recomputation off (``ParallelConfig.recompute``:
 the optimized stack keeps each attention block's activations; the reference never
 recomputes) each family runs one step at (2, 2, 2) (the first: no optimizer state yet,
-the peak among the kept activations), in both dtypes. The routing controls that change
+the peak among the kept activations), in both dtypes (Qwen3-MoE in bfloat16, the others in
+float32 with their routing controls). The routing controls that change
 what a step holds (`optimized.estimator.balancing`) are on in one case per family at
 (2, 2, 2): on Qwen3-MoE and GPT-OSS the pooled load-balancing loss (its counts beside every
 p2p message), the router z-loss (the saved logits and log-sum-exp; GPT-OSS's new
@@ -70,17 +71,18 @@ CASES = {
     # when it ran after the other two than alone or first, as the estimate says (memory the
     # tracker had not seen made, freed inside its step).
     "pp2-dp2-ep2-float32": [
-        ("tiny-deepseek-v2", (2, 2, 2), "float32", True, True),
+        ("tiny-deepseek-v2", (2, 2, 2), "float32", True, False),
         ("tiny-qwen3-moe", (2, 2, 2), "float32", True, True),
         ("tiny-gpt-oss", (2, 2, 2), "float32", True, False),
     ],
     "pp2-dp2-ep2-bfloat16": [
         ("tiny-qwen3-moe", (2, 2, 2), "bfloat16", False, False),
-        ("tiny-deepseek-v2", (2, 2, 2), "bfloat16", False, False),
     ],
 }
 """One launch per entry (of one world size), its cases in order: each family at each layout,
-each family, layout and routing-control setting in both dtypes or recompute settings."""
+each family, layout and recompute setting in both dtypes, the routing controls and recompute
+off on each family. DeepSeek-V2's recompute off runs with its controls in float32 (it ran
+apart, in bfloat16 at (2, 2, 2): the pairs hold without that case)."""
 
 # (model, layout, dtype, controls, recompute, stack) -> what was measured when the case
 # last missed (commit of this file).
