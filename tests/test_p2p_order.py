@@ -437,7 +437,7 @@ def _one_thread():
 
 @pytest.mark.parametrize(
     "pp",
-    [pytest.param(pp, marks=[pytest.mark.slow] if pp > 5 else []) for pp in PPS],
+    [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 4 else []) for pp in PPS],
     ids=lambda pp: f"pp{pp}",
 )
 def test_both_schedules_right_under_fifo_matching(pp):
