@@ -169,8 +169,10 @@ def test_the_load_picture_takes_a_plain_nested_list(tmp_path):
 
 
 # ---------------------------------------------------------------------- real stacks
-LAYOUT = ParallelConfig(pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=2, seq_len=64)
-"""`twinpipe compare`'s default layout."""
+LAYOUT = ParallelConfig(pp=2, dp=2, ep=2, micro_batches=4, micro_batch_size=1, seq_len=32)
+"""`twinpipe compare`'s default layout (PP2 DP2 EP2, M = 4) at one sequence of 32 tokens a
+micro-batch (the default's is two of 64: a quarter of the tokens, nothing here depends on
+how many; 32 is past tiny GPT-OSS's sliding window, 16)."""
 
 RUNS = {
     "pooled and z-loss, tiny-qwen3-moe": (
