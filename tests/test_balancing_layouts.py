@@ -188,25 +188,15 @@ def _moe_index(cfg, layer: int) -> int:
     return [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)].index(layer)
 
 
-def _steps(case: str, steps: int) -> int:
-    """``steps`` for a case with the expert bias (its second step routes with the bias the
-    first moved); one for the others: their step's gradients and balancing values are held
-    in the first, and the weights' update in a second step is held at the same layout and
-    stack by a bias case's (every layout runs one in each stack, `LAYOUTS`)."""
-    return steps if CASES[case][1].get("expert_bias") else 1
-
-
 def _run(cases, parallel, steps):
     """The oracle once per case here, then the case's stacks on every rank against it
-    (``cases``: ``(case, layers, stacks)``; ``steps``: the bias cases', `_steps`)."""
+    (``cases``: ``(case, layers, stacks)``)."""
     threads = torch.get_num_threads()
     # One intra-op thread, as each rank runs: these ops are tiny, and with two threads a
     # pytest process on a busy 2-core machine spent 4.0 s of CPU a case, with one 0.3 s.
     torch.set_num_threads(1)
     try:
-        oracles = [
-            _oracle_steps(case, layers, parallel, _steps(case, steps)) for case, layers, _ in cases
-        ]
+        oracles = [_oracle_steps(case, layers, parallel, steps) for case, layers, _ in cases]
     finally:
         torch.set_num_threads(threads)
     return launch(_worker, parallel.world_size, (cases, parallel, oracles))
@@ -306,7 +296,3 @@ def test_each_form_and_each_layout_meets_each_stack():
     for case in CASES:
         assert {s for t in tables for c, _, stacks in t if c == case for s in stacks} == set(BOTH)
     assert all(stacks == BOTH for _, _, stacks in _cases(LAYOUTS[2, 2, 2, 4]))
-    # Each two-step layout runs a bias case (two steps, `_steps`) in each stack.
-    for table in tables[:-1]:
-        for stack in BOTH:
-            assert any(_steps(c, 2) == 2 for c, _, stacks in table if stack in stacks), table

@@ -66,14 +66,13 @@ BIAS_ON = ("moe.expert_bias=true", "moe.expert_bias_rate=0.01", "moe.aux_loss=se
 @pytest.mark.slow
 @pytest.mark.parametrize(("ep", "moe"), [(1, ()), (2, BIAS_ON)], ids=["ep1", "ep2-expert-bias"])
 def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
-    """2 steps, SIGTERM (checkpoint), resume to 3 == 3 uninterrupted steps, bit for bit,
+    """2 steps, SIGTERM (checkpoint), resume to 4 == 4 uninterrupted steps, bit for bit,
     with parameters, gradients and optimizer state sharded by FSDP2 over DP (experts over
     EP; at EP=1 over their 2 replicas by FSDP2 too); and the same losses and gradient
     norms as unsharded, up to float32 rounding. With the expert bias on (EP=2: the case
     that was plain ``ep2`` before holds here, the bias on), every router's bias after the
-    resumed run equals the uninterrupted run's, bit for bit (both saved at step 3). Three
-    steps: the resumed one is the first after the checkpoint (four ran before)."""
-    common = ("steps=3", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true", *moe)
+    resumed run equals the uninterrupted run's, bit for bit (both saved at step 4)."""
+    common = ("steps=4", "parallel.dp=2", f"parallel.ep={ep}", "parallel.fsdp=true", *moe)
     kept = [f"checkpoint.dir={tmp_path / 'whole'}"] if moe else []
     whole = train(config(*common, f"logging.metrics_file={tmp_path / 'm.jsonl'}", *kept))
     whole = whole[0]["losses"]
@@ -91,7 +90,7 @@ def test_exact_resume_after_sigterm(tmp_path, monkeypatch, ep, moe):
     assert second["start"] == 2
     assert first["losses"] + second["losses"] == whole
     if moe:
-        _assert_same_biases(tmp_path / "whole" / "step-00000003", folder / "step-00000003")
+        _assert_same_biases(tmp_path / "whole" / "step-00000004", folder / "step-00000004")
     # Sharding changes no loss and no gradient norm beyond float32 rounding. FSDP2 sums each
     # micro-batch's reduced gradient, unsharded runs reduce the summed ones: the first step
     # differs by that rounding only (rel <= 1e-6). AdamW then amplifies it where a gradient
