@@ -100,16 +100,13 @@ def test_without_skipping_a_nan_mid_step_stops_every_rank_naming_step_and_rank(o
 @pytest.mark.slow
 def test_the_command_exits_3_naming_the_step():
     """``twinpipe train`` itself: exit 3 (a crash, DESIGN.md), the step and the ranks in its
-    error; never 0 or 1. (Two ranks, PP 2, the reference stack's runner: the exit code's
-    path is the layout's and the stack's no matter, and the optimized stack's NaN is the
-    tests above's.)"""
+    error; never 0 or 1. (Two ranks, PP 2: the exit code's path is the layout's no matter.)"""
     done = subprocess.run(
         [sys.executable, "-m", "harness.cli", "train", "--model", "tiny-deepseek-v2",
          "--seq-len", "16", "--micro-batch-size", "1", "--micro-batches", "4", "--pp", "2",
          "--dp", "1", "--ep", "1", "--nproc", "2", "--steps", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TWINPIPE_FAULT": "nan-mlp@0:1",
-             "TWINPIPE_RUNNER": "reference.pipeline:ReferencePipeline"},
+        env={**os.environ, "TWINPIPE_FAULT": "nan-mlp@0:1"},
     )  # fmt: skip
     assert done.returncode == 3, done.stderr[-3000:]
     assert "non-finite loss at step 1" in done.stderr, done.stderr[-3000:]
