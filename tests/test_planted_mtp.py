@@ -1,7 +1,11 @@
 """Multi-token prediction's planted bugs (`harness.compare.planted_mtp`) fail `twinpipe
 compare` in float32, each named by what the verdict judges (the MTP losses beside the main
 loss, `harness.compare.mtp`, or a gradient); the correct stack passes. One launch runs the
-correct stack and every bug, on a tiny DeepSeek-V3 with two MTP depths at PP 2."""
+correct stack and every bug, on a tiny DeepSeek-V3 with two MTP depths, on one rank with two
+micro-batches (PP 2 with four before: the MTP stage and the embedding it shares sit on one
+rank there too, DualPipeV's rank 0 holding the first and the last chunk, so each bug is the
+same; each was seen failing at PP 1 when it was cut. MTP across the pipeline's layouts is
+tests/test_mtp_layouts.py's)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 MODEL = preset("tiny-deepseek-v3", num_mtp_layers=2, mtp_loss_coef=0.3)
 LAYOUT = ParallelConfig(
-    pp=2, dp=1, ep=1, micro_batches=4, micro_batch_size=1, seq_len=16, dtype="float32"
+    pp=1, dp=1, ep=1, micro_batches=2, micro_batch_size=1, seq_len=16, dtype="float32"
 )
 CAUGHT_BY = {
     "mtp-depth-one-short": "the MTP loss of depth 1 differs",
