@@ -1,7 +1,8 @@
 """Binary files given to the harness's readers of JSON: an exit 2 naming the file and what
 was expected, or, in a folder of many entries (the dashboard's history), a warned skip;
-never an internal error (exit 3). With real binary bytes, through the real command line for
-the dashboard, and `harness.cli.main` in this process for the refusals (`twinpipe_here`)."""
+never an internal error (exit 3). With real binary bytes, through `harness.cli.main` in this
+process (`twinpipe_here`: its exit code and what it wrote, as the command line has them; a
+subprocess of the dashboard cost 15 s of CPU to import what this process already has)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._cli import ROOT, twinpipe, twinpipe_here
+from tests._cli import ROOT, twinpipe_here
 
 DATA = ROOT / "tests" / "data"
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
@@ -57,7 +58,7 @@ def test_the_dashboard_skips_binary_history_entries_and_draws_the_rest(tmp_path)
     entry = {"kind": "compare", "git_commit": "abcdef123456", "date": "2026-11-20T10:00:00Z",
              "machine": "test machine", "report": good}  # fmt: skip
     (history / "compare-1.json").write_text(json.dumps(entry))
-    result = twinpipe("dashboard", str(history), "--out", str(tmp_path / "site"))
+    result = twinpipe_here("dashboard", str(history), "--out", str(tmp_path / "site"))
     assert result.returncode == 0, result.stderr
     for path in binaries.values():
         assert f"skipping {path}: not a text file" in result.stderr, result.stderr

@@ -78,6 +78,7 @@ def test_planted_bug_is_named(setup, ops, stage, direction):
 def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
     """Bisected with each stack's own loss stage (the optimized stack's fused output layer
     and cross-entropy), correct stacks agree; a bug planted in that loss is found there."""
+    import optimized.pipeline.dualpipev as dualpipev
     from harness.compare.bisect import stack_loss
     from harness.compare.planted import planted
 
@@ -85,8 +86,11 @@ def test_the_optimized_loss_stage_is_the_stacks_own_and_agrees(setup):
     losses = (stack_loss("reference"), stack_loss("optimized"))
     args = (cfg, state, stack_ops("reference"), stack_ops("optimized"), ids, labels)
     assert bisect(*args, losses=losses) is None
+    loss_op = dualpipev.linear_cross_entropy  # what the plant replaces
     with planted("cross-entropy-grad-1.01"):
+        assert dualpipev.linear_cross_entropy is not loss_op
         found = bisect(*args, losses=losses)
     assert found is not None
     assert (found.layer, found.stage, found.direction) == ("loss", "loss", "backward"), found
-    assert bisect(*args, losses=losses) is None  # the plant is gone with its block
+    # The plant is gone with its block (a third bisection said so at the cost of a fourth).
+    assert dualpipev.linear_cross_entropy is loss_op
