@@ -147,7 +147,7 @@ def test_fsdp_sharding_changes_nothing_beyond_rounding(tmp_path):
     for rank in report["memory"]["ranks"]:
         whole, sharded = rank["baseline"], rank["candidate"]
         for category in ("parameters", "optimizer_state"):
-            assert sharded[category] <= 0.51 * whole[category], (rank["rank"], category)
+            assert 0 < sharded[category] <= 0.51 * whole[category], (rank["rank"], category)
 
 
 @pytest.mark.slow
@@ -214,9 +214,12 @@ def test_bfloat16_compares_at_the_baselines_expert_choices_under_the_noise_floor
 def test_free_trajectory_is_judged_at_step_0_only(tmp_path):
     """--trajectory free: each side follows its own trajectory; later steps are shown
     (loss curves, divergence) but not judged, so an impossible bound after step 0 does
-    not fail the run."""
+    not fail the run. One rank: which steps are judged depends on no layout (DP 2 / EP 2
+    runs in the other tests of this file)."""
+    one_rank = list(SMALL)
+    one_rank[one_rank.index("--dp") + 1] = one_rank[one_rank.index("--ep") + 1] = "1"
     code = main(
-        ["compare", *SMALL, "--steps", "3", "--trajectory", "free", "--no-memory",
+        ["compare", *one_rank, "--steps", "3", "--trajectory", "free", "--no-memory",
          "--json", str(tmp_path / "out.json")]
     )  # fmt: skip
     report = json.loads((tmp_path / "out.json").read_text())

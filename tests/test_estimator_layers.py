@@ -185,12 +185,27 @@ def _check_optimized_layer_steps(name: str, dtype: str, defer: bool, controls=No
 
 
 # Without recompute: the MoE layers, DeepSeek-V2's dense first layer and GPT-OSS's banded
-# sliding first layer (the block's kept tensors differ by layer kind).
+# sliding first layer (the block's kept tensors differ by layer kind), each in float32. In
+# bfloat16 one layer per family's attention and MLP kind: DeepSeek-V2's dense and MoE layers
+# (MLA's kv_a slice, the shared experts' residual), GPT-OSS's layer 0 (its float norm, the
+# sinks' probabilities, the experts' bias gradients; sliding or full attention keeps the same
+# tensors) and Qwen3-MoE's (q/k norms, the per-call rotary tables). DeepSeek-V3's bfloat16
+# kept block differs from V2's only by its rotary tables, held by the recompute's bfloat16
+# V3 case (the recomputed block is the same `attention_saved` entries) and the reference
+# layer's; GPT-OSS's layer 1 in bfloat16 differs from layer 0 only by the window.
 KEPT_LAYERS = LAYERS + [("tiny-gpt-oss", 0)]
+KEPT_BF16 = [("tiny-deepseek-v2", 0), ("tiny-deepseek-v2", 1), ("tiny-gpt-oss", 0),
+             ("tiny-qwen3-moe", 1)]  # fmt: skip
+KEPT_CASES = [
+    pytest.param(name, index, "float32", id=f"float32-{name}-{index}")
+    for name, index in KEPT_LAYERS
+] + [
+    pytest.param(name, index, "bfloat16", id=f"bfloat16-{name}-{index}")
+    for name, index in KEPT_BF16
+]
 
 
-@pytest.mark.parametrize(("name", "index"), KEPT_LAYERS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("name", "index", "dtype"), KEPT_CASES)
 def test_optimized_layer_steps_without_recompute_match_tracker(name, index, dtype):
     on_cpu_rank(_check_optimized_layer_steps_without_recompute, name, index, dtype)
 
