@@ -88,6 +88,7 @@ def test_every_prefix_within_one_sample(weights):
     assert counts.tolist() == prefix[-1].astype(int).tolist()
 
 
+@pytest.mark.slow  # builds megatron-core's C++ helpers
 def test_megatron_greedy_rule_can_stray_past_one_sample():
     """Why not Megatron's rule itself (megatron-core's ``build_blending_indices``, run here):
     on these weights a prefix strays 1.25 samples from its share, where Tijdeman's rule

@@ -437,7 +437,7 @@ def _one_thread():
 
 @pytest.mark.parametrize(
     "pp",
-    [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 4 else []) for pp in PPS],
+    [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 3 else []) for pp in PPS],
     ids=lambda pp: f"pp{pp}",
 )
 def test_both_schedules_right_under_fifo_matching(pp):
@@ -469,6 +469,7 @@ def _check_both_schedules(pp: int) -> None:
             _check_close(results, expected, f"optimized {mode} M={m}", mode == "forward-only")
 
 
+@pytest.mark.slow
 def test_reference_buffers_and_losses_live_on_the_parts_device():
     """Receive buffers and loss accumulators are made on the part's device, not the CPU:
     the reference's parts on the meta device (a dense model: shapes only, no kernels), where

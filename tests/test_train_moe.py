@@ -156,34 +156,47 @@ def test_the_load_picture_is_drawn(tmp_path):
     assert not plot_expert_load([], tmp_path / "none.png")
 
 
-def test_tensorboard_gets_each_layers_figures():
-    """TensorBoard is not installed here: a writer that records what it is given stands in
-    for ``SummaryWriter`` (the same two calls)."""
+def test_tensorboard_gets_each_layers_figures(tmp_path):
+    """A real ``SummaryWriter`` writes the event file; TensorBoard's own reader reads it
+    back: each MoE layer's figures, the validation loss and perplexity, each MTP depth's
+    loss and accuracy, at the step they belong to."""
+    from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415
+        EventAccumulator,
+    )
+
     from optimized.train.metrics import MetricsSink, StepMetrics  # noqa: PLC0415
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.calls: list[tuple[str, str, int]] = []
-
-        def add_scalar(self, tag, value, step) -> None:
-            self.calls.append(("scalar", tag, step))
-
-        def add_histogram(self, tag, values, step) -> None:
-            self.calls.append(("histogram", tag, step))
-
-    sink = MetricsSink(TrainConfig(), enabled=True)
-    sink.writer = Recorder()
+    cfg = apply_overrides(TrainConfig(), [f"logging.tensorboard_dir={tmp_path / 'tb'}"])
+    sink = MetricsSink(cfg, enabled=True)
+    assert sink.writer is not None, "TensorBoard is in the test extra: the writer must exist"
     sink.record(StepMetrics(
         3, 5, 0.1, 2.0, 1e-3, 0.5, 100.0, 0, "max-rss", moe_layers=[1, 2],
         expert_load=[[3, 1], [2, 2]], load_max_over_mean=[1.5, 1.0],
         load_max_over_mean_worst=1.5, expert_bias_min=[-0.01, 0.0],
-        expert_bias_max=[0.01, 0.0], aux_loss=0.01,
+        expert_bias_max=[0.01, 0.0], aux_loss=0.01, validation_loss=2.5,
+        validation_perplexity=math.exp(2.5), mtp_loss=[2.75], mtp_accuracy=[0.25],
     ))  # fmt: skip
-    tags = {tag for _, tag, _ in sink.writer.calls}
-    assert {"aux_loss", "load_max_over_mean_worst", "moe/load_max_over_mean/layer_2",
-            "moe/expert_bias_min/layer_1", "moe/expert_bias_max/layer_2",
-            "moe/expert_load/layer_1"} <= tags  # fmt: skip
-    assert "router_z_loss" not in tags and {step for *_, step in sink.writer.calls} == {3}
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+    want = {
+        "loss": 2.0, "aux_loss": 0.01, "load_max_over_mean_worst": 1.5,
+        "moe/load_max_over_mean/layer_2": 1.0, "moe/expert_bias_min/layer_1": -0.01,
+        "moe/expert_bias_max/layer_2": 0.0, "validation_loss": 2.5,
+        "validation_perplexity": math.exp(2.5), "mtp/loss/depth_1": 2.75,
+        "mtp/accuracy/depth_1": 0.25,
+    }  # fmt: skip
+    for tag, value in want.items():
+        assert tag in scalars, (tag, sorted(scalars))
+        (event,) = scalars[tag]
+        assert event.step == 3 and event.value == pytest.approx(value, rel=1e-6), (tag, event)
+    assert "router_z_loss" not in scalars
+    assert {"moe/expert_load/layer_1", "moe/expert_load/layer_2"} <= set(
+        events.Tags()["histograms"]
+    )
+    (histogram,) = events.Histograms("moe/expert_load/layer_1")
+    assert histogram.step == 3 and histogram.histogram_value.sum == 4.0  # loads 3 and 1
 
 
 def _gather_rank() -> dict:
