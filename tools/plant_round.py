@@ -238,7 +238,7 @@ BUGS = [
     ),
     Bug(
         "cosine-ends-at-the-last-step",
-        "optimized/train/config.py",
+        "optimized/train/schedule.py",
         "    decay_steps = cfg.steps - warmup",
         "    decay_steps = cfg.steps - warmup - 1",
         TRAINER,
@@ -247,8 +247,8 @@ BUGS = [
     Bug(
         "trainer-ignores-configured-betas",
         "optimized/train/trainer.py",
-        "        runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,",
-        "        runner.part, layout, lr=opt.lr, betas=(0.9, 0.95), eps=1e-8,",
+        "            runner.part, layout, lr=opt.lr, betas=opt.betas, eps=1e-8,",
+        "            runner.part, layout, lr=opt.lr, betas=(0.9, 0.95), eps=1e-8,",
         TRAINER,
         "optim.betas not passed to the optimizer",
     ),
