@@ -129,6 +129,19 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MoE(config, ep, layer)
 
+    def fsdp_modules(self) -> list[nn.Module]:
+        """The layer's modules that FSDP2 shards over the DP group, each its own unit and
+        each called through its own ``forward`` by both stacks: the norms, the attention,
+        and the dense MLP or the router and the shared experts. Not the routed experts
+        (``mlp.experts``: sharded over the expert replicas). The one list of a layer's units
+        (`optimized.pipeline.sharding` shards them, `optimized.estimator.communication`
+        counts them); it reads modules only, so a meta-device layer serves."""
+        modules = [self.input_layernorm, self.self_attn, self.post_attention_layernorm]
+        if not self.is_moe:
+            return [*modules, self.mlp]
+        shared = self.mlp.shared_experts
+        return [*modules, self.mlp.router_module, *([shared] if shared is not None else [])]
+
     # ------------------------------------------------------------------ stages
     def attention(
         self, hidden: torch.Tensor, ops, balance: MicroBatchBalance | None = None

@@ -111,6 +111,12 @@ class CausalLM(nn.Module):
         """The MTP module's layers, depth 1 first (on a part with the head; else none)."""
         return [layer for layer in self.model.layers.values() if isinstance(layer, MTPLayer)]
 
+    @property
+    def moe_layers_with_mtp(self) -> list[DecoderLayer]:
+        """The MoE layers this part holds, the MTP module's included (each has a router and
+        routed experts)."""
+        return [layer for layer in self.decoder_layers + self.mtp_layers if layer.is_moe]
+
     def layer(self, index: int) -> DecoderLayer:
         return self.model.layers[str(index)]
 

@@ -70,6 +70,13 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = SharedHead(config)
 
+    def fsdp_modules(self) -> list[nn.Module]:
+        """A decoder layer's FSDP2 units (`DecoderLayer.fsdp_modules`) with the input norms
+        and the projection in front and the head's norm behind; not the shared embedding
+        and output layer (the main model's units)."""
+        return [self.enorm, self.hnorm, self.eh_proj, *super().fsdp_modules(),
+                self.shared_head.norm]  # fmt: skip
+
     def project(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """``eh_proj(cat(enorm(embedded), hnorm(hidden)))``: the embedding first."""
         return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))

@@ -166,34 +166,24 @@ def fsdp_units(config: EstimateConfig, part, chunks, pp_rank: int) -> list[Unit]
             unit.calls += calls
             unit.also = also
 
+    def add_layer(layer, chunk: int, deferred: bool) -> None:
+        for module in layer.fsdp_modules():  # `models.network.DecoderLayer.fsdp_modules`
+            add(module, chunk)
+        if layer.is_moe:
+            add(layer.mlp.experts, chunk, "expert_replica", replicas, experts=deferred)
+
     if pp_rank == 0 and not tied:
         again(add(part.model.embed_tokens, 0), 2 * depths, 1)
+    # The main layers' units; their routed experts' weight gradients may be deferred to W.
     for chunk, layers in enumerate(chunks):
         for index in layers:
-            layer = part.layer(index)
-            for module in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm):
-                add(module, chunk)
-            if not layer.is_moe:
-                add(layer.mlp, chunk)
-                continue
-            add(layer.mlp.router_module, chunk)
-            add(layer.mlp.shared_experts, chunk)
-            add(layer.mlp.experts, chunk, "expert_replica", replicas, experts=True)
+            add_layer(part.layer(index), chunk, deferred=True)
     if pp_rank == 0:
         again(add(part.model.norm, 1), 2)  # h^0, forward and backward
         if not tied:  # each depth's loss (forward, backward) and top-1 (forward)
             again(add(part.lm_head, 1), 3 * depths)
     for layer in part.mtp_layers:  # pp-rank 0's loss stage: complete at its backward
-        for module in (layer.enorm, layer.hnorm, layer.eh_proj, layer.input_layernorm,
-                       layer.self_attn, layer.post_attention_layernorm):  # fmt: skip
-            add(module, 1)
-        if not layer.is_moe:
-            add(layer.mlp, 1)
-        else:
-            add(layer.mlp.router_module, 1)
-            add(layer.mlp.shared_experts, 1)
-            add(layer.mlp.experts, 1, "expert_replica", replicas)
-        add(layer.shared_head.norm, 1)
+        add_layer(layer, 1, deferred=False)
     return units
 
 
@@ -230,7 +220,7 @@ def _all_to_all(
         return
     m, ep = config.model, config.ep
     # The MTP layers (pp-rank 0's loss stage) exchange like any MoE layer.
-    moe_layers = sum(1 for layer in part.decoder_layers + part.mtp_layers if layer.is_moe)
+    moe_layers = len(part.moe_layers_with_mtp)
     if not moe_layers:  # a rank of dense layers only exchanges nothing
         return
     calls = moe_layers * config.num_microbatches
@@ -264,7 +254,7 @@ def _loss(config: EstimateConfig, pp_rank: int, counts: Counts) -> None:
 
 def _balancing(config: EstimateConfig, part, counts: Counts) -> None:
     """The expert bias's load all-reduce (see the module docstring)."""
-    moe = sum(1 for layer in part.decoder_layers + part.mtp_layers if layer.is_moe)
+    moe = len(part.moe_layers_with_mtp)
     if balancing(config).expert_bias and config.dp > 1 and moe:
         moved = (config.dp - 1) * moe * config.model.num_experts * I64
         _add(counts, "all_reduce", "dp", moved, moved)

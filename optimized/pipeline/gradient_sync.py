@@ -92,9 +92,10 @@ def chunk_units(part: nn.Module, chunks: tuple[list[int], list[int]], pp_rank: i
             # The MTP layers: complete at the backward (their experts run on the part's
             # ops, which defer nothing to W); they run the head again, and chunk 0's
             # embedding.
-            for layer in getattr(part, "mtp_layers", []):
+            mtp = getattr(part, "mtp_layers", [])
+            for layer in mtp:
                 dense += list(layer.modules())
-            if getattr(part, "mtp_layers", []):
+            if mtp:
                 shared.append(getattr(part.model, "embed_tokens", None))
                 repeated += head
 

@@ -29,12 +29,13 @@ the pipeline part as a whole):
   would. With tied embeddings the output layer and the embedding share one weight and
   stay off FSDP2 (below);
 - the MTP layers (`models.network.mtp`, on pp-rank 0 with the head, run by the loss stage
-  of both stacks): units like a main layer's (`_layer_modules`: its ``enorm``, ``hnorm``,
-  ``eh_proj``, its decoder layer's modules and ``shared_head.norm``), their routed experts
-  over the expert replicas like the main layers'. The embedding and the output layer they
-  run are the main model's own units, registered once; the loss stage's MTP also runs the
-  embedding, a unit of chunk 0 (`gradient_sync.GradientSync` keeps it gathered and
-  unreduced through chunk 1's backwards: chunk 0's last backward comes after them).
+  of both stacks): units like a main layer's (`models.network.MTPLayer.fsdp_modules`: its
+  ``enorm``, ``hnorm``, ``eh_proj``, its decoder layer's modules and ``shared_head.norm``),
+  their routed experts over the expert replicas like the main layers'. The embedding and
+  the output layer they run are the main model's own units, registered once; the loss
+  stage's MTP also runs the embedding, a unit of chunk 0 (`gradient_sync.GradientSync`
+  keeps it gathered and unreduced through chunk 1's backwards: chunk 0's last backward
+  comes after them).
 
 Deferred expert weight gradients. A zero-bubble backward (`WeightGradStore`) leaves the
 routed experts' weight gradients to a later W step, whose closure adds them into the
@@ -73,26 +74,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-from models.network import CausalLM, MTPLayer, is_expert_parameter
+from models.network import CausalLM, is_expert_parameter
 from models.runtime import Layout, PipelineRunner, micro_batches_of, shared_loss, token_count
 from optimized.estimator.sync_marks import sync_marks
 from optimized.pipeline.gradient_sync import GradientSync, chunk_units
-
-
-def _layer_modules(layer) -> list[nn.Module]:
-    """A decoder layer's non-expert FSDP2 units: its norms, attention, and its dense MLP or
-    its router and shared experts; an MTP layer's also its input norms, its projection and
-    its head's norm (`models.network.mtp.MTPLayer`, each called through its ``forward``)."""
-    modules = [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm]
-    if not layer.is_moe:
-        modules.append(layer.mlp)
-    else:
-        modules.append(layer.mlp.router_module)
-        if layer.mlp.shared_experts is not None:
-            modules.append(layer.mlp.shared_experts)
-    if isinstance(layer, MTPLayer):
-        modules = [layer.enorm, layer.hnorm, layer.eh_proj, *modules, layer.shared_head.norm]
-    return modules
 
 
 def fsdp_modules(part: CausalLM) -> list[nn.Module]:
@@ -106,7 +91,7 @@ def fsdp_modules(part: CausalLM) -> list[nn.Module]:
     if getattr(backbone, "embed_tokens", None) is not None and not tied:
         modules.append(backbone.embed_tokens)
     for layer in part.decoder_layers + part.mtp_layers:
-        modules += _layer_modules(layer)
+        modules += layer.fsdp_modules()
     if getattr(backbone, "norm", None) is not None:
         modules.append(backbone.norm)
     if getattr(part, "lm_head", None) is not None and not tied:
@@ -114,17 +99,12 @@ def fsdp_modules(part: CausalLM) -> list[nn.Module]:
     return modules
 
 
-def _moe_layers(part: CausalLM) -> list:
-    """The MoE layers of the part, its MTP layers' included."""
-    return [layer for layer in part.decoder_layers + part.mtp_layers if layer.is_moe]
-
-
 def expert_modules(part: CausalLM, layout: Layout) -> list[nn.Module]:
     """The routed experts of each MoE layer (the MTP layers' too), sharded over the expert
     replicas; none when there is one replica (EP = DP)."""
     if layout.dp // layout.ep == 1:
         return []
-    return [layer.mlp.experts for layer in _moe_layers(part)]
+    return [layer.mlp.experts for layer in part.moe_layers_with_mtp]
 
 
 def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple[int, int]]:
@@ -140,7 +120,7 @@ def held_rows(part: CausalLM, dp: int, ep: int, dp_rank: int) -> dict[str, tuple
         for module in fsdp_modules(part):
             over.update({id(p): (dp, dp_rank) for p in module.parameters()})
         if dp // ep > 1:
-            for layer in _moe_layers(part):
+            for layer in part.moe_layers_with_mtp:
                 experts = layer.mlp.experts.parameters()
                 over.update({id(p): (dp // ep, dp_rank // ep) for p in experts})
     out = {}
