@@ -28,7 +28,7 @@ from optimized.estimator.memory import (
     timeline_moment,
     with_optimizer_step,
 )
-from optimized.estimator.params import mtp_params
+from optimized.estimator.mtp_memory import mtp_grad_bytes
 from optimized.estimator.schedule import send_completions, walk
 from optimized.estimator.sharded_step import FsdpWalk, FsdpWalkState, with_sharded_optimizer_step
 from optimized.estimator.steps import step_profile
@@ -98,11 +98,7 @@ def estimate_rank_optimized(
     # loss keeps no copy of its input), so the depth's own count of that norm is left out.
     depth = [i for i in mtp_depth_saved(config) if not i.name.startswith("mtp.shared_head.")]
     mtp = config.mtp_layers * (sum(item.nbytes for item in depth) + head)
-    mtp_numel = mtp_params(config).scaled(config.mtp_layers).numel
-    mtp_dense = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
-    mtp_grad = -(-mtp_dense // grad_divisor(config))
-    mtp_grad += -(-(mtp_numel["routed_experts"] // config.ep) // grad_divisor(config, True))
-    mtp_grad *= config.grad_bytes
+    mtp_grad = mtp_grad_bytes(config)
     state = FsdpWalkState() if config.fsdp else WalkState()
     fsdp = FsdpWalk(
         config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
