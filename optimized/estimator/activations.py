@@ -388,12 +388,19 @@ def mtp_final_norm_saved(config: EstimateConfig) -> list[Saved]:
 
 def mtp_saved(config: EstimateConfig) -> list[Saved]:
     """Every MTP depth's `mtp_depth_saved` and its own logits' loss state, as `head_saved`
-    keeps the main head's, after the final norm's rerun (`mtp_final_norm_saved`)."""
+    keeps the main head's, after the final norm's rerun (`mtp_final_norm_saved`). In
+    float32 a depth's ``hnorm`` float input is the previous depth's normed output, which
+    that depth's head already saves: counted once."""
     head = [item for item in head_saved(config) if item.name.startswith("loss.")]
     head = [item for item in head if item.name != "loss.target"]
-    if not config.mtp_layers:
+    depths = config.mtp_layers
+    if not depths:
         return []
-    return mtp_final_norm_saved(config) + (mtp_depth_saved(config) + head) * config.mtp_layers
+    depth = mtp_depth_saved(config)
+    later = depth
+    if config.param_bytes == F32:
+        later = [item for item in depth if item.name != "mtp.hnorm.float_input"]
+    return mtp_final_norm_saved(config) + depth + head + (later + head) * (depths - 1)
 
 
 def chunk_boundary_bytes(config: EstimateConfig) -> int:
