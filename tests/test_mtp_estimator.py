@@ -162,7 +162,8 @@ def test_plan_counts_the_mtp_layer(tmp_path, capsys):
 
 def _mtp_part(ops, depths: int, dtype=torch.float32):
     """The loss stage's MTP as each stack runs it, on a part with the embedding and the head
-    (no main layer: the depth's input is a made-up normed state), its router's load kept."""
+    (no main layer: the depth's input is a made-up normed state), its router's load kept
+    (16 experts)."""
     model = preset("tiny-deepseek-v3", num_mtp_layers=depths)
     torch.manual_seed(0)
     part = CausalLM(model, ops, layers=[], embedding=True, head=True).to(dtype)
@@ -171,7 +172,7 @@ def _mtp_part(ops, depths: int, dtype=torch.float32):
         if isinstance(module, Router):
             module.register_forward_hook(
                 lambda _m, _i, out: loads.append(
-                    tuple(torch.bincount(out[1].detach().ravel(), minlength=model.num_experts).tolist())
+                    tuple(torch.bincount(out[1].detach().ravel(), minlength=16).tolist())
                 )
             )
     ids = torch.randint(0, model.vocab_size, (2, 32))
@@ -180,13 +181,15 @@ def _mtp_part(ops, depths: int, dtype=torch.float32):
     return model, part, loads, ids, labels, mtp_step(model, labels), step_balance
 
 
-def test_reference_mtp_saved_matches_tracker():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_mtp_saved_matches_tracker(dtype):
     """The reference's MTP (`models.network.mtp.mtp_loss`, two depths) keeps what
     `mtp_saved` counts: the final norm's rerun, each depth's inputs, decoder layer, shared head
     norm and log-softmax (a later depth's ``hnorm`` input being the earlier depth's saved
     output), within 4 KiB (the per-depth int64 targets and the loss's scalars)."""
-    model, part, _, ids, labels, step, step_balance = _mtp_part(ReferenceOps(), 2)
-    hidden = torch.randn(2, 32, model.hidden_size, requires_grad=True)
+    dt = getattr(torch, dtype)
+    model, part, _, ids, labels, step, step_balance = _mtp_part(ReferenceOps(), 2, dt)
+    hidden = torch.randn(2, 32, model.hidden_size, dtype=dt, requires_grad=True)
     gc.collect()
     gc.disable()
     tracker = StorageTracker()
@@ -195,33 +198,45 @@ def test_reference_mtp_saved_matches_tracker():
         out = mtp_loss(part, normed, ids, labels, step, step_balance.micro_batch())
         del normed
     gc.enable()
-    config = EstimateConfig(model, micro_batch_size=2, seq_len=32, stack="reference")
+    config = EstimateConfig(model, micro_batch_size=2, seq_len=32, dtype=dtype, stack="reference")
     counted = sum(item.nbytes for item in mtp_saved(config))
     assert abs(tracker.current - counted) <= 4096, (tracker.current, counted)
     del out
 
 
-def test_optimized_mtp_depth_matches_tracker():
+BF16_MISS = (
+    "bfloat16: the forward's high point measured 16,580 bytes above the estimate (a "
+    "[tokens, H] float32 more at the experts' gather), the backward's 7,800 below (2 x 32 "
+    "tokens, commit of this test); float32 within 200 bytes"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", pytest.param("bfloat16", marks=pytest.mark.xfail(reason=BF16_MISS, strict=True))],
+)
+def test_optimized_mtp_depth_matches_tracker(dtype):
     """The optimized stack's MTP (`optimized.pipeline.mtp_stage`, one depth, attention
     recomputed, the fused loss) against `mtp_memory.optimized_mtp_depth` with the depth's
     own routing: what it keeps to the backward, its forward's high point and its backward's
     (a steady micro-batch: the gradients exist), each within 4 KiB."""
-    on_cpu_rank(_check_optimized_mtp_depth)
+    on_cpu_rank(_check_optimized_mtp_depth, dtype)
 
 
-def _check_optimized_mtp_depth() -> None:
+def _check_optimized_mtp_depth(dtype: str) -> None:
     from optimized.ops import OptimizedOps
     from optimized.pipeline.dualpipev import SummedLinearCrossEntropy
     from optimized.pipeline.mtp_stage import MtpStage
 
     ops = OptimizedOps(recompute_attention=True)
-    model, part, loads, ids, labels, step, step_balance = _mtp_part(ops, 1)
+    dt = getattr(torch, dtype)
+    model, part, loads, ids, labels, step, step_balance = _mtp_part(ops, 1, dt)
     stage = MtpStage(part, SummedLinearCrossEntropy())
     for _ in range(2):  # the first makes the gradients
         loads.clear()
         stage.begin(torch.device("cpu"))
         balance = step_balance.micro_batch()
-        hidden = torch.randn(2, 32, model.hidden_size, requires_grad=True)
+        hidden = torch.randn(2, 32, model.hidden_size, dtype=dt, requires_grad=True)
         gc.collect()
         gc.disable()
         tracker = StorageTracker()
@@ -233,7 +248,9 @@ def _check_optimized_mtp_depth() -> None:
             backward = tracker.peak - kept
         gc.enable()
         del objective
-    config = EstimateConfig(model, micro_batch_size=2, seq_len=32, expert_load=loads[-1])
+    config = EstimateConfig(
+        model, micro_batch_size=2, seq_len=32, dtype=dtype, expert_load=loads[-1]
+    )
     depth = optimized_mtp_depth(config)
     h0 = sum(item.nbytes for item in mtp_final_norm_saved(config))
     counted = {

@@ -26,9 +26,11 @@ tracker (tests/test_mtp_estimator.py) and the measured peak
   staged layer frees at the dispatch); after it, the fused loss's buffer
   (`memory.fused_loss_transient`) or the top-1 figure's ``[min(T, TOP1_ROWS), vocab]``
   logits beside the normed state;
-- the backward (the MTP's nodes, made last, run first): at the grouped experts'
-  (`steps.experts_backward_rise`, weight gradients at once), once its loss state, the
-  shared head norm's and the gathered expert output are freed.
+- the backward (the MTP's nodes, made last, run first), once its loss state and the
+  shared head norm's are freed: at the aggregate's (`steps`' ``aggregate_backward``
+  moment) or, the gathered expert output freed, at the grouped experts'
+  (`steps.experts_backward_rise`, weight gradients at once), whichever is higher (the
+  experts' unless the routing leaves few grouped rows).
 """
 
 from __future__ import annotations
@@ -127,13 +129,17 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
         received = profile.forward["dispatch_start"].delta  # EP: the received rows
         experts = profile.forward["experts_forward"].transient
         forward = before_layer + stage1 + received + experts
-        freed = expert_out  # before the experts' backward
-        backward = experts_backward_rise(config, rows, local, inner, deferred=False)
+        # The aggregate's backward (the combined rows' and the router weights' gradients
+        # beside the padded sorted rows; no stage leaf, so no copy of the residual's
+        # gradient), then the experts' once the gathered output is freed.
+        aggregate = profile.backward["aggregate_backward"].transient - th
+        experts = experts_backward_rise(config, rows, local, inner, deferred=False)
+        backward = max(aggregate, experts - expert_out)
     else:  # a dense layer: its forward's high point (the residual add) over its input
         forward += profile.forward["attention_forward"].transient
         forward -= sum(item.nbytes for item in items if item.name.startswith(stage[0]))
         forward -= sum(item.nbytes for item in items if item.name.startswith("mlp."))
-        freed, backward = 0, profile.backward["attention_backward"].transient
+        backward = profile.backward["attention_backward"].transient
     head_norm = [
         item for item in mtp_depth_saved(config)
         if item.name.startswith("mtp.shared_head.norm.") and not item.name.endswith(".output")
@@ -151,7 +157,7 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
     # beside the normed state and the loss's kept state.
     top1 = min(tokens, TOP1_ROWS) * vocab * b + tokens * I64 + th
     at_loss = max(before_loss + fused_loss_transient(config), kept + top1)
-    freed += sum(item.nbytes for item in loss) + sum(item.nbytes for item in head_norm[1:])
+    freed = sum(item.nbytes for item in loss) + sum(item.nbytes for item in head_norm[1:])
     return MtpDepth(saved, forward, at_loss, backward - freed)
 
 
