@@ -25,7 +25,8 @@ tracker (tests/test_mtp_estimator.py) and the measured peak
   holds still referenced by the layer's locals (the padded sorted tokens too, which the
   staged layer frees at the dispatch); after it, the fused loss's buffer
   (`memory.fused_loss_transient`) or the top-1 figure's ``[min(T, TOP1_ROWS), vocab]``
-  logits beside the normed state;
+  logits beside the normed state; in 16-bit the embedding's output and the previous
+  depth's state (their norms keep float copies) beside either, as the stage's locals;
 - the backward (the MTP's nodes, made last, run first), once its loss state and the
   shared head norm's are freed: at the aggregate's (`steps`' ``aggregate_backward``
   moment) or, the gathered expert output freed, at the grouped experts'
@@ -157,6 +158,10 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
     # beside the normed state and the loss's kept state.
     top1 = min(tokens, TOP1_ROWS) * vocab * b + tokens * I64 + th
     at_loss = max(before_loss + fused_loss_transient(config), kept + top1)
+    # In 16-bit the depth's inputs outlive their norms' float copies as the stage's locals:
+    # the embedding's output to the depth's end, the previous state to the layer's.
+    if b != F32:
+        forward, at_loss = forward + 2 * th, at_loss + th
     freed = sum(item.nbytes for item in loss) + sum(item.nbytes for item in head_norm[1:])
     return MtpDepth(saved, forward, at_loss, backward - freed)
 
