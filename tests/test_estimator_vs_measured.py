@@ -89,7 +89,7 @@ MTP_CASES = {"pp2": [("tiny-deepseek-v3+mtp2", (2, 1, 1), "float32", False, True
 of the same layout, beside the pairwise table (not part of it): pp-rank 0's loss stage runs
 each depth (its saved tensors, its forward's and backward's high points, its gradients and
 the embedding's: `optimized.estimator.mtp_memory`). Two depths: every term of one depth
-(the published D = 1) and the chaining of a second (about 8 s more in the launch; D = 1
+(the published D = 1) and the chaining of a second (8.8 s more in the launch; D = 1
 alone, measured apart, is within 0.002% in both stacks: docs/results.md)."""
 VARIANTS = {"tiny-deepseek-v3+mtp2": ("tiny-deepseek-v3", dict(num_mtp_layers=2))}
 
