@@ -84,6 +84,15 @@ each family, layout and recompute setting in both dtypes, the routing controls a
 off on each family. DeepSeek-V2's recompute off runs with its controls in float32 (it ran
 apart, in bfloat16 at (2, 2, 2): the pairs hold without that case)."""
 
+MTP_CASES = {"pp2": [("tiny-deepseek-v3+mtp2", (2, 1, 1), "float32", False, True)]}
+"""DeepSeek-V3 with its multi-token prediction (`models.network.mtp`), measured in the launch
+of the same layout, beside the pairwise table (not part of it): pp-rank 0's loss stage runs
+each depth (its saved tensors, its forward's and backward's high points, its gradients and
+the embedding's: `optimized.estimator.mtp_memory`). Two depths: every term of one depth
+(the published D = 1) and the chaining of a second (8.8 s more in the launch; D = 1
+alone, measured apart, is within 0.002% in both stacks: docs/results.md)."""
+VARIANTS = {"tiny-deepseek-v3+mtp2": ("tiny-deepseek-v3", dict(num_mtp_layers=2))}
+
 # (model, layout, dtype, controls, recompute, stack) -> what was measured when the case
 # last missed (commit of this file).
 KNOWN_MISSES: dict = {}
@@ -92,7 +101,14 @@ _RESULTS: dict = {}
 
 
 def _model(name: str, controls: bool):
+    if name in VARIANTS:
+        base, fields = VARIANTS[name]
+        return preset(base, **fields)
     return preset(name, **CONTROLS[name]) if controls else preset(name)
+
+
+def _launch_cases(launch: str) -> list:
+    return CASES[launch] + MTP_CASES.get(launch, [])
 
 
 def _parallel(layout, dtype, recompute) -> ParallelConfig:
@@ -107,7 +123,7 @@ def _measure(launch: str, case: tuple):
     if launch not in _RESULTS:
         cases = [
             (each, _model(each[0], each[3]), _parallel(*each[1:3], each[4]))
-            for each in CASES[launch]
+            for each in _launch_cases(launch)
         ]
         _RESULTS[launch] = {key: (model, parallel) for key, model, parallel in cases}
         for key, per_rank in measure_cases(cases).items():
@@ -121,8 +137,8 @@ def _case_id(name, layout, dtype, controls, recompute, stack) -> str:
 
 
 def _params():
-    for launch, cases in CASES.items():
-        for case in cases:
+    for launch in CASES:
+        for case in _launch_cases(launch):
             for stack in STACKS:
                 marks = []
                 reason = KNOWN_MISSES.get((*case, stack))

@@ -6,14 +6,20 @@ traffic against a counted run)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from models.network import CausalLM, preset
+from models.network import CausalLM, Router, StepBalance, mtp_loss, mtp_step, preset
 from optimized.estimator import EstimateConfig, estimate
-from optimized.estimator.activations import mtp_depth_saved
+from optimized.estimator.activations import mtp_depth_saved, mtp_final_norm_saved, mtp_saved
 from optimized.estimator.communication import predict_traffic
+from optimized.estimator.mtp_memory import optimized_mtp_depth
 from optimized.estimator.sharded_step import unit_groups
+from reference.ops import ReferenceOps
+from tests._memtrack import StorageTracker
+from tests._ranks import on_cpu_rank
 
 
 def _config(depths: int, **fields) -> EstimateConfig:
@@ -152,3 +158,106 @@ def test_plan_counts_the_mtp_layer(tmp_path, capsys):
         assert first > plain["peak_bytes_per_rank"][0], key  # pp-rank 0: the loss stage
         assert rest == plain["peak_bytes_per_rank"][1:], key
         assert mtp["bytes_sent_per_step"]["total"] > plain["bytes_sent_per_step"]["total"], key
+
+
+def _mtp_part(ops, depths: int, dtype=torch.float32):
+    """The loss stage's MTP as each stack runs it, on a part with the embedding and the head
+    (no main layer: the depth's input is a made-up normed state), its router's load kept
+    (16 experts)."""
+    model = preset("tiny-deepseek-v3", num_mtp_layers=depths)
+    torch.manual_seed(0)
+    part = CausalLM(model, ops, layers=[], embedding=True, head=True).to(dtype)
+    loads = []
+    for module in part.modules():
+        if isinstance(module, Router):
+            module.register_forward_hook(
+                lambda _m, _i, out: loads.append(
+                    tuple(torch.bincount(out[1].detach().ravel(), minlength=16).tolist())
+                )
+            )
+    ids = torch.randint(0, model.vocab_size, (2, 32))
+    labels = torch.randint(0, model.vocab_size, (2, 32))
+    step_balance = StepBalance(model.balancing(), model.moe_layers, 16, 1, torch.device("cpu"))
+    return model, part, loads, ids, labels, mtp_step(model, labels), step_balance
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_mtp_saved_matches_tracker(dtype):
+    """The reference's MTP (`models.network.mtp.mtp_loss`, two depths) keeps what
+    `mtp_saved` counts: the final norm's rerun, each depth's inputs, decoder layer, shared head
+    norm and log-softmax (a later depth's ``hnorm`` input being the earlier depth's saved
+    output), within 4 KiB (the per-depth int64 targets and the loss's scalars)."""
+    dt = getattr(torch, dtype)
+    model, part, _, ids, labels, step, step_balance = _mtp_part(ReferenceOps(), 2, dt)
+    hidden = torch.randn(2, 32, model.hidden_size, dtype=dt, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    tracker = StorageTracker()
+    with tracker:
+        normed = part.model.norm(hidden)
+        out = mtp_loss(part, normed, ids, labels, step, step_balance.micro_batch())
+        del normed
+    gc.enable()
+    config = EstimateConfig(model, micro_batch_size=2, seq_len=32, dtype=dtype, stack="reference")
+    counted = sum(item.nbytes for item in mtp_saved(config))
+    assert abs(tracker.current - counted) <= 4096, (tracker.current, counted)
+    del out
+
+
+BF16_MISS = (
+    "bfloat16: the backward's high point estimated 7,800 to 8,568 bytes above the tracker's "
+    "(about one [tokens, H] more than it holds; 2 x 32 tokens, commit of this test); its kept "
+    "bytes and forward's high point within 200 bytes, as float32's"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", pytest.param("bfloat16", marks=pytest.mark.xfail(reason=BF16_MISS, strict=True))],
+)
+def test_optimized_mtp_depth_matches_tracker(dtype):
+    """The optimized stack's MTP (`optimized.pipeline.mtp_stage`, one depth, attention
+    recomputed, the fused loss) against `mtp_memory.optimized_mtp_depth` with the depth's
+    own routing: what it keeps to the backward, its forward's high point and its backward's
+    (a steady micro-batch: the gradients exist), each within 4 KiB."""
+    on_cpu_rank(_check_optimized_mtp_depth, dtype)
+
+
+def _check_optimized_mtp_depth(dtype: str) -> None:
+    from optimized.ops import OptimizedOps
+    from optimized.pipeline.dualpipev import SummedLinearCrossEntropy
+    from optimized.pipeline.mtp_stage import MtpStage
+
+    ops = OptimizedOps(recompute_attention=True)
+    dt = getattr(torch, dtype)
+    model, part, loads, ids, labels, step, step_balance = _mtp_part(ops, 1, dt)
+    stage = MtpStage(part, SummedLinearCrossEntropy())
+    for _ in range(2):  # the first makes the gradients
+        loads.clear()
+        stage.begin(torch.device("cpu"))
+        balance = step_balance.micro_batch()
+        hidden = torch.randn(2, 32, model.hidden_size, dtype=dt, requires_grad=True)
+        gc.collect()
+        gc.disable()
+        tracker = StorageTracker()
+        with tracker:
+            objective = stage.objective(hidden, ids, labels, step, balance)
+            kept, forward = tracker.current, tracker.peak
+            tracker.peak = kept
+            objective.backward()
+            backward = tracker.peak - kept
+        gc.enable()
+        del objective
+    config = EstimateConfig(
+        model, micro_batch_size=2, seq_len=32, dtype=dtype, expert_load=loads[-1]
+    )
+    depth = optimized_mtp_depth(config)
+    h0 = sum(item.nbytes for item in mtp_final_norm_saved(config))
+    counted = {
+        "kept": h0 + sum(item.nbytes for item in depth.saved),
+        "forward": h0 + max(depth.layer_rise, depth.loss_rise),
+        "backward": depth.backward_rise,
+    }
+    measured = {"kept": kept, "forward": forward, "backward": backward}
+    misses = {k: (measured[k], counted[k]) for k in counted if abs(measured[k] - counted[k]) > 4096}
+    assert not misses, misses

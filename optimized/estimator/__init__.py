@@ -14,6 +14,7 @@ Modules:
   (the optimized stage functions' transients), `recompute` (the optimized attention's
   recomputed backward, GPT-OSS's sinks and windows included), `schedule` (the DualPipeV
   walk), `memory` (what both walks share), `reference_walk` and `optimized_walk`,
+  `mtp_memory` (what DeepSeek-V3's MTP module keeps and holds at the loss stage),
   `balancing` (what the routing controls add: saved tensors, a micro-batch's pooled counts,
   the step's load, the bias buffers, their messages),
   `sharded_step` (the FSDP2 runner's units and `ShardedAdamW`'s step as it runs), `ranks`

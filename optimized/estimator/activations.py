@@ -375,12 +375,32 @@ def mtp_depth_saved(config: EstimateConfig) -> list[Saved]:
     return depth
 
 
+def mtp_final_norm_saved(config: EstimateConfig) -> list[Saved]:
+    """The main model's final norm run once more on the head's input for the MTP's ``h^0``
+    (both stacks' loss stage do, `models.network.mtp`): its rsqrt and normalised value,
+    and in 16-bit its own float copy of the input (in float32 that is the input itself,
+    kept by the main head's norm); its output is depth 1's ``hnorm`` float input."""
+    m, b = config.model, config.param_bytes
+    items = _norm("mtp.final_norm", config.tokens, m.hidden_size, b, False,
+                  m.model_type == "gpt_oss")  # fmt: skip
+    return [item for item in items if not (b == F32 and item.name.endswith(".float_input"))]
+
+
 def mtp_saved(config: EstimateConfig) -> list[Saved]:
     """Every MTP depth's `mtp_depth_saved` and its own logits' loss state, as `head_saved`
-    keeps the main head's."""
+    keeps the main head's, after the final norm's rerun (`mtp_final_norm_saved`). In
+    float32 a depth's ``hnorm`` float input is the previous depth's normed output, which
+    that depth's head already saves: counted once."""
     head = [item for item in head_saved(config) if item.name.startswith("loss.")]
     head = [item for item in head if item.name != "loss.target"]
-    return (mtp_depth_saved(config) + head) * config.mtp_layers
+    depths = config.mtp_layers
+    if not depths:
+        return []
+    depth = mtp_depth_saved(config)
+    later = depth
+    if config.param_bytes == F32:
+        later = [item for item in depth if item.name != "mtp.hnorm.float_input"]
+    return mtp_final_norm_saved(config) + depth + head + (later + head) * (depths - 1)
 
 
 def chunk_boundary_bytes(config: EstimateConfig) -> int:

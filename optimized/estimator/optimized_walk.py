@@ -5,10 +5,7 @@ interleaved layer by layer. Shared pieces live in `optimized.estimator.memory`.
 
 from __future__ import annotations
 
-from optimized.estimator.activations import (
-    F32,
-    mtp_depth_saved,
-)
+from optimized.estimator.activations import F32, mtp_final_norm_saved
 from optimized.estimator.balancing import pooled_stats_bytes, pooled_totals_bytes
 from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import (
@@ -28,7 +25,7 @@ from optimized.estimator.memory import (
     timeline_moment,
     with_optimizer_step,
 )
-from optimized.estimator.params import mtp_params
+from optimized.estimator.mtp_memory import mtp_grad_bytes, optimized_mtp_depths
 from optimized.estimator.schedule import send_completions, walk
 from optimized.estimator.sharded_step import FsdpWalk, FsdpWalkState, with_sharded_optimizer_step
 from optimized.estimator.steps import step_profile
@@ -88,21 +85,19 @@ def estimate_rank_optimized(
     head = (th if b == F32 else tokens * m.hidden_size * F32) + tokens * F32 + th
     head += th + 8
     fused_loss = fused_loss_transient(config)
-    # Each MTP depth (`models.network.mtp`, after the head in the loss stage) keeps its
-    # layers' saved tensors and its own head's, as the main head does, to the backward. Its
-    # parameters are FSDP2 units like a layer's (`optimized.pipeline.sharding`): gradients
-    # whole until the loss stage's last backward reduces them (``grad_sync="step"``), this
-    # rank's rows with ``micro-batch``, routed experts this EP rank's. Its backward also
-    # adds into the embedding's gradient, before chunk 0's first backward does.
-    # ``head`` counts the depth's ``shared_head.norm`` as the main head's final norm (the fused
-    # loss keeps no copy of its input), so the depth's own count of that norm is left out.
-    depth = [i for i in mtp_depth_saved(config) if not i.name.startswith("mtp.shared_head.")]
-    mtp = config.mtp_layers * (sum(item.nbytes for item in depth) + head)
-    mtp_numel = mtp_params(config).scaled(config.mtp_layers).numel
-    mtp_dense = mtp_numel["tensor_sharded"] + mtp_numel["replicated"]
-    mtp_grad = -(-mtp_dense // grad_divisor(config))
-    mtp_grad += -(-(mtp_numel["routed_experts"] // config.ep) // grad_divisor(config, True))
-    mtp_grad *= config.grad_bytes
+    # Each MTP depth (`models.network.mtp`, after the main loss in the loss stage): what it
+    # keeps to the backward and its forward's and backward's high points
+    # (`optimized.estimator.mtp_memory`), after the final norm's rerun for its h^0.
+    mtp_h0 = sum(item.nbytes for item in mtp_final_norm_saved(config)) if config.mtp_layers else 0
+    mtp_of: dict = {}
+
+    def mtp_depths(mb):
+        key = mb if routing is not None else None
+        if key not in mtp_of:
+            mtp_of[key] = optimized_mtp_depths(config, routing, mb)
+        return mtp_of[key]
+
+    mtp_grad = mtp_grad_bytes(config)
     state = FsdpWalkState() if config.fsdp else WalkState()
     fsdp = FsdpWalk(
         config, rank, chunk_layers, sync_marks(rank, config.pp, config.num_microbatches)
@@ -205,13 +200,19 @@ def estimate_rank_optimized(
     def f_end(chunk, mb):
         if is_loss(chunk):
             state.moment(th)
-            state.activations += head + totals + mtp
+            state.activations += head + totals
             if mb == 0 and not sharded_head:  # grad_weight becomes lm_head.grad
                 state.grad((chunk, "head"), head_weight)
             else:
                 state.activations += head_weight
             # The chunked pass's logits buffer and z-losses, on the gathered weight (FSDP2).
             state.moment(fused_loss + fsdp.running("head"))
+            state.activations += mtp_h0
+            for k, depth in enumerate(mtp_depths(mb)):  # each on its gathered units (FSDP2)
+                group = f"experts.{m.num_hidden_layers + k}"
+                state.moment(depth.layer_rise + fsdp.running(group))
+                state.moment(depth.loss_rise + fsdp.running("head"))
+                state.activations += sum(item.nbytes for item in depth.saved)
         elif chunk == 0 and last:
             local_out.append(th)
         else:
@@ -221,8 +222,12 @@ def estimate_rank_optimized(
         fsdp.backward(chunk)
         if is_loss(chunk):
             state.moment(th + fsdp.running("head"))
-            state.activations -= head + mtp + (head_weight if mb or sharded_head else 0)
-            if mtp:
+            for k, depth in reversed(list(enumerate(mtp_depths(mb)))):  # the MTP's runs first
+                group = f"experts.{m.num_hidden_layers + k}"
+                state.moment(depth.backward_rise + fsdp.running(group))
+                state.activations -= sum(item.nbytes for item in depth.saved)
+            state.activations -= head + mtp_h0 + (head_weight if mb or sharded_head else 0)
+            if config.mtp_layers:
                 state.grad((chunk, "mtp"), mtp_grad)
                 if (0, "embedding") in state.created:  # the table's gradient, added in
                     state.moment(embedding_backward_bytes(config) + fsdp.running("embedding"))

@@ -17,12 +17,14 @@ from optimized.estimator.memory import (
     buffer_bytes,
     chunk_profile,
     embedding_backward_bytes,
+    embedding_grad_bytes,
     head_weight_numel,
     rank_params,
     static_bytes,
     timeline_moment,
     with_optimizer_step,
 )
+from optimized.estimator.mtp_memory import mtp_grad_bytes
 from optimized.estimator.schedule import walk
 
 
@@ -112,6 +114,11 @@ def estimate_rank_reference(
             state.moment(c.head_backward_transient)
             state.activations -= c.head_saved
             state.grad((chunk, "head"), c.head_grad)
+            if config.mtp_layers:  # the MTP's backward: its layers' gradients, the table's
+                state.grad((chunk, "mtp"), mtp_grad_bytes(config))
+                if (0, "embedding") in state.created:  # added into the table's gradient
+                    state.moment(embedding_backward_bytes(config))
+                state.grad((0, "embedding"), embedding_grad_bytes(config))
         elif not (chunk == 0 and last):
             received = boundary  # the incoming gradient, freed with the backward
             state.activations += received + totals
