@@ -24,7 +24,7 @@ tracker (tests/test_mtp_estimator.py) and the measured peak
   received order (`steps`' ``experts_forward`` moment), with everything the stage-1 record
   holds still referenced by the layer's locals (the padded sorted tokens too, which the
   staged layer frees at the dispatch); after it, the fused loss's buffer
-  (`memory.fused_loss_transient`) or the top-1 figure's ``[min(T, TOP1_ROWS), vocab]``
+  (`memory.fused_loss_transient`) or the top-1 figure's ``[min(T, top1_rows), vocab]``
   logits beside the normed state; in 16-bit the embedding's output and the previous
   depth's state (their norms keep float copies) beside either, as the stage's locals;
 - the backward (the MTP's nodes, made last, run first), once its loss state and the
@@ -53,9 +53,10 @@ from optimized.estimator.params import mtp_params
 from optimized.estimator.recompute import kept_block
 from optimized.estimator.steps import experts_backward_rise, step_profile
 
-TOP1_ROWS = 4096
-"""`optimized.pipeline.mtp_stage.TOP1_ROWS`: tokens per block of the top-1 logits (the
-estimator imports no pipeline module)."""
+TOP1_LOGITS = 1 << 24
+"""`optimized.pipeline.mtp_stage.TOP1_LOGITS`: logits per block of the top-1 figure, made
+``max(1, TOP1_LOGITS // vocab)`` tokens at a time (the estimator imports no pipeline
+module; tests/test_mtp_estimator.py holds the two equal)."""
 
 
 def mtp_grad_bytes(config: EstimateConfig) -> int:
@@ -156,7 +157,8 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
     before_loss = kept - sum(item.nbytes for item in loss)
     # The fused loss's buffer beside its normed input; then the top-1 figure's logits
     # beside the normed state and the loss's kept state.
-    top1 = min(tokens, TOP1_ROWS) * vocab * b + tokens * I64 + th
+    rows = min(tokens, max(1, TOP1_LOGITS // vocab))
+    top1 = rows * vocab * b + rows * I64 + th
     at_loss = max(before_loss + fused_loss_transient(config), kept + top1)
     # In 16-bit the depth's inputs outlive their norms' float copies as the stage's locals:
     # the embedding's output to the depth's end, the previous state to the layer's.

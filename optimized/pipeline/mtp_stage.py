@@ -19,9 +19,16 @@ import torch
 
 from models.network import IGNORE_INDEX, MtpStep, mtp_input_ids, mtp_labels
 
-TOP1_ROWS = 4096
-"""Tokens per block of the no-grad top-1 logits (the accuracy figure): at most
-``TOP1_ROWS x vocab`` logits exist at once."""
+TOP1_LOGITS = 1 << 24
+"""Logits per block of the no-grad top-1 figure (the accuracy): `top1_rows` tokens at a
+time, so at most about 16 M logits exist at once (32 MiB in 16-bit), under the fused
+loss's own vocabulary chunk at DeepSeek-V3's shape (4,096 tokens x 7,168 columns): whole
+``[tokens, vocab]`` blocks were 1.06 GB there."""
+
+
+def top1_rows(vocab: int) -> int:
+    """Tokens per block of the top-1 logits over a ``vocab``-wide output layer."""
+    return max(1, TOP1_LOGITS // vocab)
 
 
 class MtpStage:
@@ -80,12 +87,13 @@ class MtpStage:
 @torch.no_grad()
 def top1_correct(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor):
     """Kept positions whose most likely token is the target, the logits made
-    `TOP1_ROWS` tokens at a time (the fused loss keeps none)."""
+    `top1_rows` tokens at a time (the fused loss keeps none)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     target = target.reshape(-1)
     correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-    for first in range(0, hidden.shape[0], TOP1_ROWS):
-        rows = slice(first, first + TOP1_ROWS)
+    block = top1_rows(weight.shape[0])
+    for first in range(0, hidden.shape[0], block):
+        rows = slice(first, first + block)
         best = (hidden[rows] @ weight.t()).argmax(dim=-1)
         correct += ((best == target[rows]) & (target[rows] != IGNORE_INDEX)).sum()
     return correct
