@@ -1,12 +1,15 @@
-"""Exact resume with multi-token prediction: a run stopped by SIGTERM after step 1 and
-resumed to step 3 gives the uninterrupted run's losses and each depth's MTP loss and
-accuracy, bit for bit (the MTP layers, their router's bias and the weight's step schedule
-are training state like the rest): at one process, and at PP 2 DP 2 with FSDP2 sharding the
-MTP layers and `ShardedAdamW` their state, where the final checkpoints are equal too."""
+"""Exact resume with multi-token prediction, at PP 2 DP 2 with FSDP2 sharding the MTP layers
+and `ShardedAdamW` their state: a run resumed from its step-1 checkpoint gives the
+uninterrupted run's losses, each depth's MTP loss and accuracy, and final checkpoint, bit
+for bit (the MTP layers, their router's bias and the weight's step schedule are training
+state like the rest). The stop itself (SIGTERM's checkpoint at a step's end, at DP 2 with
+FSDP2) is `tests/test_train.py::test_exact_resume_after_sigterm`'s; this file held a DP 1
+SIGTERM case of its own before (docs/testing.md)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -17,28 +20,10 @@ from tests.test_train import config, train
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-MTP = ("model.name=tiny-deepseek-v3", "mtp.layers=2", "mtp.loss_coef=0.3",
-       "mtp.loss_coef_steps=3:0.1", "steps=3")  # fmt: skip
-
 
 def _mtp(path) -> list[tuple]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [(r["step"], r["loss"], r["mtp_loss"], r["mtp_accuracy"]) for r in rows]
-
-
-def test_resume_is_exact_with_mtp(tmp_path, monkeypatch):
-    whole = train(config(*MTP, f"logging.metrics_file={tmp_path / 'whole.jsonl'}"))[0]
-    folder, metrics = tmp_path / "run", tmp_path / "run.jsonl"
-    cfg = config(*MTP, f"checkpoint.dir={folder}", f"logging.metrics_file={metrics}")
-    monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
-    first = train(cfg)[0]
-    assert first["stopped_at"] == 1
-    monkeypatch.delenv("TWINPIPE_FAULT")
-    second = train(cfg)[0]
-    assert second["start"] == 1
-    assert first["losses"] + second["losses"] == whole["losses"]
-    assert _mtp(metrics) == _mtp(tmp_path / "whole.jsonl")
-    assert all(len(row[2]) == 2 for row in _mtp(metrics))
 
 
 FSDP = ("model.name=tiny-deepseek-v3", "mtp.layers=2", "mtp.loss_coef=0.3",
@@ -61,27 +46,27 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_resume_is_exact_with_mtp_under_fsdp(tmp_path, monkeypatch):
-    """Stopped by SIGTERM after step 1 and resumed (the sharded parameters, the sharded AdamW
-    state and the MTP router's bias read back at this layout, then a whole optimizer step
-    taken on them) == 2 uninterrupted steps, bit for bit: the losses, each depth's MTP loss
-    and accuracy, and every tensor of the final checkpoint (the MTP layers' included: the
-    last step's update shows in no loss, only there). The trainer's own runner, the
-    optimized stack (its loss stage gathers the output layer through ``fused_loss``)."""
-    whole_dir = tmp_path / "whole"
-    whole = train(config(*FSDP, f"checkpoint.dir={whole_dir}",
-                         f"logging.metrics_file={tmp_path / 'whole.jsonl'}"))[0]  # fmt: skip
+def test_resume_is_exact_with_mtp_under_fsdp(tmp_path):
+    """Resumed from the uninterrupted run's own step-1 checkpoint (the sharded parameters,
+    the sharded AdamW state and the MTP router's bias read back at this layout, then a whole
+    optimizer step taken on them) == its step 2, bit for bit: the loss, each depth's MTP
+    loss and accuracy, and every tensor of the step-2 checkpoint (the MTP layers' included:
+    the last step's update shows in no loss, only there). Two launches. The trainer's own
+    runner, the optimized stack (its loss stage gathers the output layer through
+    ``fused_loss``)."""
+    whole_dir, whole_metrics = tmp_path / "whole", tmp_path / "whole.jsonl"
+    whole = train(config(*FSDP, f"checkpoint.dir={whole_dir}", "checkpoint.save_every=1",
+                         "checkpoint.keep_last=0",
+                         f"logging.metrics_file={whole_metrics}"))[0]  # fmt: skip
     folder, metrics = tmp_path / "run", tmp_path / "run.jsonl"
-    cfg = config(*FSDP, f"checkpoint.dir={folder}", f"logging.metrics_file={metrics}")
-    monkeypatch.setenv("TWINPIPE_FAULT", "sigterm@0:0")
-    first = train(cfg)[0]
-    assert first["stopped_at"] == 1
-    monkeypatch.delenv("TWINPIPE_FAULT")
-    second = train(cfg)[0]
-    assert second["start"] == 1
-    assert first["losses"] + second["losses"] == whole["losses"]
-    assert _mtp(metrics) == _mtp(tmp_path / "whole.jsonl")
-    assert all(len(row[2]) == 2 for row in _mtp(metrics))
+    shutil.copytree(whole_dir, folder)
+    shutil.rmtree(folder / "step-00000002")
+    resumed = train(config(*FSDP, f"checkpoint.dir={folder}",
+                           f"logging.metrics_file={metrics}"))[0]  # fmt: skip
+    assert resumed["start"] == 1
+    assert resumed["losses"] == whole["losses"][1:]
+    assert _mtp(metrics) == _mtp(whole_metrics)[1:]
+    assert all(len(row[2]) == 2 for row in _mtp(whole_metrics))
     got, want = (_tensors(f / "step-00000002") for f in (folder, whole_dir))
     assert got.keys() == want.keys()
     for depth in (4, 5):  # the MTP layers (tiny-deepseek-v3 has 4): weights, state, bias
