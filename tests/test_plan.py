@@ -153,10 +153,12 @@ def test_plan_cli(capsys):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_top_layouts_run_and_fit():
-    """The two best layouts `twinpipe plan` proposes for a budget run under the harness
-    (the optimized stack as `twinpipe compare` runs it: torch's AdamW), and their measured
-    peaks are below the budget and within the estimator's accuracy: 1% from the routing
-    the run saw, and the balanced figure the plan used within what skewed routing moves."""
+    """The best layout `twinpipe plan` proposes for a budget runs under the harness (the
+    optimized stack as `twinpipe compare` runs it: torch's AdamW), and its measured peaks
+    are below the budget and within the estimator's accuracy: 1% from the routing the run
+    saw, and the balanced figure the plan used within what skewed routing moves. (The
+    second best is the same layout with recompute on: the estimator's recompute-on figures
+    against measured peaks are `tests/test_estimator_vs_measured.py`'s; docs/testing.md.)"""
     from harness.compare.lockstep import run_rank
     from harness.compare.rank import RankPlan
     from models.network import build_model
@@ -165,8 +167,8 @@ def test_top_layouts_run_and_fit():
     from optimized.estimator.routing import received_loads
 
     ask = request(gpu_memory=5 * MIB, optimizer="adamw", fsdp="off")
-    fitting = [p for p in plan(ask) if p.fits][:2]
-    assert len(fitting) == 2
+    fitting = [p for p in plan(ask) if p.fits][:1]
+    assert len(fitting) == 1
     model = ask.model
     state = build_model(model).state_dict()
     for planned in fitting:
