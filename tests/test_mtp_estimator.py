@@ -7,6 +7,7 @@ traffic against a counted run)."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -267,18 +268,19 @@ def test_top1_logits_are_made_in_blocks_the_estimator_counts():
     """The optimized top-1 figure makes its logits `top1_rows` tokens at a time: the same
     count as the reference's whole-logits argmax (blocks of 7 tokens over 64 here, the last
     one short), and its high point one block's logits and argmax as
-    `mtp_memory.optimized_mtp_depth` counts them; the estimator's copy of the block size
-    is the stage's."""
+    `mtp_memory.optimized_mtp_depth` counts them; the stage and the estimator take the
+    block size from the one `models.network.top1_rows`."""
     on_cpu_rank(_check_top1_blocks)
 
 
 def _check_top1_blocks() -> None:
     from models.network import top1_correct as whole
+    from models.network import top1_rows
     from optimized.estimator import mtp_memory
     from optimized.pipeline import mtp_stage
 
-    assert mtp_memory.TOP1_LOGITS == mtp_stage.TOP1_LOGITS
-    assert mtp_stage.top1_rows(129_280) == 129  # DeepSeek-V3: 33 MB of bf16 logits, not 1 GB
+    assert mtp_memory.top1_rows is mtp_stage.top1_rows is top1_rows
+    assert top1_rows(129_280) == 129  # DeepSeek-V3: 33 MB of bf16 logits, not 1 GB
     vocab, hidden_size, tokens = 300, 16, 64
     torch.manual_seed(0)
     weight = torch.randn(vocab, hidden_size)
@@ -287,9 +289,10 @@ def _check_top1_blocks() -> None:
     target[::5] = -100  # ignored positions
     best = (hidden @ weight.t()).argmax(dim=-1)
     target[1::3] = best[1::3]  # some right, so the count is no accident of zeros
-    saved, mtp_stage.TOP1_LOGITS = mtp_stage.TOP1_LOGITS, 7 * vocab + 5
+    mtp = sys.modules[top1_rows.__module__]  # where its block size lives
+    saved, mtp.TOP1_LOGITS = mtp.TOP1_LOGITS, 7 * vocab + 5
     try:
-        assert mtp_stage.top1_rows(vocab) == 7
+        assert top1_rows(vocab) == 7
         tracker = StorageTracker()
         with tracker:
             got = mtp_stage.top1_correct(hidden, weight, target)
@@ -297,4 +300,4 @@ def _check_top1_blocks() -> None:
         block = 7 * vocab * 4 + 7 * 8  # one block's float32 logits and its int64 argmax
         assert abs(tracker.peak - block) <= 256, (tracker.peak, block)
     finally:
-        mtp_stage.TOP1_LOGITS = saved
+        mtp.TOP1_LOGITS = saved

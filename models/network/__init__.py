@@ -77,6 +77,7 @@ from models.network.mtp import (
     mtp_loss,
     mtp_step,
     top1_correct,
+    top1_rows,
 )
 from models.network.ops import ExpertLayout, Ops
 from models.network.presets import PRESET_NAMES, preset
@@ -161,6 +162,7 @@ __all__ = [
     "shift_labels",
     "state_buffers",
     "top1_correct",
+    "top1_rows",
     "top2_group_scores",
     "z_loss",
 ]

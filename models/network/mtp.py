@@ -186,6 +186,20 @@ def mtp_loss(part, normed: torch.Tensor, input_ids, labels, step: MtpStep, balan
     return MtpOut(objective, torch.stack(losses), torch.stack(correct))
 
 
+TOP1_LOGITS = 1 << 24
+"""Logits per block of a top-1 figure made from the hidden state (the production stack's,
+`optimized.pipeline.mtp_stage.top1_correct`, which its fused loss leaves no logits for):
+`top1_rows` tokens at a time, so at most about 16 M logits exist at once (32 MiB in
+16-bit), under the fused loss's own vocabulary chunk at DeepSeek-V3's shape (4,096 tokens x
+7,168 columns): whole ``[tokens, vocab]`` blocks were 1.06 GB there. The estimator counts
+the same block (`optimized.estimator.mtp_memory`)."""
+
+
+def top1_rows(vocab: int) -> int:
+    """Tokens per block of the top-1 logits over a ``vocab``-wide output layer."""
+    return max(1, TOP1_LOGITS // vocab)
+
+
 def top1_correct(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Kept positions whose most likely token is the target (a proxy for speculative
     decoding's acceptance, as Megatron-Core logs it)."""
@@ -203,4 +217,5 @@ __all__ = [
     "mtp_loss",
     "mtp_step",
     "top1_correct",
+    "top1_rows",
 ]

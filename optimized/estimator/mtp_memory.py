@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.network import top1_rows
 from optimized.estimator.activations import (
     F32,
     GATHER_ALIGNMENT,
@@ -51,12 +52,7 @@ from optimized.estimator.config import EstimateConfig
 from optimized.estimator.memory import fused_loss_transient, grad_divisor
 from optimized.estimator.params import mtp_params
 from optimized.estimator.recompute import kept_block
-from optimized.estimator.steps import experts_backward_rise, step_profile
-
-TOP1_LOGITS = 1 << 24
-"""`optimized.pipeline.mtp_stage.TOP1_LOGITS`: logits per block of the top-1 figure, made
-``max(1, TOP1_LOGITS // vocab)`` tokens at a time (the estimator imports no pipeline
-module; tests/test_mtp_estimator.py holds the two equal)."""
+from optimized.estimator.steps import experts_backward_rise, round_up, step_profile
 
 
 def mtp_grad_bytes(config: EstimateConfig) -> int:
@@ -85,10 +81,6 @@ class MtpDepth:
     """Its backward's high point, from the level with everything it keeps."""
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
     """One depth as `optimized.pipeline.mtp_stage` runs it (see the module docstring);
     ``config``: with the depth's routing (``expert_load``) when observed."""
@@ -114,7 +106,7 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
         rows = routed(config)
         local = max(m.num_experts // config.ep, 1)
         inner = m.moe_intermediate_size // config.etp
-        expert_out = _round_up(rows.received, GATHER_ALIGNMENT) * hidden * b
+        expert_out = round_up(rows.received, GATHER_ALIGNMENT) * hidden * b
         saved += [
             Saved("mtp.experts.gather_index", rows.received * I64),
             Saved("mtp.experts.offsets", local * 4),
@@ -157,7 +149,7 @@ def optimized_mtp_depth(config: EstimateConfig) -> MtpDepth:
     before_loss = kept - sum(item.nbytes for item in loss)
     # The fused loss's buffer beside its normed input; then the top-1 figure's logits
     # beside the normed state and the loss's kept state.
-    rows = min(tokens, max(1, TOP1_LOGITS // vocab))
+    rows = min(tokens, top1_rows(vocab))
     top1 = rows * vocab * b + rows * I64 + th
     at_loss = max(before_loss + fused_loss_transient(config), kept + top1)
     # In 16-bit the depth's inputs outlive their norms' float copies as the stage's locals:

@@ -90,7 +90,7 @@ class StepProfile:
         return sum(step.delta for step in self.forward.values())
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -259,8 +259,8 @@ def _step_profile(config: EstimateConfig, layer: int) -> StepProfile:
     rows = routed(config)
     sent, grouped, received = rows.sent, rows.grouped, rows.received
     ep = config.ep > 1
-    padded_sent = _round_up(sent, GATHER_ALIGNMENT)
-    padded_received = _round_up(received, GATHER_ALIGNMENT)
+    padded_sent = round_up(sent, GATHER_ALIGNMENT)
+    padded_received = round_up(received, GATHER_ALIGNMENT)
     inner = m.moe_intermediate_size // config.etp
     local = max(m.num_experts // config.ep, 1)
     kept += _names(items, ("router.", "dispatch.", "shared_experts."))

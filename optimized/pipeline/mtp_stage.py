@@ -17,18 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from models.network import IGNORE_INDEX, MtpStep, mtp_input_ids, mtp_labels
-
-TOP1_LOGITS = 1 << 24
-"""Logits per block of the no-grad top-1 figure (the accuracy): `top1_rows` tokens at a
-time, so at most about 16 M logits exist at once (32 MiB in 16-bit), under the fused
-loss's own vocabulary chunk at DeepSeek-V3's shape (4,096 tokens x 7,168 columns): whole
-``[tokens, vocab]`` blocks were 1.06 GB there."""
-
-
-def top1_rows(vocab: int) -> int:
-    """Tokens per block of the top-1 logits over a ``vocab``-wide output layer."""
-    return max(1, TOP1_LOGITS // vocab)
+from models.network import IGNORE_INDEX, MtpStep, mtp_input_ids, mtp_labels, top1_rows
 
 
 class MtpStage:
